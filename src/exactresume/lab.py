@@ -1,0 +1,167 @@
+"""The lab from the user's specification, as one command: eight steps, each writing its files.
+
+1 straight run, 2 stop at K with a resume file, 3 resume in a new process, 4 resume without the
+optimizer (noopt), 5 resume with the batch generator reseeded (noskip) — each training run in its
+own process — then 6 half precision, 7 optimizer vs weight elements, 8 the report. Numbers in the
+report come only from the files these steps write.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .atomic import atomic_write_bytes, ensure_writable_folder
+from .checkpoint import load_resume
+from .compare import loss_differences, read_loss_log, read_samples, repeated_batches, weight_distance
+from .config import TrainConfig
+from .data import PrepareConfig, prepare
+from .errors import UserError
+from .model import load_model
+from .weights import read_weights, save_weights
+
+DETAILS = "details"  # logs the report needs beyond the files the lab text names
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    stop_at: int = 30
+    data: Path = Path("data/kjv")
+    out: Path = Path("runs/lab")
+    lang: str = "ko"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.stop_at < self.train.steps:
+            raise UserError(f"--stop-at {self.stop_at} must be between 1 and --steps - 1 ({self.train.steps - 1})")
+
+
+def write_json(path: Path, values: dict) -> None:
+    atomic_write_bytes(path, (json.dumps(values, indent=2) + "\n").encode())
+
+
+def _train_flags(config: LabConfig) -> list[str]:
+    t = config.train
+    return ["--data", str(config.data), "--seed", str(t.seed), "--steps", str(t.steps), "--batch", str(t.batch),
+            "--seq-len", str(t.seq_len), "--lr", repr(t.lr), "--preset", t.preset]
+
+
+def training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
+    """Steps 1-5 as `exactresume train` argument lists, in the order they must run."""
+    out, details, resume = config.out, config.out / DETAILS, str(config.out / "resume.pth")
+
+    def files(name: str, log: Path) -> list[str]:
+        return ["--weights", str(out / f"{name}.pth"), "--log", str(log), "--samples", str(details / f"{name}_samples.csv")]
+
+    return [
+        ("straight", files("straight", out / "straight_log.csv")),
+        ("stop", ["--stop-at", str(config.stop_at), "--log", str(details / "stopped_log.csv"),
+                  "--samples", str(details / "stopped_samples.csv")]),
+        ("resumed", ["--resume", resume] + files("resumed", out / "resumed_log.csv")),
+        ("noopt", ["--resume", resume, "--no-optim"] + files("noopt", details / "noopt_log.csv")),
+        ("noskip", ["--resume", resume, "--no-skip"] + files("noskip", details / "noskip_log.csv")),
+    ]
+
+
+def run_training_process(name: str, flags: list[str], config: LabConfig) -> float:
+    """Run one `exactresume train` in a new process; its wall time in seconds."""
+    command = [sys.executable, "-m", "exactresume.cli", "train", "--out", str(config.out), *_train_flags(config), *flags]
+    started = time.perf_counter()
+    finished = subprocess.run(command, capture_output=True, text=True)
+    if finished.returncode != 0:
+        lines = finished.stderr.strip().splitlines() or [f"exit code {finished.returncode}"]
+        if finished.returncode == 2:
+            raise UserError(f"lab step {name}: {lines[-1]}")
+        raise RuntimeError(f"lab step {name} failed:\n{finished.stderr}")
+    return time.perf_counter() - started
+
+
+def half_precision(straight: Path, half: Path) -> dict[str, torch.Tensor]:
+    """Every tensor .half(), a tied tensor converted once so both names keep sharing one storage."""
+    state, _ = read_weights(straight)
+    converted: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state.items():
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        out[name] = converted.setdefault(identity, tensor.half())
+    save_weights(half, out)
+    return out
+
+
+def fp16_figures(config: LabConfig) -> dict:
+    """Step 6: write straight_fp16.pth; sizes and the max logit difference on val.npy's first 128 tokens."""
+    straight, half = config.out / "straight.pth", config.out / "straight_fp16.pth"
+    half_precision(straight, half)
+    tokens = torch.from_numpy(np.load(config.data / "val.npy")[:128].astype(np.int64))[None, :]
+    with torch.no_grad():
+        difference = (load_model(straight)(tokens) - load_model(half)(tokens)).abs().max().item()
+    return {"fp32_bytes": straight.stat().st_size, "fp16_bytes": half.stat().st_size,
+            "size_ratio": half.stat().st_size / straight.stat().st_size, "max_logit_diff": difference}
+
+
+def optimizer_figures(resume_file: Path) -> dict:
+    """Step 7: weight elements (lm_head.weight is the tied embedding) vs optimizer-state elements."""
+    state = load_resume(resume_file)
+    model_numel = sum(t.numel() for name, t in state["model"].items() if name != "lm_head.weight")
+    optimizer_numel = sum(t.numel() for per_param in state["optimizer"]["state"].values()
+                          for t in per_param.values() if isinstance(t, torch.Tensor) and t.dim() >= 1)
+    return {"model_numel": model_numel, "optimizer_numel": optimizer_numel, "ratio": optimizer_numel / model_numel}
+
+
+def comparison_figures(config: LabConfig) -> dict:
+    """resumed / noopt / noskip against straight: weights, losses and batches."""
+    out, details, k = config.out, config.out / DETAILS, config.stop_at
+    straight_weights = read_weights(out / "straight.pth")[0]
+    straight_log = read_loss_log(out / "straight_log.csv")
+    straight_samples = read_samples(details / "straight_samples.csv")
+    logs = {"resumed": out / "resumed_log.csv", "noopt": details / "noopt_log.csv", "noskip": details / "noskip_log.csv"}
+    runs = {}
+    for name, log_path in logs.items():
+        log, samples = read_loss_log(log_path), read_samples(details / f"{name}_samples.csv")
+        diffs = loss_differences(log, straight_log)
+        later = {tuple(starts) for step, starts in straight_samples.items() if step > k}
+        runs[name] = weight_distance(read_weights(out / f"{name}.pth")[0], straight_weights) | {
+            "log_rows_equal": all(straight_log[step] == loss for step, loss in log.items()),
+            "first_resumed_loss_diff": diffs[0]["diff"], "final_loss_diff": diffs[-1]["diff"],
+            "max_abs_loss_diff": max(abs(d["diff"]) for d in diffs),
+            "batches_seen_twice": repeated_batches(samples, straight_samples, before=k),
+            "batches_never_seen": len(later - {tuple(s) for s in samples.values()}),
+            "loss_diffs": diffs,
+        }
+    return {"stop_at": k, "steps": config.train.steps, "runs": runs}
+
+
+def ensure_data(folder: Path) -> None:
+    """Prepare the default corpus into `folder` unless it already holds prepared data."""
+    if not (folder / "manifest.json").exists():
+        prepare(PrepareConfig(), folder)
+
+
+def run_lab(config: LabConfig, log=print) -> dict:
+    """All eight steps; returns the timings (seconds) it also writes to details/timings.json."""
+    ensure_writable_folder(config.out / DETAILS)
+    started = time.perf_counter()
+    ensure_data(config.data)
+    timings = {"prepare": time.perf_counter() - started}
+    for number, (name, flags) in enumerate(training_runs(config), start=1):
+        timings[name] = run_training_process(name, flags, config)
+        log(f"[{number}/8] {name}: {timings[name]:.1f} s")
+    write_json(config.out / "fp16.json", fp16_figures(config))
+    log("[6/8] fp16.json")
+    write_json(config.out / "optim.json", optimizer_figures(config.out / "resume.pth"))
+    log("[7/8] optim.json")
+    write_json(config.out / "compare.json", comparison_figures(config))
+    from .report import write_report  # the report reads only the files written above
+
+    write_report(config.out, lang=config.lang)
+    timings["total"] = time.perf_counter() - started
+    write_json(config.out / DETAILS / "timings.json", timings)
+    log(f"[8/8] report.md ({timings['total']:.1f} s in all)")
+    return timings

@@ -1,0 +1,91 @@
+"""The small stateful parts of a run that are not a model or an optimizer.
+
+Each has `state_dict()` / `load_state_dict()` (the protocol of torch's optimizers, DCP and
+torchdata), so a checkpoint is just a table of named parts.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class StepCounter:
+    """The global optimizer step; the lr schedule is a pure function of it."""
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def state_dict(self) -> int:
+        return self.value
+
+    def load_state_dict(self, state: int) -> None:
+        self.value = int(state)
+
+
+class GlobalRng:
+    """torch (CPU and CUDA), numpy and python `random` states: dropout masks and any other draw."""
+
+    def state_dict(self) -> dict:
+        kind, keys, position, has_gauss, cached_gauss = np.random.get_state()
+        version, internal, gauss_next = random.getstate()
+        return {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            # numpy arrays would need an unpickling allow-list; tensors and ints do not.
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(position),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gauss)},
+            "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        numpy_state = state["numpy"]
+        np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                             numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+        python_state = state["python"]
+        random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss_next"]))
+
+
+class RunIdentity:
+    """What makes two runs the same run; restoring it checks, and refuses a different run."""
+
+    def __init__(self, identity: dict):
+        self.identity = identity
+
+    def state_dict(self) -> dict:
+        return self.identity
+
+    def load_state_dict(self, state: dict) -> None:
+        differences = describe_differences(state, self.identity)
+        if differences:
+            raise CheckpointError(f"the resume file was made by a different run: {'; '.join(differences)}")
+
+
+def describe_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """'field: saved -> current' for every leaf that differs between two nested dicts."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += describe_differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            out.append(f"{prefix}{key} {_short(old)} in file, {_short(new)} now")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 20 else text[:16] + "...'"

@@ -1,0 +1,117 @@
+"""Torch files that carry their own checksum, written atomically and verified before unpickling.
+
+A `.pth` file is a zip archive, and a zip archive may end with a comment. We put the xxh3-128
+digest of every byte `torch.save` wrote into that comment. The file stays a plain torch file
+(`torch.load(path, weights_only=True)` reads it), a single `os.replace` commits file and checksum
+together, and a truncated or bit-flipped file is refused before any of its bytes are deserialized.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+import xxhash
+
+from .atomic import atomic_write
+from .errors import CheckpointError
+
+SEAL_PREFIX = b"exactresume-xxh3-128:"
+SEAL_LENGTH = len(SEAL_PREFIX) + 32  # prefix + 128-bit digest in hex
+END_OF_CENTRAL_DIRECTORY = b"PK\x05\x06"
+EOCD_SIZE = 22  # the zip end record without its comment; its last two bytes are the comment length
+CHUNK = 8 << 20
+
+
+class _HashingWriter:
+    """A write-only file that hashes what passes through it (so the bytes are read once)."""
+
+    def __init__(self, file: BinaryIO):
+        self.file, self.digest = file, xxhash.xxh3_128()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _write_sealed(file: BinaryIO, obj: Any) -> None:
+    writer = _HashingWriter(file)
+    torch.save(obj, writer)
+    seal = SEAL_PREFIX + writer.digest.hexdigest().encode()
+    file.seek(-2, os.SEEK_END)
+    file.write(struct.pack("<H", len(seal)))  # the comment length, then the comment itself
+    file.write(seal)
+
+
+def save_sealed(path: Path, obj: Any) -> None:
+    """torch.save `obj` to `path` atomically with its checksum in the zip comment."""
+    atomic_write(Path(path), lambda file: _write_sealed(file, obj))
+
+
+def read_seal(path: Path) -> str | None:
+    """The digest recorded in the file, or None when the file carries no seal."""
+    with open(path, "rb") as file:
+        size = file.seek(0, os.SEEK_END)
+        if size < EOCD_SIZE + SEAL_LENGTH:
+            return None
+        file.seek(size - EOCD_SIZE - SEAL_LENGTH)
+        tail = file.read()
+    record, seal = tail[:EOCD_SIZE], tail[EOCD_SIZE:]
+    if not (record.startswith(END_OF_CENTRAL_DIRECTORY) and seal.startswith(SEAL_PREFIX)):
+        return None
+    if struct.unpack("<H", record[-2:])[0] != SEAL_LENGTH:
+        return None
+    return seal[len(SEAL_PREFIX):].decode("ascii", errors="replace")
+
+
+def compute_digest(path: Path) -> str:
+    """xxh3-128 of the bytes torch.save wrote: the file without its seal, comment length as 0."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as file:
+        remaining = file.seek(0, os.SEEK_END) - SEAL_LENGTH - 2
+        file.seek(0)
+        while remaining > 0:
+            chunk = file.read(min(CHUNK, remaining))
+            if not chunk:
+                break
+            digest.update(chunk)
+            remaining -= len(chunk)
+    digest.update(b"\x00\x00")
+    return digest.hexdigest()
+
+
+def verify(path: Path) -> None:
+    """Raise CheckpointError unless `path` is sealed and its bytes match the seal."""
+    recorded = read_seal(path)
+    if recorded is None:
+        raise CheckpointError(f"{path}: no exactresume checksum at the end of the file (truncated, or not written by exactresume)")
+    if compute_digest(path) != recorded:
+        raise CheckpointError(f"{path}: checksum mismatch, the file is damaged (modified or partly written)")
+
+
+def _open_error(path: Path, error: OSError) -> CheckpointError:
+    return CheckpointError(f"cannot read {path}: {error.strerror or error}")
+
+
+def load_sealed(path: Path, require_seal: bool = True) -> Any:
+    """Verify then load `path` with weights_only=True; unsealed files only if not `require_seal`."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise CheckpointError(f"{path} is a folder, not a checkpoint file")
+        if require_seal or read_seal(path) is not None:
+            verify(path)
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except OSError as error:
+        raise _open_error(path, error) from None
+    except CheckpointError:
+        raise
+    except Exception as error:  # the unpickler's many refusals: bad zip, forbidden global, ...
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path}: not a loadable torch file ({reason[:200]})") from None

@@ -1,0 +1,55 @@
+"""Shared fixtures: the default corpus prepared once per session, and the CLI run in a new process."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exactresume.cli import main
+from exactresume.data import PrepareConfig, prepare
+
+# Small runs keep the suite fast; exactness does not depend on size.
+SMALL = ["--steps", "8", "--batch", "2", "--seq-len", "16"]
+
+
+@pytest.fixture(scope="session")
+def kjv_folder(tmp_path_factory) -> Path:
+    """The default corpus (KJV), prepared once for the whole session."""
+    folder = tmp_path_factory.mktemp("kjv")
+    prepare(PrepareConfig(), folder, log=lambda message: None)
+    return folder
+
+
+def run_cli(*args: object, check: bool = False) -> subprocess.CompletedProcess:
+    """`exactresume ARGS` in a new process (exactness claims need a fresh interpreter)."""
+    command = [sys.executable, "-m", "exactresume.cli", *map(str, args)]
+    finished = subprocess.run(command, capture_output=True, text=True)
+    if check and finished.returncode != 0:
+        raise AssertionError(f"{command} exited {finished.returncode}:\n{finished.stderr}")
+    return finished
+
+
+def call_cli(*args: object) -> subprocess.CompletedProcess:
+    """`exactresume ARGS` in this process: fast, for claims about refusals, not about exactness."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(arg) for arg in args])
+        except SystemExit as exit:
+            code = exit.code
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def assert_one_line_error(finished: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit code 2, exactly one line on stderr, no traceback, and it mentions each needle."""
+    assert finished.returncode == 2, finished.stderr
+    lines = finished.stderr.strip().splitlines()
+    assert len(lines) == 1, finished.stderr
+    assert "Traceback" not in finished.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]

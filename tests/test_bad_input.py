@@ -1,0 +1,124 @@
+"""Every user mistake: exit code 2, one line on stderr, no traceback, no good file overwritten."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from conftest import SMALL, assert_one_line_error, call_cli, run_cli
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory, kjv_folder):
+    """A small run stopped at step 3: a good resume file, and a weights file of the same run."""
+    folder = tmp_path_factory.mktemp("stopped")
+    run_cli("train", "--out", folder, "--data", kjv_folder, *SMALL, "--stop-at", 3, check=True)
+    run_cli("train", "--out", folder, "--data", kjv_folder, *SMALL, check=True)
+    return folder
+
+
+def fingerprint(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def resume_with(stopped, kjv_folder, out, resume_file, *flags):
+    return call_cli("train", "--out", out, "--data", kjv_folder, *SMALL, "--resume", resume_file, *flags)
+
+
+def test_missing_resume_file(tmp_path, kjv_folder, stopped):
+    assert_one_line_error(resume_with(stopped, kjv_folder, tmp_path, tmp_path / "nope.pth"), "nope.pth", "No such file")
+
+
+def test_weights_file_is_not_a_resume_file(tmp_path, kjv_folder, stopped):
+    finished = resume_with(stopped, kjv_folder, tmp_path, stopped / "final.pth")
+    assert_one_line_error(finished, "final.pth", "weights file, not a resume file")
+
+
+@pytest.mark.parametrize("damage", ["truncate_half", "truncate_tail", "flip_byte", "empty", "random"])
+def test_damaged_resume_file_is_refused(tmp_path, kjv_folder, stopped, damage):
+    good = (stopped / "resume.pth").read_bytes()
+    broken = {
+        "truncate_half": good[: len(good) // 2],
+        "truncate_tail": good[:-10],
+        "flip_byte": good[:1000] + bytes([good[1000] ^ 0x01]) + good[1001:],
+        "empty": b"",
+        "random": os.urandom(4096),
+    }[damage]
+    (tmp_path / "bad.pth").write_bytes(broken)
+    finished = resume_with(stopped, kjv_folder, tmp_path / "out", tmp_path / "bad.pth")
+    assert_one_line_error(finished, "bad.pth")
+    assert not (tmp_path / "out" / "final.pth").exists()
+
+
+@pytest.mark.parametrize("flag, value, field", [("--batch", 3, "batch"), ("--seq-len", 20, "seq_len"),
+                                                ("--preset", "minimind-26m", "hidden_size")])
+def test_resuming_a_different_run_names_the_fields(tmp_path, kjv_folder, stopped, flag, value, field):
+    command = ["train", "--out", tmp_path, "--data", kjv_folder, *SMALL, flag, value, "--resume", stopped / "resume.pth"]
+    finished = call_cli(*command)
+    assert_one_line_error(finished, "different run", field)
+
+
+def test_resuming_on_different_data_is_refused(tmp_path, stopped):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Paragraph {i} about stopping and resuming training runs exactly." * 3 for i in range(300)))
+    call_cli("prepare", "--out", tmp_path / "data", "--corpus", corpus, "--vocab-size", 300)
+    finished = call_cli("train", "--out", tmp_path, "--data", tmp_path / "data", *SMALL, "--resume", stopped / "resume.pth")
+    assert_one_line_error(finished, "different run", "data")
+
+
+def test_stop_at_not_before_steps(tmp_path, kjv_folder):
+    assert_one_line_error(call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--stop-at", 8), "--stop-at")
+    assert_one_line_error(call_cli("lab", "--out", tmp_path, "--data", kjv_folder, "--steps", 10, "--stop-at", 12), "--stop-at")
+
+
+def test_corpus_too_small_for_the_sequence_length(tmp_path):
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("\n\n".join(f"a tiny corpus number {i}" for i in range(40)))
+    call_cli("prepare", "--out", tmp_path / "data", "--corpus", corpus, "--vocab-size", 270)
+    finished = call_cli("train", "--out", tmp_path / "out", "--data", tmp_path / "data", "--seq-len", 4096)
+    assert_one_line_error(finished, "--seq-len 4096")
+
+
+def test_unprepared_data_folder(tmp_path):
+    assert_one_line_error(call_cli("train", "--out", tmp_path, "--data", tmp_path / "nothing"), "exactresume prepare")
+
+
+def test_output_folder_not_writable(tmp_path, kjv_folder):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert_one_line_error(call_cli("train", "--out", blocker / "out", "--data", kjv_folder, *SMALL), "out")
+    if os.path.isdir("/sys") and not os.access("/sys", os.W_OK | os.X_OK) or os.geteuid() == 0:
+        # /sys is read-only even for root in a container; a real probe catches it where os.access would not.
+        finished = call_cli("train", "--out", "/sys/exactresume-test", "--data", kjv_folder, *SMALL)
+        assert_one_line_error(finished, "/sys/exactresume-test")
+
+
+def test_refusals_overwrite_nothing(tmp_path, kjv_folder, stopped):
+    before = fingerprint(stopped)
+    resume_with(stopped, kjv_folder, stopped, stopped / "resume.pth", "--batch", 5)
+    resume_with(stopped, kjv_folder, stopped, stopped / "final.pth")
+    call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--resume", stopped / "resume.pth", "--weights", stopped / "resume.pth")
+    assert fingerprint(stopped) == before
+
+
+def test_bad_flag_is_one_line(tmp_path):
+    assert_one_line_error(call_cli("train", "--out", tmp_path, "--batch", "many"), "--batch")
+    assert_one_line_error(call_cli("diff", tmp_path / "a.pth", tmp_path / "b.pth"), "a.pth")
+
+
+def test_pickle_payload_does_not_run(tmp_path, kjv_folder, stopped):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"format": "exactresume.resume", "payload": Payload()}, tmp_path / "evil.pth")
+    finished = run_cli("train", "--out", tmp_path / "out", "--data", kjv_folder, *SMALL, "--resume", tmp_path / "evil.pth")
+    assert_one_line_error(finished, "evil.pth")
+    assert not marker.exists()
+    assert_one_line_error(run_cli("diff", tmp_path / "evil.pth", stopped / "final.pth"), "evil.pth")
+    assert not marker.exists()

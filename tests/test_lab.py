@@ -1,0 +1,95 @@
+"""`exactresume lab`: every file the lab text names, the figures it asks for, and the report."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import run_cli
+from exactresume.report import HEADINGS, render_report
+from exactresume.weights import read_weights
+
+LAB_FILES = ["straight.pth", "straight_log.csv", "resume.pth", "resumed.pth", "resumed_log.csv", "noopt.pth",
+             "noskip.pth", "straight_fp16.pth", "fp16.json", "optim.json", "compare.json", "report.md"]
+
+
+@pytest.fixture(scope="module")
+def default_lab(tmp_path_factory, kjv_folder):
+    """The lab with its defaults (60 steps, stop at 30, batch 8, length 128): run once per module."""
+    out = tmp_path_factory.mktemp("lab")
+    run_cli("lab", "--data", kjv_folder, "--out", out, check=True)
+    return out
+
+
+def test_lab_writes_every_named_file_and_no_tmp(default_lab):
+    for name in LAB_FILES:
+        assert (default_lab / name).stat().st_size > 0, name
+    assert not list(default_lab.rglob("*.tmp"))
+
+
+def test_lab_resumed_equals_straight(default_lab):
+    assert run_cli("diff", default_lab / "straight.pth", default_lab / "resumed.pth").returncode == 0
+    assert run_cli("diff", default_lab / "straight.pth", default_lab / "noopt.pth").returncode == 1
+    straight_rows = (default_lab / "straight_log.csv").read_text().splitlines()
+    resumed_rows = (default_lab / "resumed_log.csv").read_text().splitlines()
+    assert straight_rows[0] == resumed_rows[0] == "step,train_loss"
+    assert len(straight_rows) == 61 and resumed_rows[1:] == straight_rows[31:]
+    assert re.fullmatch(r"31,\d+\.\d{6}", resumed_rows[1])
+
+
+def test_lab_ablations_diverge(default_lab):
+    runs = json.loads((default_lab / "compare.json").read_text())["runs"]
+    assert runs["resumed"]["max_abs_diff"] == 0 and runs["resumed"]["log_rows_equal"]
+    assert runs["noopt"]["max_abs_diff"] > 1e-3 and runs["noskip"]["max_abs_diff"] > 1e-3
+    assert runs["noskip"]["batches_seen_twice"] == 30 and runs["resumed"]["batches_seen_twice"] == 0
+
+
+def test_optimizer_holds_twice_the_weights(default_lab):
+    optim = json.loads((default_lab / "optim.json").read_text())
+    state = torch.load(default_lab / "resume.pth", weights_only=True)
+    assert optim["model_numel"] == sum(t.numel() for k, t in state["model"].items() if k != "lm_head.weight")
+    assert optim["ratio"] == 2.0
+
+
+def test_half_precision_is_about_half_and_close(default_lab):
+    fp16 = json.loads((default_lab / "fp16.json").read_text())
+    assert fp16["fp32_bytes"] == (default_lab / "straight.pth").stat().st_size
+    assert 0.49 < fp16["fp16_bytes"] / fp16["fp32_bytes"] < 0.52
+    assert 0 < fp16["max_logit_diff"] < 0.05
+    half = torch.load(default_lab / "straight_fp16.pth", weights_only=True)
+    assert all(t.dtype == torch.float16 for t in half.values())
+    assert half["lm_head.weight"].data_ptr() == half["model.embed_tokens.weight"].data_ptr()
+
+
+def test_report_has_headings_and_numbers_from_the_json(default_lab):
+    report = (default_lab / "report.md").read_text()
+    positions = [report.index(heading) for heading in HEADINGS]
+    assert positions == sorted(positions)
+    fp16 = json.loads((default_lab / "fp16.json").read_text())
+    optim = json.loads((default_lab / "optim.json").read_text())
+    noopt = json.loads((default_lab / "compare.json").read_text())["runs"]["noopt"]
+    assert f"{fp16['fp16_bytes']:,}" in report and f"{optim['ratio']:.3f}" in report
+    assert f"{noopt['max_abs_diff']:.3e}" in report
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_report_languages_keep_korean_headings(default_lab, lang):
+    report = render_report(default_lab, lang)
+    assert all(heading in report for heading in HEADINGS)
+    assert f"{json.loads((default_lab / 'fp16.json').read_text())['fp16_bytes']:,}" in report
+
+
+def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
+    run_cli("lab", "--data", kjv_folder, "--out", tmp_path, "--seed", 11, "--steps", 9, "--stop-at", 4,
+            "--batch", 3, "--seq-len", 24, "--lr", 1e-3, check=True)
+    compare = json.loads((tmp_path / "compare.json").read_text())
+    assert compare["stop_at"] == 4 and compare["steps"] == 9
+    assert compare["runs"]["resumed"]["max_abs_diff"] == 0
+    assert len((tmp_path / "resumed_log.csv").read_text().splitlines()) == 1 + 5
+    straight, resumed = read_weights(tmp_path / "straight.pth")[0], read_weights(tmp_path / "resumed.pth")[0]
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    state = torch.load(tmp_path / "resume.pth", weights_only=True)
+    assert state["step"] == 4 and state["config"]["train"]["seed"] == 11
