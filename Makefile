@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DATA := data/kjv
 
-.PHONY: setup data lab test bench clean
+.PHONY: setup data lab ablation test bench clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,13 @@ data: $(STAMP)
 	$(BIN)/exactresume prepare --out $(DATA)
 
 lab: data
-	$(BIN)/exactresume lab --data $(DATA) --out runs/lab
+	$(BIN)/exactresume lab --data $(DATA) --out runs/lab --ablate
+
+# Measure what each resume part protects on the default preset, keep the json, regenerate the README's table.
+ablation: data
+	$(BIN)/exactresume ablate --data $(DATA) --out runs/ablate
+	mkdir -p docs && cp runs/ablate/ablation.json docs/ablation.json
+	$(BIN)/exactresume ablate --markdown docs/ablation.json --readme README.md
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

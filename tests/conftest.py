@@ -53,3 +53,18 @@ def assert_one_line_error(finished: subprocess.CompletedProcess, *needles: str) 
     assert "Traceback" not in finished.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+# Twelve short paragraphs: 246 training tokens, so 15 samples of 16 tokens. With --batch 4 an
+# epoch is 4 steps (4, 4, 4 and a short last batch of 3), and 8 steps cross an epoch boundary.
+TINY_TEXT = "\n\n".join(f"In the beginning {i} was the word, and the word was {i * 7 % 13}." for i in range(12))
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A tiny prepared corpus whose epochs are a few steps long (see TINY_TEXT)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    corpus = folder / "tiny.txt"
+    corpus.write_text(TINY_TEXT)
+    prepare(PrepareConfig(corpus=corpus, vocab_size=270, val_fraction=0.25), folder / "data", log=lambda message: None)
+    return folder / "data"

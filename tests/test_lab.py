@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import run_cli
+from exactresume.ablate import render_table
 from exactresume.report import HEADINGS, render_report
 from exactresume.weights import read_weights
 
@@ -93,3 +95,14 @@ def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     state = torch.load(tmp_path / "resume.pth", weights_only=True)
     assert state["step"] == 4 and state["config"]["train"]["seed"] == 11
+
+
+def test_report_carries_the_ablation_table_when_the_lab_ran_one(default_lab, tmp_path):
+    for name in ("fp16.json", "optim.json", "compare.json", "resume.pth"):
+        (tmp_path / name).write_bytes((default_lab / name).read_bytes())
+    assert "| setup |" not in render_report(tmp_path, "en")
+    ablation = Path(__file__).resolve().parents[1] / "docs" / "ablation.json"
+    (tmp_path / "ablation.json").write_bytes(ablation.read_bytes())
+    report = render_report(tmp_path, "en")
+    table = "\n".join(render_table(json.loads(ablation.read_text()), "en"))
+    assert report.index(HEADINGS[1]) < report.index(table) < report.index(HEADINGS[2])

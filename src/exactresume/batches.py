@@ -7,10 +7,25 @@ drawn, with no fast-forwarding and no batch seen twice.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from .errors import UserError
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One optimizer step's sequences, from either loader.
+
+    `starts` names each sequence by the offset of its first token in the training stream (B,),
+    so the samples logs of both loaders read the same; inputs and targets are (B, T).
+    """
+
+    starts: torch.Tensor
+    inputs: torch.Tensor
+    targets: torch.Tensor
 
 
 class RandomWindows:
@@ -32,6 +47,10 @@ class RandomWindows:
         """Token windows at `starts` as (inputs, targets), each (batch, seq_len)."""
         rows = self.tokens[starts[:, None] + self._window]
         return rows[:, :-1], rows[:, 1:]
+
+    def next_batch(self) -> Batch:
+        starts = self.draw_starts()
+        return Batch(starts, *self.windows(starts))
 
     def state_dict(self) -> torch.Tensor:
         return self.generator.get_state()

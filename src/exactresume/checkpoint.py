@@ -1,8 +1,10 @@
 """The resume file: every part a run needs to continue exactly, captured, saved, verified, restored.
 
 Layout (a plain dict of tensors and Python values, so `torch.load(path, weights_only=True)` reads it):
-`{"format", "version", "config", "model", "optimizer", "step", "gen_state", "rng"}`, one key per part.
-Weights are stored in fp32 as trained, never rounded. `restore(..., skip=...)` leaves parts out on
+`{"format", "version", "config", "model", "optimizer", "scaler", "step", "gen_state", "rng"}`, one key
+per part. Weights are stored in fp32 as trained, never rounded. `gen_state` is the data position of
+whichever loader the run uses; `scaler` is fp16's GradScaler (empty in fp32 and bf16). A file holds
+no gradients: it is written only between optimizer steps, never inside gradient accumulation. `restore(..., skip=...)` leaves parts out on
 purpose: the lab's `--no-optim` and `--no-skip` are this same code with one part skipped.
 """
 
@@ -16,9 +18,9 @@ from .parts import Stateful
 from .sealed import load_sealed, save_sealed
 
 RESUME_FORMAT = "exactresume.resume"
-RESUME_VERSION = 1
+RESUME_VERSION = 2  # 2 added the `scaler` part
 # config first: a resume file from a different run is refused before anything is overwritten.
-PART_NAMES = ("config", "model", "optimizer", "step", "gen_state", "rng")
+PART_NAMES = ("config", "model", "optimizer", "scaler", "step", "gen_state", "rng")
 
 
 def capture(parts: Mapping[str, Stateful]) -> dict:

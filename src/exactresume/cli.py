@@ -1,9 +1,10 @@
-"""The `exactresume` command: prepare | train | lab | diff.
+"""The `exactresume` command: prepare | train | lab | ablate | diff.
 
     exactresume prepare --out data/kjv
     exactresume train --data data/kjv --out runs/a --stop-at 30
     exactresume train --data data/kjv --out runs/a --resume runs/a/resume.pth --weights runs/a/resumed.pth
     exactresume lab --data data/kjv --out runs/lab
+    exactresume ablate --data data/kjv --out runs/ablate
     exactresume diff runs/lab/straight.pth runs/lab/resumed.pth
 
 A user's mistake prints one line on stderr and exits with code 2.
@@ -15,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import PRESETS, TrainConfig
+from .config import DEVICES, DTYPES, LOADERS, PRESETS, TrainConfig
 from .errors import UserError
 
 DEFAULT_DATA = Path("data/kjv")
@@ -35,14 +36,28 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="prepared data folder (exactresume prepare --out ...)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the model init, batch generator and RNGs")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="total optimizer steps of the run")
-    parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step")
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences per optimizer step (all micro-batches)")
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (MiniMind cosine)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset, help="model size")
+    add_feature_flags(parser, defaults)
+
+
+def add_feature_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """Accumulation, dropout, precision, loader, warmup and device: each resumes exactly."""
+    parser.add_argument("--grad-accum", type=int, default=defaults.grad_accum, help="micro-batches per optimizer step (--batch is split among them)")
+    parser.add_argument("--dropout", type=float, default=defaults.dropout, help="dropout probability of the model")
+    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype, help="autocast precision; weights stay fp32 (fp16 adds a loss scaler)")
+    parser.add_argument("--loader", choices=LOADERS, default=defaults.loader, help="random windows, or shuffled epochs through a DataLoader")
+    parser.add_argument("--workers", type=int, default=defaults.workers, help="DataLoader worker processes (--loader epoch)")
+    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="linear lr warmup steps before the cosine")
+    parser.add_argument("--device", choices=DEVICES, default=defaults.device, help="cpu, or cuda with deterministic kernels")
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, preset=args.preset)
+    return TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, preset=args.preset,
+                       grad_accum=args.grad_accum, dropout=args.dropout, dtype=args.dtype, loader=args.loader,
+                       workers=args.workers, warmup=args.warmup, device=args.device)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -65,7 +80,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_lab(args: argparse.Namespace) -> int:
     from .lab import LabConfig, run_lab
 
-    run_lab(LabConfig(train=train_config(args), stop_at=args.stop_at, data=args.data, out=args.out, lang=args.lang))
+    run_lab(LabConfig(train=train_config(args), stop_at=args.stop_at, data=args.data, out=args.out, lang=args.lang,
+                      ablate=args.ablate))
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    import json
+
+    from .ablate import AblationConfig, render_markdown, run_ablation, write_readme_block
+
+    if args.markdown is None:
+        if args.out is None or args.readme is not None:
+            raise UserError("give --out DIR to run the ablation, or --markdown ablation.json [--readme FILE] to render one")
+        run_ablation(AblationConfig(train=train_config(args), stop_at=args.stop_at, data=args.data, out=args.out,
+                                    dropout=args.ablation_dropout))
+        return 0
+    try:
+        ablation = json.loads(args.markdown.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot read the ablation {args.markdown}: {error}") from None
+    if args.readme is None:
+        print(render_markdown(ablation))
+    else:
+        write_readme_block(args.readme, ablation)
     return 0
 
 
@@ -111,7 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_flags(lab)
     lab.add_argument("--stop-at", type=int, default=30, help="where the interrupted run stops")
     lab.add_argument("--lang", choices=("ko", "en", "zh"), default="ko", help="language of the report's body")
+    lab.add_argument("--ablate", action="store_true", help="also run the ablation of every resume part (ablation.json, a table in the report)")
     lab.set_defaults(func=cmd_lab)
+
+    ablate = commands.add_parser("ablate", help="resume with each part of the resume file lost in turn; ablation.json and a table")
+    ablate.add_argument("--out", type=Path, help="output folder")
+    add_run_flags(ablate)
+    ablate.add_argument("--stop-at", type=int, default=30, help="where every ablated run resumes")
+    ablate.add_argument("--ablation-dropout", type=float, default=0.1, help="dropout of the setup that measures the rng part")
+    ablate.add_argument("--markdown", type=Path, metavar="JSON", help="train nothing: print the table of this ablation.json")
+    ablate.add_argument("--readme", type=Path, help="with --markdown: write the table between the ablation markers of this file")
+    ablate.set_defaults(func=cmd_ablate)
 
     diff = commands.add_parser("diff", help="per-tensor max abs difference of two weights or resume files")
     diff.add_argument("a", type=Path)

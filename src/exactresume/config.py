@@ -76,30 +76,56 @@ def preset(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
+DTYPES = ("fp32", "bf16", "fp16")
+LOADERS = ("random", "epoch")
+DEVICES = ("cpu", "cuda")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that decides a training run's result (the lab's defaults)."""
 
     seed: int = 7  # seeds model init, the batch generator and the global RNGs
     steps: int = 60  # total optimizer steps; the lr schedule is computed against this
-    batch: int = 8  # sequences per step
+    batch: int = 8  # sequences per optimizer step (all micro-batches together)
     seq_len: int = 128  # tokens per sequence
     lr: float = 3e-3  # peak learning rate of MiniMind's cosine schedule
     weight_decay: float = 0.01  # AdamW's decoupled weight decay (torch's default)
     grad_clip: float = 1.0  # max global gradient norm
     preset: str = "default"  # the model size, a key of PRESETS
+    grad_accum: int = 1  # micro-batches per optimizer step; `batch` is split among them
+    dropout: float = 0.0  # the model's dropout (its masks come from the torch RNG, a resume part)
+    dtype: str = "fp32"  # compute precision: fp32, or bf16 / fp16 autocast (weights stay fp32)
+    loader: str = "random"  # "random": random windows; "epoch": shuffled epochs through a DataLoader
+    workers: int = 0  # DataLoader worker processes (--loader epoch); they never change the result
+    warmup: int = 0  # linear lr warmup steps before the cosine schedule
+    device: str = "cpu"  # "cpu" or "cuda"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch", "seq_len"):
+        for name in ("steps", "batch", "seq_len", "grad_accum"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
         preset(self.preset)
+        self._check_features()
+
+    def _check_features(self) -> None:
+        for name, allowed in (("dtype", DTYPES), ("loader", LOADERS), ("device", DEVICES)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.batch % self.grad_accum:
+            raise UserError(f"--batch {self.batch} (sequences per optimizer step) is not a multiple of --grad-accum {self.grad_accum}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.workers < 0 or (self.workers and self.loader != "epoch"):
+            raise UserError(f"--workers {self.workers}: worker processes need --loader epoch and a count of at least 0")
+        if not 0 <= self.warmup < self.steps:
+            raise UserError(f"--warmup {self.warmup} must be between 0 and --steps - 1 ({self.steps - 1})")
 
     @property
     def model(self) -> ModelConfig:
-        return preset(self.preset)
+        return replace(preset(self.preset), dropout=self.dropout)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -37,6 +37,7 @@ class LabConfig:
     data: Path = Path("data/kjv")
     out: Path = Path("runs/lab")
     lang: str = "ko"
+    ablate: bool = False  # also run the ablation (ablate.py) into the same folder, for the report
 
     def __post_init__(self) -> None:
         if not 1 <= self.stop_at < self.train.steps:
@@ -50,7 +51,9 @@ def write_json(path: Path, values: dict) -> None:
 def _train_flags(config: LabConfig) -> list[str]:
     t = config.train
     return ["--data", str(config.data), "--seed", str(t.seed), "--steps", str(t.steps), "--batch", str(t.batch),
-            "--seq-len", str(t.seq_len), "--lr", repr(t.lr), "--preset", t.preset]
+            "--seq-len", str(t.seq_len), "--lr", repr(t.lr), "--preset", t.preset, "--grad-accum", str(t.grad_accum),
+            "--dropout", repr(t.dropout), "--dtype", t.dtype, "--loader", t.loader, "--workers", str(t.workers),
+            "--warmup", str(t.warmup), "--device", t.device]
 
 
 def training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
@@ -158,6 +161,10 @@ def run_lab(config: LabConfig, log=print) -> dict:
     write_json(config.out / "optim.json", optimizer_figures(config.out / "resume.pth"))
     log("[7/8] optim.json")
     write_json(config.out / "compare.json", comparison_figures(config))
+    if config.ablate:
+        from .ablate import AblationConfig, run_ablation
+
+        run_ablation(AblationConfig(train=config.train, stop_at=config.stop_at, data=config.data, out=config.out), log)
     from .report import write_report  # the report reads only the files written above
 
     write_report(config.out, lang=config.lang)

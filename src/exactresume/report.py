@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .ablate import ablation_lines
 from .atomic import atomic_write_bytes
 
 HEADINGS = ("## 무엇을 저장하나", "## 빠뜨리면", "## 반정밀도")
@@ -105,7 +106,7 @@ def render_report(folder: Path, lang: str = "ko") -> str:
     noskip = runs["noskip"]
     lines += ["", text["noopt"], "", text["noskip"].format(stop_at=k, seen_twice=noskip["batches_seen_twice"],
                                                          never=noskip["batches_never_seen"]),
-              "", text["subtle"], "", HEADINGS[2], "", text["half"].format(**fp16), "", text["split"], ""]
+              "", text["subtle"], *ablation_lines(folder, lang), "", HEADINGS[2], "", text["half"].format(**fp16), "", text["split"], ""]
     return "\n".join(lines)
 
 

@@ -3,6 +3,11 @@
 A run's whole state is its named parts (`Run.parts()`); the loop reads the global step from
 the `step` part and computes the learning rate from it, so a resumed run continues the schedule
 where it stopped instead of starting it over.
+
+`--batch` counts the sequences of one optimizer step; `--grad-accum N` splits them into N
+micro-batches whose gradients add up before the step, so the samples a step trains on do not
+depend on N. Each step starts from no gradients, so the state between two steps is complete
+without them: resume files are written only there, never inside an accumulation.
 """
 
 from __future__ import annotations
@@ -10,26 +15,31 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from .batches import RandomWindows
+from .batches import Batch, RandomWindows
 from .config import ModelConfig, TrainConfig
 from .data import TokenData
+from .device import loss_scaler, precision_context, training_device
+from .epochs import EpochLoader
 from .model import MiniMindLM
 from .parts import GlobalRng, RunIdentity, Stateful, StepCounter
 
 
-def lr_at(step: int, total: int, peak: float) -> float:
-    """MiniMind's cosine schedule at 0-based global `step` of `total`: from peak down to 0.1 * peak."""
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * step / total)))
+def lr_at(step: int, total: int, peak: float, warmup: int = 0) -> float:
+    """At 0-based global `step` of `total`: linear warmup to `peak` over `warmup` steps, then
+    MiniMind's cosine from peak down to 0.1 * peak over the remaining steps."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))))
 
 
 @dataclass
 class StepRecord:
-    """What one optimizer step did: its 1-based number, loss, and the windows it trained on."""
+    """What one optimizer step did: its 1-based number, loss, and the windows it trained on (Batch.starts)."""
 
     step: int
     loss: float
@@ -44,12 +54,14 @@ class Run:
     model: MiniMindLM
     optimizer: torch.optim.Optimizer
     step: StepCounter
-    batches: RandomWindows
+    batches: RandomWindows | EpochLoader
     rng: GlobalRng
     identity: RunIdentity
+    scaler: torch.amp.GradScaler
+    device: torch.device
 
     def parts(self) -> dict[str, Stateful]:
-        return {"config": self.identity, "model": self.model, "optimizer": self.optimizer,
+        return {"config": self.identity, "model": self.model, "optimizer": self.optimizer, "scaler": self.scaler,
                 "step": self.step, "gen_state": self.batches, "rng": self.rng}
 
 
@@ -59,9 +71,14 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
+# Fields that decide how fast a run goes, never what it computes: a resume may change them.
+RESULT_NEUTRAL_FIELDS = ("workers",)
+
+
 def run_identity(config: TrainConfig, data: TokenData) -> dict:
     """The fields that must match for a resume to continue the same run."""
-    return {"train": config.to_dict(), "model": model_config(config, data).to_dict(), "data": data.fingerprint}
+    train_fields = {k: v for k, v in config.to_dict().items() if k not in RESULT_NEUTRAL_FIELDS}
+    return {"train": train_fields, "model": model_config(config, data).to_dict(), "data": data.fingerprint}
 
 
 def model_config(config: TrainConfig, data: TokenData) -> ModelConfig:
@@ -69,30 +86,52 @@ def model_config(config: TrainConfig, data: TokenData) -> ModelConfig:
     return replace(config.model, vocab_size=data.manifest.vocab_size)
 
 
+def make_loader(config: TrainConfig, data: TokenData) -> RandomWindows | EpochLoader:
+    """The run's batch source, seeded; its state is the `gen_state` part."""
+    if config.loader == "epoch":
+        return EpochLoader(data.train, config.batch, config.seq_len, config.seed, config.workers)
+    return RandomWindows(data.train, config.batch, config.seq_len, config.seed)
+
+
 def build_run(config: TrainConfig, data: TokenData) -> Run:
-    """A fresh run: seeded globals, initialised model, AdamW, step 0, a seeded batch generator."""
+    """A fresh run: seeded globals, initialised model, AdamW, step 0, a seeded batch source."""
+    device = training_device(config)
     seed_everything(config.seed)
-    model = MiniMindLM(model_config(config, data))
+    model = MiniMindLM(model_config(config, data)).to(device)  # initialised on the CPU: the same on every device
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    batches = RandomWindows(data.train, config.batch, config.seq_len, config.seed)
-    return Run(config, model, optimizer, StepCounter(0), batches, GlobalRng(), RunIdentity(run_identity(config, data)))
+    return Run(config, model, optimizer, StepCounter(0), make_loader(config, data), GlobalRng(),
+               RunIdentity(run_identity(config, data)), loss_scaler(config, device), device)
+
+
+def micro_batches(batch: Batch, rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(inputs, targets, share) of at most `rows` sequences each; the shares of one batch sum to 1."""
+    total = len(batch.starts)
+    for inputs, targets in zip(batch.inputs.split(rows), batch.targets.split(rows)):
+        yield inputs, targets, len(inputs) / total
 
 
 def train_step(run: Run) -> StepRecord:
-    """One optimizer step at the run's current global step."""
-    lr = lr_at(run.step.value, run.config.steps, run.config.lr)
+    """One optimizer step at the run's current global step, its batch in `grad_accum` micro-batches."""
+    config = run.config
+    lr = lr_at(run.step.value, config.steps, config.lr, config.warmup)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    starts = run.batches.draw_starts()
-    inputs, targets = run.batches.windows(starts)
+    batch = run.batches.next_batch()
     run.model.train()
-    loss = run.model.loss(inputs, targets)
     run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.config.grad_clip)
-    run.optimizer.step()
+    loss = 0.0
+    for inputs, targets, share in micro_batches(batch, config.batch // config.grad_accum):
+        with precision_context(config, run.device):
+            micro_loss = run.model.loss(inputs.to(run.device), targets.to(run.device))
+        # Weighting by share makes the summed gradient that of the mean over the step's sequences.
+        run.scaler.scale(micro_loss * share).backward()
+        loss += micro_loss.item() * share
+    run.scaler.unscale_(run.optimizer)
+    torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.grad_clip)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
     run.step.value += 1
-    return StepRecord(run.step.value, loss.item(), starts)
+    return StepRecord(run.step.value, loss, batch.starts)
 
 
 def train(run: Run, until: int, on_step: Callable[[StepRecord], None] = lambda record: None) -> None:
