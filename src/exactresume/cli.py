@@ -3,11 +3,13 @@
     exactresume prepare --out data/kjv
     exactresume train --data data/kjv --out runs/a --stop-at 30
     exactresume train --data data/kjv --out runs/a --resume runs/a/resume.pth --weights runs/a/resumed.pth
+    exactresume train --data data/kjv --out runs/b --save-every 10 --keep 3 --resume auto
     exactresume lab --data data/kjv --out runs/lab
     exactresume ablate --data data/kjv --out runs/ablate
     exactresume diff runs/lab/straight.pth runs/lab/resumed.pth
 
-A user's mistake prints one line on stderr and exits with code 2.
+A user's mistake prints one line on stderr and exits with code 2; a disk that refuses a write exits
+with 74, a run stopped by SIGTERM/SIGINT after saving a checkpoint with 75 (see job.py).
 """
 
 from __future__ import annotations
@@ -69,12 +71,23 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .job import TrainJob, run_job
+    from .preemption import PREEMPTED_EXIT, Preempted
 
     skip = frozenset(name for flag, name in ((args.no_optim, "optimizer"), (args.no_skip, "gen_state")) if flag)
     job = TrainJob(train_config(args), args.data, args.out, stop_at=args.stop_at, resume=args.resume,
-                   skip_parts=skip, weights=args.weights, log=args.log, samples=args.samples)
-    run_job(job)
+                   skip_parts=skip, weights=args.weights, log=args.log, samples=args.samples,
+                   save_every=args.save_every, keep=args.keep or None, allow_change=frozenset(args.allow_change))
+    try:
+        run_job(job)
+    except Preempted as stop:
+        print(f"exactresume train: {stop}", file=sys.stderr)
+        return PREEMPTED_EXIT
     return 0
+
+
+def resume_source(text: str) -> Path | str:
+    """--resume's value: 'auto', or a resume file or checkpoint folder."""
+    return text if text == "auto" else Path(text)
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
@@ -136,7 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, required=True, help="output folder")
     add_run_flags(train)
     train.add_argument("--stop-at", type=int, help="stop after this step and write OUT/resume.pth")
-    train.add_argument("--resume", type=Path, help="continue from this resume file to --steps")
+    train.add_argument("--resume", type=resume_source, metavar="FILE|FOLDER|auto",
+                       help="continue from a resume file, the newest valid checkpoint in a folder, or with 'auto' "
+                            "from the newest valid one in OUT/checkpoints (a fresh start when there is none)")
+    train.add_argument("--save-every", type=int, metavar="N", help="also write OUT/checkpoints/step-N.pth every N steps and at the end")
+    train.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (0: all; default 3)")
+    train.add_argument("--allow-change", action="append", default=[], metavar="FIELD",
+                       help="let a resume change steps, lr, batch, seq-len or data on purpose (repeatable)")
     train.add_argument("--no-optim", action="store_true", help="resume without the optimizer state (ablation)")
     train.add_argument("--no-skip", action="store_true", help="resume with the batch generator reseeded (ablation)")
     train.add_argument("--weights", type=Path, help="weights file at the end (default OUT/final.pth)")
@@ -175,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UserError as error:
         print(f"exactresume {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     except KeyboardInterrupt:
         print(f"exactresume {args.command}: interrupted", file=sys.stderr)
         return 130

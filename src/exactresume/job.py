@@ -1,92 +1,275 @@
 """One `exactresume train` invocation: a run plus its files.
 
-Loads the prepared data, builds the run, optionally restores a resume file (leaving parts out
-for the lab's ablations), trains to `--stop-at` or `--steps`, and writes the resume file or the
-weights file and the logs, each atomically.
+Loads the prepared data, builds the run, optionally restores it (from a resume file, a checkpoint
+folder, or with `--resume auto` from the newest valid checkpoint in OUT/checkpoints), trains to
+`--stop-at` or `--steps` while appending each step's log rows, saves a checkpoint every
+`--save-every` steps and when preempted, and writes the resume file or the weights file at the end.
+
+Exit paths: done (0); a user's mistake (UserError, 2); a disk that refuses a write (StorageError,
+74: the previous checkpoint is intact and nothing half-written is left); SIGTERM/SIGINT (Preempted,
+75: a checkpoint of the finished step is saved).
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
+import errno
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .atomic import atomic_write_bytes, ensure_writable_folder
-from .checkpoint import load_resume, restore, save_resume
+from .atomic import ensure_writable_folder, tmp_path
+from .checkpoint import PART_NAMES, load_resume, restore, save_resume
 from .config import TrainConfig
 from .data import load_tokens
-from .errors import UserError
-from .train import Run, StepRecord, build_run, train
+from .errors import CheckpointError, StorageError, UserError
+from .parts import describe
+from .preemption import Preempted, PreemptionGuard
+from .steplog import LOSS_HEADER, SAMPLES_HEADER, StepLog
+from .store import CheckpointStore
+from .train import Run, StepRecord, build_run, lr_at, train
 from .weights import save_weights
+
+AUTO_RESUME = "auto"  # --resume auto: the newest valid checkpoint in OUT/checkpoints, or a fresh start
+# --allow-change names -> the run-identity fields they let a resume change. Model shape and seed are
+# not here: a different shape cannot load, and the seed only matters before step 1.
+ALLOWED_CHANGES = {"steps": "train.steps", "lr": "train.lr", "batch": "train.batch", "seq-len": "train.seq_len",
+                   "data": "data"}
 
 
 @dataclass(frozen=True)
 class TrainJob:
-    """Where a training run reads and writes, and which parts a resume leaves out."""
+    """Where a training run reads and writes, how it checkpoints, and which parts a resume leaves out."""
 
     config: TrainConfig
     data: Path
     out: Path
     stop_at: int | None = None  # stop after this global step and write out/resume.pth
-    resume: Path | None = None  # continue from this resume file
+    resume: Path | str | None = None  # a resume file, a checkpoint folder, or AUTO_RESUME
     skip_parts: frozenset[str] = field(default_factory=frozenset)  # parts not restored (ablations)
     weights: Path | None = None  # default out/final.pth
     log: Path | None = None  # default out/log.csv
     samples: Path | None = None  # optional `step,starts` log of the windows each step trained on
+    save_every: int | None = None  # also checkpoint to out/checkpoints every N steps and at the end
+    keep: int | None = 3  # newest checkpoints kept in out/checkpoints; None keeps all
+    allow_change: frozenset[str] = field(default_factory=frozenset)  # keys of ALLOWED_CHANGES
 
     def __post_init__(self) -> None:
         if self.stop_at is not None and not 1 <= self.stop_at < self.config.steps:
             raise UserError(f"--stop-at {self.stop_at} must be between 1 and --steps - 1 ({self.config.steps - 1})")
         if self.skip_parts and self.resume is None:
             raise UserError("--no-optim and --no-skip only make sense with --resume")
+        if self.save_every is not None and self.save_every < 1:
+            raise UserError(f"--save-every must be at least 1, got {self.save_every}")
+        if self.keep is not None and self.keep < 1:
+            raise UserError(f"--keep must be at least 1 (0 keeps every checkpoint), got {self.keep}")
+        unknown = sorted(set(self.allow_change) - set(ALLOWED_CHANGES))
+        if unknown:
+            raise UserError(f"--allow-change {unknown[0]}: only {', '.join(ALLOWED_CHANGES)} may change on resume")
 
     @property
     def resume_file(self) -> Path:
         return self.out / "resume.pth"
 
+    @property
+    def checkpoint_folder(self) -> Path:
+        return self.out / "checkpoints"
+
+    @property
+    def weights_file(self) -> Path:
+        return self.weights or self.out / "final.pth"
+
+    @property
+    def log_file(self) -> Path:
+        return self.log or self.out / "log.csv"
+
+
+def note(message: str) -> None:
+    """A line on stdout about what the job did (where it resumed from)."""
+    print(f"exactresume train: {message}", flush=True)
+
+
+def warn(message: str) -> None:
+    """A line on stderr about something the user should know (a damaged checkpoint skipped)."""
+    print(f"exactresume train: {message}", file=sys.stderr, flush=True)
+
+
+def storage_error(what: str, error: OSError, after: str = "") -> StorageError:
+    """A one-line StorageError: what could not be written, why (with the errno name), what is intact."""
+    code = errno.errorcode.get(error.errno or 0)
+    reason = f"{error.strerror or error}" + (f" ({code})" if code and code not in str(error.strerror) else "")
+    return StorageError(f"could not write {what}: {reason}{after}")
+
 
 class RunLogs:
-    """The rows this process trains, kept in memory and written atomically when the run ends."""
+    """This process's loss log and optional samples log, trimmed to the resumed step, one row per step."""
 
-    def __init__(self):
-        self.losses, self.samples = io.StringIO("step,train_loss\n"), io.StringIO("step,starts\n")
-        self.losses.seek(0, io.SEEK_END)
-        self.samples.seek(0, io.SEEK_END)
+    def __init__(self, job: TrainJob, resumed_step: int):
+        # Both files are checked before either is touched: a refusal changes nothing.
+        self.logs = [StepLog(job.log_file, LOSS_HEADER, resumed_step)]
+        if job.samples:
+            self.logs.append(StepLog(job.samples, SAMPLES_HEADER, resumed_step))
+
+    def __enter__(self) -> "RunLogs":
+        for log in self.logs:
+            with self._writing(log):
+                log.open()
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        for log in self.logs:
+            with contextlib.suppress(OSError) if kind else self._writing(log):
+                log.close()
 
     def record(self, record: StepRecord) -> None:
-        self.losses.write(f"{record.step},{record.loss:.6f}\n")
-        self.samples.write(f"{record.step},{' '.join(str(int(s)) for s in record.starts)}\n")
+        rows = (f"{record.loss:.6f}", " ".join(str(int(s)) for s in record.starts))
+        for log, row in zip(self.logs, rows):
+            with self._writing(log):
+                log.append(record.step, row)
+
+    def sync(self) -> None:
+        for log in self.logs:
+            with self._writing(log):
+                log.sync()
+
+    @contextlib.contextmanager
+    def _writing(self, log: StepLog):
+        try:
+            yield
+        except OSError as error:
+            raise storage_error(f"the log {log.path}", error, "; training stopped (rerun with --resume auto)") from None
 
 
-def prepare_run(job: TrainJob) -> Run:
-    """The run, built fresh and, with --resume, restored (config checked first)."""
-    run = build_run(job.config, load_tokens(job.data))
-    if job.resume is not None:
-        restore(load_resume(job.resume), run.parts(), skip=job.skip_parts)
-    return run
+class Checkpointer:
+    """The job's saves into its store: log rows made durable first, each step saved at most once."""
+
+    def __init__(self, store: CheckpointStore, logs: RunLogs, saved_step: int | None):
+        self.store, self.logs, self.saved_step = store, logs, saved_step
+
+    def save(self, run: Run) -> Path:
+        step = run.step.value
+        if step != self.saved_step:
+            self.logs.sync()
+            try:
+                self.store.save(step, run.parts())
+            except OSError as error:
+                raise storage_error(f"the checkpoint at step {step} in {self.store.folder}", error, self._intact()) from None
+            self.saved_step = step
+        return self.store.path_for(step)
+
+    def _intact(self) -> str:
+        existing = self.store.checkpoints()
+        newest = f"{existing[-1].path} is intact" if existing else "no earlier checkpoint exists"
+        return f"; training stopped, {newest} (free space, then rerun with --resume auto)"
 
 
 def _check_outputs(job: TrainJob) -> None:
-    for path in (job.out, (job.weights or job.out).parent, (job.log or job.out).parent):
-        ensure_writable_folder(path)
-    if job.resume is not None and job.stop_at is None and (job.weights or job.out / "final.pth") == job.resume:
+    folders = [job.out, job.weights_file.parent, job.log_file.parent] + ([job.samples.parent] if job.samples else [])
+    if job.save_every is not None:
+        folders.append(job.checkpoint_folder)
+    for folder in folders:
+        ensure_writable_folder(folder)
+    if job.resume is not None and job.stop_at is None and job.weights_file == job.resume:
         raise UserError(f"--weights would overwrite the resume file {job.resume}")
 
 
-def run_job(job: TrainJob, on_step=lambda record: None) -> Run:
-    """Train as the job says and write its files; returns the finished run."""
-    _check_outputs(job)
-    run = prepare_run(job)
+def _remove_leftovers(job: TrainJob, store: CheckpointStore) -> None:
+    """Delete `.tmp` files a crashed save of this job's outputs left behind."""
+    store.remove_leftovers()
+    for path in (job.resume_file, job.weights_file):
+        tmp_path(path).unlink(missing_ok=True)
+
+
+def _restore_from_folder(folder: Path, run: Run, skip: frozenset[str]) -> int:
+    """--resume FOLDER: the newest valid checkpoint in someone's checkpoint folder (nothing is deleted there)."""
+    skipped: list[str] = []
+    store = CheckpointStore(folder, keep=None, notify=skipped.append)
+    found = store.load_newest([name for name in PART_NAMES if name not in skip])
+    if found is None:
+        details = [f"only {len(store.leftovers())} .tmp leftover(s) of interrupted saves"] if store.leftovers() else []
+        details += skipped[:1] + ([f"and {len(skipped) - 1} more damaged"] if len(skipped) > 1 else [])
+        raise CheckpointError("; ".join([f"{folder} holds no complete checkpoint", *details]))
+    for message in skipped:
+        warn(message)
+    checkpoint, state = found
+    restore(state, run.parts(), skip=skip)
+    note(f"resumed from {checkpoint.path} at step {checkpoint.step}")
+    return checkpoint.step
+
+
+def resume_run(job: TrainJob, run: Run, store: CheckpointStore) -> int:
+    """Restore the run as --resume says (config checked first); the step it continues from."""
+    if job.resume is None:
+        return 0
+    if job.resume == AUTO_RESUME:
+        step = store.restore(run.parts(), skip=job.skip_parts)
+        note(f"resumed from {store.path_for(step)} at step {step}" if step else f"no checkpoint in {store.folder}; starting at step 0")
+        return step
+    if Path(job.resume).is_dir():
+        return _restore_from_folder(Path(job.resume), run, job.skip_parts)
+    restore(load_resume(Path(job.resume)), run.parts(), skip=job.skip_parts)
+    return run.step.value
+
+
+def _note_allowed_changes(run: Run, step: int) -> None:
+    accepted = run.identity.accepted
+    if not accepted:
+        return
+    saved = {name.removeprefix("train."): old for name, old, new in accepted}
+    text = "; ".join(map(describe, accepted))
+    if "steps" in saved or "lr" in saved:  # the schedule is lr_at(step, steps, lr): a new total reshapes it
+        config = run.config
+        before = lr_at(step, saved.get("steps", config.steps), saved.get("lr", config.lr))
+        text += f"; lr at step {step} was {before:.4g} on the old schedule, {lr_at(step, config.steps, config.lr):.4g} now"
+    note(f"resuming with allowed changes: {text}")
+
+
+def _target(job: TrainJob, start: int) -> int:
     until = job.stop_at or job.config.steps
-    if run.step.value >= until:
-        raise UserError(f"the resume file is at step {run.step.value}; nothing to train up to step {until}")
-    logs = RunLogs()
-    train(run, until, lambda record: (logs.record(record), on_step(record)))
-    atomic_write_bytes(job.log or job.out / "log.csv", logs.losses.getvalue().encode())
-    if job.samples:
-        atomic_write_bytes(job.samples, logs.samples.getvalue().encode())
-    if job.stop_at is not None:
-        save_resume(job.resume_file, run.parts())
-    else:
-        save_weights(job.weights or job.out / "final.pth", run.model.state_dict())
+    # An auto-resumed run whose final checkpoint was already written only needs its outputs rewritten.
+    if start > until or start == until and job.resume != AUTO_RESUME:
+        raise UserError(f"the resume file is at step {start}; nothing to train up to step {until}")
+    return until
+
+
+def _write_outputs(job: TrainJob, run: Run) -> None:
+    path = job.resume_file if job.stop_at is not None else job.weights_file
+    try:
+        if job.stop_at is not None:
+            save_resume(path, run.parts())
+        else:
+            save_weights(path, run.model.state_dict())
+    except OSError as error:
+        raise storage_error(str(path), error, "; nothing half-written was left") from None
+
+
+def run_job(job: TrainJob, on_step=lambda record: None) -> Run:
+    """Train as the job says and write its files; returns the finished run. Raises Preempted after saving."""
+    _check_outputs(job)
+    store = CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn)
+    run = build_run(job.config, load_tokens(job.data))
+    run.identity.allowed = frozenset(ALLOWED_CHANGES[name] for name in job.allow_change)
+    _remove_leftovers(job, store)
+    start = resume_run(job, run, store)
+    _note_allowed_changes(run, start)
+    until = _target(job, start)
+    with RunLogs(job, start) as logs:
+        saver = Checkpointer(store, logs, saved_step=start if job.resume == AUTO_RESUME and start else None)
+
+        def after_step(record: StepRecord) -> None:
+            logs.record(record)
+            on_step(record)
+            if job.save_every and run.step.value % job.save_every == 0:
+                saver.save(run)
+            guard.check(run.step.value)
+
+        try:
+            with PreemptionGuard() as guard:
+                train(run, until, after_step)
+        except Preempted as stop:
+            stop.saved = saver.save(run)
+            raise
+        if job.save_every:
+            saver.save(run)
+        _write_outputs(job, run)
     return run

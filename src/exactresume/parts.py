@@ -33,6 +33,19 @@ class StepCounter:
         self.value = int(state)
 
 
+class GeneratorPart:
+    """A torch.Generator as a part: its state is the position of whatever it draws (batches, noise)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def state_dict(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def load_state_dict(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
 class GlobalRng:
     """torch (CPU and CUDA), numpy and python `random` states: dropout masks and any other draw."""
 
@@ -60,30 +73,44 @@ class GlobalRng:
 
 
 class RunIdentity:
-    """What makes two runs the same run; restoring it checks, and refuses a different run."""
+    """What makes two runs the same run; restoring it checks, and refuses a different run.
 
-    def __init__(self, identity: dict):
-        self.identity = identity
+    `allowed` names fields (dotted, e.g. "train.steps") a resume may change on purpose; the
+    differences it let through are in `accepted` after a restore. The identity saved from then on
+    is the current one, so later resumes check against the changed run.
+    """
+
+    def __init__(self, identity: dict, allowed: frozenset[str] = frozenset()):
+        self.identity, self.allowed = identity, allowed
+        self.accepted: list[tuple[str, Any, Any]] = []
 
     def state_dict(self) -> dict:
         return self.identity
 
     def load_state_dict(self, state: dict) -> None:
-        differences = describe_differences(state, self.identity)
-        if differences:
-            raise CheckpointError(f"the resume file was made by a different run: {'; '.join(differences)}")
+        differences = differing_fields(state, self.identity)
+        refused = [difference for difference in differences if difference[0] not in self.allowed]
+        if refused:
+            raise CheckpointError(f"the resume file was made by a different run: {'; '.join(map(describe, refused))}")
+        self.accepted = differences
 
 
-def describe_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """'field: saved -> current' for every leaf that differs between two nested dicts."""
+def differing_fields(saved: dict, current: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted field, saved value, current value) for every leaf that differs between two nested dicts."""
     out = []
     for key in sorted(set(saved) | set(current)):
         old, new = saved.get(key), current.get(key)
         if isinstance(old, dict) and isinstance(new, dict):
-            out += describe_differences(old, new, f"{prefix}{key}.")
+            out += differing_fields(old, new, f"{prefix}{key}.")
         elif old != new:
-            out.append(f"{prefix}{key} {_short(old)} in file, {_short(new)} now")
+            out.append((f"{prefix}{key}", old, new))
     return out
+
+
+def describe(difference: tuple[str, Any, Any]) -> str:
+    """'field saved-value in file, current-value now'."""
+    field, old, new = difference
+    return f"{field} {_short(old)} in file, {_short(new)} now"
 
 
 def _short(value: Any) -> str:

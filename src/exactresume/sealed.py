@@ -40,7 +40,8 @@ class _HashingWriter:
         self.file.flush()
 
 
-def _write_sealed(file: BinaryIO, obj: Any) -> None:
+def write_sealed(file: BinaryIO, obj: Any) -> None:
+    """torch.save `obj` into the seekable `file` and append its checksum as the zip comment."""
     writer = _HashingWriter(file)
     torch.save(obj, writer)
     seal = SEAL_PREFIX + writer.digest.hexdigest().encode()
@@ -51,7 +52,7 @@ def _write_sealed(file: BinaryIO, obj: Any) -> None:
 
 def save_sealed(path: Path, obj: Any) -> None:
     """torch.save `obj` to `path` atomically with its checksum in the zip comment."""
-    atomic_write(Path(path), lambda file: _write_sealed(file, obj))
+    atomic_write(Path(path), lambda file: write_sealed(file, obj))
 
 
 def read_seal(path: Path) -> str | None:
@@ -88,6 +89,8 @@ def compute_digest(path: Path) -> str:
 
 def verify(path: Path) -> None:
     """Raise CheckpointError unless `path` is sealed and its bytes match the seal."""
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"{path}: the file is empty (0 bytes)")
     recorded = read_seal(path)
     if recorded is None:
         raise CheckpointError(f"{path}: no exactresume checksum at the end of the file (truncated, or not written by exactresume)")

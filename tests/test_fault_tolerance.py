@@ -1,0 +1,370 @@
+"""`exactresume train --save-every N --resume auto` through kill -9, full disks, bad files and preemption.
+
+Every exactness claim compares a run interrupted in new processes with one uninterrupted run:
+every tensor `torch.equal`, the loss and samples logs equal byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import runpy
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import SMALL, assert_one_line_error, call_cli
+from exactresume.faults import FAULT_ENV
+from exactresume.sealed import save_sealed, verify
+from exactresume.store import CheckpointStore, checkpoint_name
+from exactresume.weights import read_weights
+
+# One thread per process: the runs compared are made alike, and far faster on a shared 2-core machine.
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """In-process runs (refusals, injected errors) on one thread too, for speed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train_flags(folder: Path, data: Path, *extra: object) -> list:
+    return ["train", "--out", folder, "--data", data, *SMALL, "--samples", folder / "samples.csv", *extra]
+
+
+def chaos_flags(folder: Path, data: Path) -> list:
+    return train_flags(folder, data, "--save-every", 2, "--keep", 2, "--resume", "auto")
+
+
+def command(args) -> list[str]:
+    return [sys.executable, "-m", "exactresume.cli", *map(str, args)]
+
+
+def run_child(args, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = CHILD_ENV | ({FAULT_ENV: fault} if fault else {})
+    return subprocess.run(command(args), capture_output=True, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, kjv_folder) -> Path:
+    """The uninterrupted run, checkpointing as the interrupted ones do (in this process, on one thread)."""
+    folder = tmp_path_factory.mktemp("reference")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        finished = call_cli(*chaos_flags(folder, kjv_folder))
+    finally:
+        torch.set_num_threads(threads)
+    assert finished.returncode == 0, finished.stderr
+    return folder
+
+
+def assert_same_as_reference(folder: Path, reference: Path) -> None:
+    ours, theirs = read_weights(folder / "final.pth")[0], read_weights(reference / "final.pth")[0]
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert (folder / "log.csv").read_bytes() == (reference / "log.csv").read_bytes()
+    assert (folder / "samples.csv").read_bytes() == (reference / "samples.csv").read_bytes()
+
+
+def checkpoint_files(folder: Path) -> tuple[list[int], list[str]]:
+    """(steps of the checkpoints, names of .tmp leftovers); every checkpoint must verify."""
+    store = CheckpointStore(folder / "checkpoints")
+    for checkpoint in store.checkpoints():
+        verify(checkpoint.path)
+    return [c.step for c in store.checkpoints()], [p.name for p in store.leftovers()]
+
+
+def logged_steps(folder: Path) -> int:
+    try:
+        return len((folder / "log.csv").read_text().splitlines()) - 1
+    except FileNotFoundError:
+        return 0
+
+
+def assert_storage_error(finished: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit code 74, exactly one line on stderr, no traceback, and it mentions each needle."""
+    assert finished.returncode == 74, finished.stderr
+    lines = finished.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in finished.stderr, finished.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.endswith(".tmp")}
+
+
+# -- kill -9 ------------------------------------------------------------------------------------------
+
+# (fault, checkpoint steps after the kill, .tmp left behind) for 8 steps saved every 2, keeping 2.
+STAGE_KILLS = [
+    ("write@2", [2], ["step-00000004.pth.tmp"]),  # half the bytes written
+    ("rename@1", [2], ["step-00000004.pth.tmp"]),  # written and fsynced, not renamed
+    ("folder-fsync@2", [2, 4, 6], []),  # renamed, folder not fsynced, older not yet pruned
+]
+
+
+def test_kills_inside_each_save_stage_then_auto_resume_is_bit_exact(tmp_path, kjv_folder, reference):
+    folder = tmp_path / "run"
+    for fault, steps, leftovers in STAGE_KILLS:
+        finished = run_child(chaos_flags(folder, kjv_folder), fault=fault)
+        assert finished.returncode == -signal.SIGKILL, (fault, finished.stderr)
+        assert checkpoint_files(folder) == (steps, leftovers), fault
+    # The newest checkpoint damaged after the last kill: auto-resume says so and uses the one before.
+    newest = folder / "checkpoints" / checkpoint_name(6)
+    data = newest.read_bytes()
+    newest.write_bytes(data[:5000] + bytes([data[5000] ^ 0x10]) + data[5001:])
+    finished = run_child(chaos_flags(folder, kjv_folder))
+    assert finished.returncode == 0, finished.stderr
+    assert re.search(r"skipping damaged checkpoint .*step-00000006\.pth: checksum mismatch", finished.stderr)
+    assert f"resumed from {folder / 'checkpoints' / checkpoint_name(4)} at step 4" in finished.stdout
+    assert checkpoint_files(folder) == ([6, 8], [])
+    assert_same_as_reference(folder, reference)
+
+
+# -- preemption and a kill at a random moment ---------------------------------------------------------
+
+def start_child(args) -> subprocess.Popen:
+    return subprocess.Popen(command(args), env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_a_new_step(child: subprocess.Popen, folder: Path, after: int) -> None:
+    while logged_steps(folder) <= after and child.poll() is None:
+        time.sleep(0.002)
+
+
+def test_sigterm_saves_then_kill_at_random_then_auto_resume_is_bit_exact(tmp_path, kjv_folder, reference):
+    folder = tmp_path / "run"
+    # Without --save-every: the only checkpoint is the one preemption writes.
+    child = start_child(train_flags(folder, kjv_folder, "--resume", "auto"))
+    wait_for_a_new_step(child, folder, after=0)
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate()
+    assert child.returncode == 75, f"exit {child.returncode} (did the run end before the signal?): {stderr}"
+    match = re.search(r"stopped by SIGTERM after step (\d+); saved (\S+), continue with --resume auto", stderr)
+    assert match, stderr
+    stopped = int(match.group(1))
+    assert Path(match.group(2)) == folder / "checkpoints" / checkpoint_name(stopped)
+    assert checkpoint_files(folder) == ([stopped], []) and logged_steps(folder) == stopped
+    # SIGKILL at a random moment after the next step: inside a step, a save, or between them.
+    child = start_child(chaos_flags(folder, kjv_folder))
+    wait_for_a_new_step(child, folder, after=stopped)
+    time.sleep(random.uniform(0.0, 0.3))
+    child.kill()
+    child.communicate()
+    checkpoint_files(folder)  # whatever it had written verifies
+    finished = run_child(chaos_flags(folder, kjv_folder))
+    assert finished.returncode == 0, finished.stderr
+    assert_same_as_reference(folder, reference)
+
+
+def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
+    import exactresume.job as job_module
+    from exactresume.cli import build_parser, cmd_train
+
+    def interrupt_at_step_3(record):
+        if record.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives mid-loop, as Ctrl-C would
+
+    run_job = job_module.run_job
+    monkeypatch.setattr(job_module, "run_job", lambda job: run_job(job, on_step=interrupt_at_step_3))
+    args = build_parser().parse_args(list(map(str, train_flags(tmp_path, kjv_folder, "--resume", "auto"))))
+    assert cmd_train(args) == 75
+    assert checkpoint_files(tmp_path) == ([3], []) and logged_steps(tmp_path) == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+
+
+# -- full disk --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 30 MB file system (tmpfs): room for one 20 MB checkpoint, not two."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_full_disk_stops_with_previous_checkpoint_intact_then_resumes(small_disk, kjv_folder, reference):
+    folder = small_disk / "run"
+    finished = call_cli(*chaos_flags(folder, kjv_folder))  # a refusal: in this process, on one thread
+    assert_storage_error(finished, "No space left on device", "step 4", "step-00000002.pth is intact")
+    assert checkpoint_files(folder) == ([2], [])
+    assert not (folder / "final.pth").exists()
+    subprocess.run(["mount", "-o", "remount,size=100m", str(small_disk)], check=True)  # space freed
+    finished = run_child(chaos_flags(folder, kjv_folder))
+    assert finished.returncode == 0, finished.stderr
+    assert_same_as_reference(folder, reference)
+
+
+@pytest.mark.parametrize("stage", ["write", "fsync", "rename", "folder-fsync", "verify"])
+@pytest.mark.parametrize("error", ["enospc", "eio"])
+def test_io_error_at_each_save_stage_stops_cleanly(tmp_path, kjv_folder, monkeypatch, stage, error):
+    monkeypatch.setenv(FAULT_ENV, f"{stage}@2:{error}")
+    finished = call_cli(*chaos_flags(tmp_path, kjv_folder))
+    assert_storage_error(finished, "checkpoint at step 4", "ENOSPC" if error == "enospc" else "EIO",
+                         "step-00000002.pth is intact")
+    assert checkpoint_files(tmp_path) == ([2], [])
+    assert not (tmp_path / "final.pth").exists()
+
+
+# -- bad inputs: exit 2, one line, nothing overwritten -----------------------------------------------
+
+@pytest.fixture
+def victim(tmp_path) -> Path:
+    """An output folder holding files a refused command must not touch."""
+    folder = tmp_path / "victim"
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "log.csv").write_text("step,train_loss\n1,1.000000\n")
+    (folder / "final.pth").write_bytes(b"precious weights")
+    return folder
+
+
+def damaged(good: bytes, damage: str) -> bytes:
+    kind, _, where = damage.partition(":")
+    offset = {"1": 1, "100": 100, "4096": 4096, "half": len(good) // 2, "end-1": len(good) - 1,
+              "end-30": len(good) - 30, "end-10": len(good) - 10}.get(where, 0)
+    if kind == "truncate":
+        return good[:offset]
+    if kind == "flip":
+        return good[:offset] + bytes([good[offset] ^ 0x01]) + good[offset + 1:]
+    return {"empty": b"", "random": random.Random(3).randbytes(100_000)}[kind]
+
+
+@pytest.mark.parametrize("damage, reason", [
+    *[(f"truncate:{where}", "truncated") for where in ("1", "100", "4096", "half", "end-30", "end-1")],
+    *[(f"flip:{where}", "checksum mismatch") for where in ("100", "half", "end-10")],
+    ("empty", "empty"), ("random", "truncated, or not written by exactresume"),
+])
+def test_damaged_checkpoint_is_refused(tmp_path, kjv_folder, reference, victim, damage, reason):
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(damaged((reference / "checkpoints" / checkpoint_name(8)).read_bytes(), damage))
+    before, bad_bytes = tree(victim), bad.read_bytes()
+    finished = call_cli(*train_flags(victim, kjv_folder, "--save-every", 2, "--resume", bad))
+    assert_one_line_error(finished, str(bad), reason)
+    assert tree(victim) == before and bad.read_bytes() == bad_bytes
+
+
+def test_foreign_files_are_refused(tmp_path, kjv_folder, reference, victim):
+    state = read_weights(reference / "final.pth")[0]
+    save_file({name: tensor.clone() for name, tensor in state.items()}, tmp_path / "model.safetensors")
+    torch.save(state, tmp_path / "plain.pth")
+    before = tree(victim)
+    for path, reason in ((tmp_path / "model.safetensors", "no exactresume checksum"),
+                         (tmp_path / "plain.pth", "no exactresume checksum"),
+                         (reference / "final.pth", "weights file, not a resume file")):
+        finished = call_cli(*train_flags(victim, kjv_folder, "--resume", path))
+        assert_one_line_error(finished, str(path), reason)
+    assert tree(victim) == before
+
+
+def test_sealed_pickle_payload_does_not_run(tmp_path, kjv_folder, victim):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = victim / "checkpoints" / checkpoint_name(6)
+    save_sealed(evil, {"format": "exactresume.resume", "payload": Payload()})  # its checksum is right
+    before = tree(victim)
+    assert_one_line_error(call_cli(*train_flags(tmp_path / "out", kjv_folder, "--resume", evil)), str(evil), "not a loadable")
+    assert_one_line_error(call_cli(*train_flags(tmp_path / "out", kjv_folder, "--resume", evil.parent)),
+                          str(evil.parent), "holds no complete checkpoint", "not a loadable")
+    assert tree(victim) == before
+    finished = call_cli(*train_flags(victim, kjv_folder, "--resume", "auto", "--stop-at", 1))
+    assert finished.returncode == 0, finished.stderr
+    assert re.search(rf"skipping damaged checkpoint {re.escape(str(evil))}: not a loadable", finished.stderr)
+    assert not marker.exists()
+
+
+def test_folder_of_only_tmp_leftovers(tmp_path, kjv_folder, victim):
+    leftover = victim / "checkpoints" / "step-00000004.pth.tmp"
+    leftover.write_bytes(b"half a checkpoint")
+    finished = call_cli(*train_flags(tmp_path / "out", kjv_folder, "--resume", victim / "checkpoints"))
+    assert_one_line_error(finished, "holds no complete checkpoint", "1 .tmp leftover")
+    assert leftover.exists()  # someone else's folder: nothing deleted
+    finished = call_cli(*train_flags(victim, kjv_folder, "--resume", "auto", "--stop-at", 1))
+    assert finished.returncode == 0, finished.stderr
+    assert "no checkpoint in" in finished.stdout and not leftover.exists()  # our own store: cleaned, fresh start
+
+
+def test_different_run_is_refused_naming_each_field(tmp_path, kjv_folder, reference, victim):
+    newest = reference / "checkpoints" / checkpoint_name(8)
+    before = tree(victim)
+    finished = call_cli(*train_flags(victim, kjv_folder, "--resume", newest, "--steps", 12, "--lr", 0.001))
+    assert_one_line_error(finished, "different run", "train.lr 0.003 in file, 0.001 now", "train.steps 8 in file, 12 now")
+    assert tree(victim) == before
+    (victim / "checkpoints" / checkpoint_name(8)).write_bytes(newest.read_bytes())
+    before = tree(victim)
+    finished = call_cli(*train_flags(victim, kjv_folder, "--resume", "auto", "--batch", 3))
+    assert_one_line_error(finished, "different run", "train.batch 2 in file, 3 now")
+    assert tree(victim) == before
+
+
+def test_allow_change_extends_steps_on_purpose(tmp_path, kjv_folder, reference):
+    newest = reference / "checkpoints" / checkpoint_name(8)
+    finished = call_cli(*train_flags(tmp_path, kjv_folder, "--resume", newest, "--steps", 12, "--allow-change", "steps",
+                                     "--save-every", 4))
+    assert finished.returncode == 0, finished.stderr
+    assert "train.steps 8 in file, 12 now" in finished.stdout and "lr at step 8 was 0.0003 on the old schedule" in finished.stdout
+    assert [line.split(",")[0] for line in (tmp_path / "log.csv").read_text().splitlines()[1:]] == ["9", "10", "11", "12"]
+    assert torch.load(tmp_path / "checkpoints" / checkpoint_name(12), weights_only=True)["config"]["train"]["steps"] == 12
+    assert_one_line_error(call_cli(*train_flags(tmp_path, kjv_folder, "--allow-change", "hidden_size")),
+                          "--allow-change hidden_size")
+
+
+def test_unwritable_output_folders(tmp_path, kjv_folder):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert_one_line_error(call_cli(*train_flags(blocker / "out", kjv_folder, "--save-every", 2)), "a-file")
+    (tmp_path / "out" / "checkpoints").parent.mkdir()
+    (tmp_path / "out" / "checkpoints").write_text("a file where the checkpoint folder goes")
+    assert_one_line_error(call_cli(*train_flags(tmp_path / "out", kjv_folder, "--save-every", 2)), "checkpoints")
+    finished = call_cli(*train_flags(tmp_path / "ok", kjv_folder, "--log", blocker / "log.csv"))
+    assert_one_line_error(finished, "a-file")
+    # /sys is read-only even for root, which chmod would not stop.
+    assert_one_line_error(call_cli(*train_flags(Path("/sys/exactresume-test"), kjv_folder, "--save-every", 2)),
+                          "/sys/exactresume-test")
+
+
+# -- the README's library example -----------------------------------------------------------------
+
+def readme_library_example() -> str:
+    section = README.read_text().split("**In your own loop.**", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_library_example_survives_a_kill_mid_save(tmp_path, monkeypatch):
+    script = tmp_path / "example.py"
+    script.write_text(readme_library_example())
+    killed = subprocess.run([sys.executable, script, tmp_path / "killed"], capture_output=True, text=True,
+                            env=CHILD_ENV | {FAULT_ENV: "write@3"})
+    assert killed.returncode == -signal.SIGKILL
+    assert (tmp_path / "killed" / "checkpoints" / "step-00000030.pth.tmp").exists()
+    resumed = subprocess.run([sys.executable, script, tmp_path / "killed"], capture_output=True, text=True, env=CHILD_ENV)
+    assert resumed.returncode == 0 and "trained steps 21 to 40" in resumed.stdout, resumed.stderr
+    monkeypatch.setattr(sys, "argv", [str(script), str(tmp_path / "straight")])
+    runpy.run_path(str(script), run_name="__main__")  # the uninterrupted run, in this process
+    a, b = torch.load(tmp_path / "straight" / "final.pt"), torch.load(tmp_path / "killed" / "final.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
