@@ -60,18 +60,26 @@ class GlobalRng:
 
 
 class RunIdentity:
-    """What makes two runs the same run; restoring it checks, and refuses a different run."""
+    """What makes two runs the same run; restoring it checks, and refuses a different run.
 
-    def __init__(self, identity: dict):
-        self.identity = identity
+    `defaults` holds the values of fields added after a file was written: a file without such a
+    field was written by a run that behaved as its default does."""
+
+    def __init__(self, identity: dict, defaults: dict | None = None):
+        self.identity, self.defaults = identity, defaults or {}
 
     def state_dict(self) -> dict:
         return self.identity
 
     def load_state_dict(self, state: dict) -> None:
-        differences = describe_differences(state, self.identity)
+        differences = describe_differences(with_defaults(state, self.defaults), self.identity)
         if differences:
             raise CheckpointError(f"the resume file was made by a different run: {'; '.join(differences)}")
+
+
+def with_defaults(saved: dict, defaults: dict) -> dict:
+    """`saved` with the fields it lacks in each section taken from `defaults` (saved values win)."""
+    return {key: defaults.get(key, {}) | value if isinstance(value, dict) else value for key, value in saved.items()}
 
 
 def describe_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
