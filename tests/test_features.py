@@ -21,6 +21,8 @@ from exactresume.checkpoint import load_resume, restore
 from exactresume.compare import read_loss_log, read_samples
 from exactresume.config import TrainConfig
 from exactresume.data import load_tokens
+from exactresume.errors import CheckpointError
+from exactresume.sealed import save_sealed
 from exactresume.train import build_run, lr_at, train
 from exactresume.weights import read_weights
 
@@ -59,7 +61,7 @@ def test_resume_file_holds_the_loader_position_and_the_scaler(tmp_path, kjv_fold
     assert call_cli("train", "--out", tmp_path / "e", "--data", tiny_folder, *SMALL, *EPOCH, "--stop-at", 3).returncode == 0
     state = torch.load(tmp_path / "e" / "resume.pth", weights_only=True)
     assert (state["gen_state"]["epoch"], state["gen_state"]["cursor"]) == (0, 3)
-    assert state["scaler"] == {}  # fp32: no loss scaler
+    assert "scaler" not in state  # fp32: no loss scaler
     assert call_cli("train", "--out", tmp_path / "h", "--data", kjv_folder, *SMALL, "--dtype", "fp16", "--stop-at", 2).returncode == 0
     state = load_resume(tmp_path / "h" / "resume.pth")
     assert state["scaler"]["scale"] == 65536.0 and state["scaler"]["_growth_tracker"] == 2  # 2 steps without overflow
@@ -108,3 +110,17 @@ def test_resuming_with_another_feature_setting_is_refused(tmp_path, kjv_folder):
     assert call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--stop-at", 2).returncode == 0
     refused = call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--dropout", "0.1", "--resume", tmp_path / "resume.pth")
     assert_one_line_error(refused, "different run", "dropout")
+
+
+def test_a_resume_file_from_before_the_feature_fields_resumes_with_their_defaults(tmp_path, kjv_folder):
+    assert call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--stop-at", 2).returncode == 0
+    state = load_resume(tmp_path / "resume.pth")
+    for name in ("grad_accum", "dropout", "dtype", "loader", "warmup", "device"):
+        del state["config"]["train"][name]
+    save_sealed(tmp_path / "old.pth", state)
+    data = load_tokens(kjv_folder)
+    run = build_run(TrainConfig(steps=8, batch=2, seq_len=16), data)
+    restore(load_resume(tmp_path / "old.pth"), run.parts())
+    assert run.step.value == 2
+    with pytest.raises(CheckpointError, match="dropout"):
+        restore(load_resume(tmp_path / "old.pth"), build_run(TrainConfig(steps=8, batch=2, seq_len=16, dropout=0.1), data).parts())

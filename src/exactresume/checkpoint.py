@@ -1,10 +1,10 @@
 """The resume file: every part a run needs to continue exactly, captured, saved, verified, restored.
 
 Layout (a plain dict of tensors and Python values, so `torch.load(path, weights_only=True)` reads it):
-`{"format", "version", "config", "model", "optimizer", "scaler", "step", "gen_state", "rng"}`, one key
-per part. Weights are stored in fp32 as trained, never rounded. `gen_state` is the data position of
-whichever loader the run uses; `scaler` is fp16's GradScaler (empty in fp32 and bf16). A file holds
-no gradients: it is written only between optimizer steps, never inside gradient accumulation. `restore(..., skip=...)` leaves parts out on
+`{"format", "version", "config", "model", "optimizer", "step", "gen_state", "rng"}`, one key per part,
+and `scaler` (the GradScaler) in fp16 runs only. Weights are stored in fp32 as trained, never
+rounded. `gen_state` is the data position of whichever loader the run uses. A file holds no
+gradients: it is written only between optimizer steps, never inside gradient accumulation. `restore(..., skip=...)` leaves parts out on
 purpose: the lab's `--no-optim` and `--no-skip` are this same code with one part skipped.
 """
 
@@ -18,9 +18,10 @@ from .parts import Stateful
 from .sealed import load_sealed, save_sealed
 
 RESUME_FORMAT = "exactresume.resume"
-RESUME_VERSION = 2  # 2 added the `scaler` part
+RESUME_VERSION = 1
 # config first: a resume file from a different run is refused before anything is overwritten.
 PART_NAMES = ("config", "model", "optimizer", "scaler", "step", "gen_state", "rng")
+OPTIONAL_PARTS = ("scaler",)  # held only by runs that have one; the config says which
 
 
 def capture(parts: Mapping[str, Stateful]) -> dict:
@@ -36,6 +37,8 @@ def restore(state: Mapping, parts: Mapping[str, Stateful], skip: Collection[str]
     ordered = [name for name in PART_NAMES if name in parts] + [name for name in parts if name not in PART_NAMES]
     for name in ordered:
         if name not in skip:
+            if name not in state:
+                raise CheckpointError(f"the resume file lacks the part {name} this run needs")
             parts[name].load_state_dict(state[name])
 
 
@@ -51,7 +54,7 @@ def check_resume_state(path: Path, state: object) -> dict:
         raise CheckpointError(f"{path} is {kind}, not a resume file")
     if state.get("version") != RESUME_VERSION:
         raise CheckpointError(f"{path} has resume format version {state.get('version')}; this exactresume reads version {RESUME_VERSION}")
-    missing = [name for name in PART_NAMES if name not in state]
+    missing = [name for name in PART_NAMES if name not in state and name not in OPTIONAL_PARTS]
     if missing:
         raise CheckpointError(f"{path} lacks the parts {', '.join(missing)}")
     return state

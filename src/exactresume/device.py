@@ -4,7 +4,7 @@ the loss scaler.
 Weights, gradients and optimizer moments stay fp32 in every precision; `--dtype bf16|fp16` only
 autocasts the forward pass. fp16's narrow exponent needs a GradScaler, whose scale and growth
 counter change during training and are therefore a part of the resume file (`scaler`); for fp32
-and bf16 the scaler is disabled and its part is empty.
+and bf16 the scaler is disabled, passes everything through, and is not in the file.
 """
 
 from __future__ import annotations

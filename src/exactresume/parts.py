@@ -78,21 +78,28 @@ class RunIdentity:
     `allowed` names fields (dotted, e.g. "train.steps") a resume may change on purpose; the
     differences it let through are in `accepted` after a restore. The identity saved from then on
     is the current one, so later resumes check against the changed run.
+    `defaults` holds the values of fields added after a file was written: a file without such a
+    field was written by a run that behaved as its default does.
     """
 
-    def __init__(self, identity: dict, allowed: frozenset[str] = frozenset()):
-        self.identity, self.allowed = identity, allowed
+    def __init__(self, identity: dict, allowed: frozenset[str] = frozenset(), defaults: dict | None = None):
+        self.identity, self.allowed, self.defaults = identity, allowed, defaults or {}
         self.accepted: list[tuple[str, Any, Any]] = []
 
     def state_dict(self) -> dict:
         return self.identity
 
     def load_state_dict(self, state: dict) -> None:
-        differences = differing_fields(state, self.identity)
+        differences = differing_fields(with_defaults(state, self.defaults), self.identity)
         refused = [difference for difference in differences if difference[0] not in self.allowed]
         if refused:
             raise CheckpointError(f"the resume file was made by a different run: {'; '.join(map(describe, refused))}")
         self.accepted = differences
+
+
+def with_defaults(saved: dict, defaults: dict) -> dict:
+    """`saved` with the fields it lacks in each section taken from `defaults` (saved values win)."""
+    return {key: defaults.get(key, {}) | value if isinstance(value, dict) else value for key, value in saved.items()}
 
 
 def differing_fields(saved: dict, current: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:

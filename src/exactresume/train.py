@@ -61,8 +61,11 @@ class Run:
     device: torch.device
 
     def parts(self) -> dict[str, Stateful]:
-        return {"config": self.identity, "model": self.model, "optimizer": self.optimizer, "scaler": self.scaler,
-                "step": self.step, "gen_state": self.batches, "rng": self.rng}
+        parts = {"config": self.identity, "model": self.model, "optimizer": self.optimizer,
+                 "step": self.step, "gen_state": self.batches, "rng": self.rng}
+        if self.scaler.is_enabled():  # fp16 only: the loss scale and its growth counter
+            parts["scaler"] = self.scaler
+        return parts
 
 
 def seed_everything(seed: int) -> None:
@@ -77,8 +80,16 @@ RESULT_NEUTRAL_FIELDS = ("workers",)
 
 def run_identity(config: TrainConfig, data: TokenData) -> dict:
     """The fields that must match for a resume to continue the same run."""
-    train_fields = {k: v for k, v in config.to_dict().items() if k not in RESULT_NEUTRAL_FIELDS}
-    return {"train": train_fields, "model": model_config(config, data).to_dict(), "data": data.fingerprint}
+    return {"train": result_fields(config), "model": model_config(config, data).to_dict(), "data": data.fingerprint}
+
+
+def result_fields(config: TrainConfig) -> dict:
+    return {k: v for k, v in config.to_dict().items() if k not in RESULT_NEUTRAL_FIELDS}
+
+
+def identity_part(config: TrainConfig, data: TokenData) -> RunIdentity:
+    """The `config` part; a file written before a field existed is read with that field's default."""
+    return RunIdentity(run_identity(config, data), defaults={"train": result_fields(TrainConfig())})
 
 
 def model_config(config: TrainConfig, data: TokenData) -> ModelConfig:
@@ -100,7 +111,7 @@ def build_run(config: TrainConfig, data: TokenData) -> Run:
     model = MiniMindLM(model_config(config, data)).to(device)  # initialised on the CPU: the same on every device
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     return Run(config, model, optimizer, StepCounter(0), make_loader(config, data), GlobalRng(),
-               RunIdentity(run_identity(config, data)), loss_scaler(config, device), device)
+               identity_part(config, data), loss_scaler(config, device), device)
 
 
 def micro_batches(batch: Batch, rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
