@@ -80,5 +80,7 @@ def test_markdown_rewrites_only_the_readme_block(tmp_path):
     assert copy.read_text() == original
 
 
-def test_ablate_without_out_or_markdown_is_a_one_line_error():
+def test_ablate_without_out_or_markdown_is_a_one_line_error(tmp_path):
     assert_one_line_error(call_cli("ablate"), "--out")
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    assert_one_line_error(call_cli("ablate", "--markdown", tmp_path / "other.json"), "not an ablation.json")

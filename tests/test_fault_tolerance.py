@@ -120,17 +120,19 @@ STAGE_KILLS = [
 ]
 
 
-def test_kills_inside_each_save_stage_then_auto_resume_is_bit_exact(tmp_path, kjv_folder, reference):
+@pytest.mark.parametrize("writer", [[], ["--async-save"]], ids=["sync", "async"])
+def test_kills_inside_each_save_stage_then_auto_resume_is_bit_exact(tmp_path, kjv_folder, reference, writer):
+    """With --async-save the kills land in the background writer while the loop trains on."""
     folder = tmp_path / "run"
     for fault, steps, leftovers in STAGE_KILLS:
-        finished = run_child(chaos_flags(folder, kjv_folder), fault=fault)
+        finished = run_child(chaos_flags(folder, kjv_folder) + writer, fault=fault)
         assert finished.returncode == -signal.SIGKILL, (fault, finished.stderr)
         assert checkpoint_files(folder) == (steps, leftovers), fault
     # The newest checkpoint damaged after the last kill: auto-resume says so and uses the one before.
     newest = folder / "checkpoints" / checkpoint_name(6)
     data = newest.read_bytes()
     newest.write_bytes(data[:5000] + bytes([data[5000] ^ 0x10]) + data[5001:])
-    finished = run_child(chaos_flags(folder, kjv_folder))
+    finished = run_child(chaos_flags(folder, kjv_folder) + writer)
     assert finished.returncode == 0, finished.stderr
     assert re.search(r"skipping damaged checkpoint .*step-00000006\.pth: checksum mismatch", finished.stderr)
     assert f"resumed from {folder / 'checkpoints' / checkpoint_name(4)} at step 4" in finished.stdout
@@ -183,7 +185,11 @@ def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
             os.kill(os.getpid(), signal.SIGINT)  # arrives mid-loop, as Ctrl-C would
 
     run_job = job_module.run_job
-    monkeypatch.setattr(job_module, "run_job", lambda job: run_job(job, on_step=interrupt_at_step_3))
+
+    def run_job_interrupted(job, on_step=lambda record: None, **callbacks):
+        return run_job(job, on_step=lambda record: (on_step(record), interrupt_at_step_3(record)), **callbacks)
+
+    monkeypatch.setattr(job_module, "run_job", run_job_interrupted)
     args = build_parser().parse_args(list(map(str, train_flags(tmp_path, kjv_folder, "--resume", "auto"))))
     assert cmd_train(args) == 75
     assert checkpoint_files(tmp_path) == ([3], []) and logged_steps(tmp_path) == 3

@@ -11,6 +11,10 @@ import torch
 
 from conftest import run_cli
 from exactresume.ablate import render_table
+from exactresume.captions import caption_values
+from exactresume.compare import read_loss_log
+from exactresume.divergence import read_divergence
+from exactresume.figures import FIGURES
 from exactresume.report import HEADINGS, render_report
 from exactresume.weights import read_weights
 
@@ -22,7 +26,8 @@ LAB_FILES = ["straight.pth", "straight_log.csv", "resume.pth", "resumed.pth", "r
 def default_lab(tmp_path_factory, kjv_folder):
     """The lab with its defaults (60 steps, stop at 30, batch 8, length 128): run once per module."""
     out = tmp_path_factory.mktemp("lab")
-    run_cli("lab", "--data", kjv_folder, "--out", out, check=True)
+    finished = run_cli("lab", "--data", kjv_folder, "--out", out, check=True)
+    (out.parent / "lab_stdout.txt").write_text(finished.stdout)  # beside the lab folder, not in it
     return out
 
 
@@ -77,11 +82,53 @@ def test_report_has_headings_and_numbers_from_the_json(default_lab):
     assert f"{noopt['max_abs_diff']:.3e}" in report
 
 
-@pytest.mark.parametrize("lang", ["en", "zh"])
-def test_report_languages_keep_korean_headings(default_lab, lang):
+def numbers_in_every_language(folder) -> list[str]:
+    """Numbers the report must show whatever its language, formatted as the report formats them."""
+    fp16, optim = json.loads((folder / "fp16.json").read_text()), json.loads((folder / "optim.json").read_text())
+    values = caption_values(folder)
+    return [f"{fp16['fp16_bytes']:,}", f"{optim['ratio']:.3f}", f"{values['noopt_max_abs_diff']:.3e}",
+            f"{values['noskip_rel_l2']:.3e}", f"{values['optimizer_moments_bytes']:,}", f"{values['rest_bytes']:,}",
+            f"{values['noskip_max_loss_diff']:.4f}", f"{values['resumed_zero_steps']}"]
+
+
+@pytest.mark.parametrize("lang", ["ko", "en", "zh"])
+def test_report_languages_keep_korean_headings_and_the_numbers(default_lab, lang):
     report = render_report(default_lab, lang)
-    assert all(heading in report for heading in HEADINGS)
-    assert f"{json.loads((default_lab / 'fp16.json').read_text())['fp16_bytes']:,}" in report
+    positions = [report.index(heading) for heading in HEADINGS]
+    assert positions == sorted(positions)
+    for number in numbers_in_every_language(default_lab):
+        assert number in report, number
+    assert all(f"({name}.png)" in report for name in FIGURES)
+
+
+def test_figures_are_written_and_linked(default_lab):
+    report = (default_lab / "report.md").read_text()
+    linked = re.findall(r"!\[[^\]]+\]\(([^)]+)\)", report)
+    assert sorted(linked) == sorted(f"{name}.png" for name in FIGURES)
+    for name in linked:
+        data = (default_lab / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, name
+
+
+def test_divergence_was_logged_while_training(default_lab):
+    compare = json.loads((default_lab / "compare.json").read_text())
+    straight_log = read_loss_log(default_lab / "straight_log.csv")
+    for name in ("noopt", "noskip"):
+        rows = read_divergence(default_lab / "details" / f"{name}_divergence.csv")
+        assert [row["step"] for row in rows] == list(range(31, 61))
+        # The twin is the uninterrupted run: its losses are straight's log, row for row ...
+        assert all(row["reference_loss"] == straight_log[row["step"]] for row in rows)
+        # ... and its last distance is the one measured between the final files, to the bit.
+        final = compare["runs"][name]
+        assert (rows[-1]["max_abs_diff"], rows[-1]["rel_l2"]) == (final["max_abs_diff"], final["rel_l2"])
+        assert 0 < rows[0]["max_abs_diff"] < rows[-1]["max_abs_diff"]
+
+
+def test_lab_progress_is_plain_lines_in_a_pipe(default_lab):
+    output = (default_lab.parent / "lab_stdout.txt").read_text()
+    assert "\r" not in output
+    assert re.search(r"^\[3/8\] resumed: step 60/60 loss \d+\.\d{4} [\d.]+ steps/s$", output, re.MULTILINE)
+    assert re.search(r"^\[8/8\] report\.md", output, re.MULTILINE)
 
 
 def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
@@ -98,7 +145,8 @@ def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
 
 
 def test_report_carries_the_ablation_table_when_the_lab_ran_one(default_lab, tmp_path):
-    for name in ("fp16.json", "optim.json", "compare.json", "resume.pth"):
+    for name in ("fp16.json", "optim.json", "compare.json", "resume.pth", "details/resume_sizes.json"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes((default_lab / name).read_bytes())
     assert "| setup |" not in render_report(tmp_path, "en")
     ablation = Path(__file__).resolve().parents[1] / "docs" / "ablation.json"

@@ -78,3 +78,33 @@ def test_load_model_reads_resume_file_with_its_config(tmp_path):
     state.update(step=0, gen_state=torch.Generator().get_state(), rng={})
     torch.save(state, tmp_path / "complete.pth")
     assert load_model(tmp_path / "complete.pth").config == config
+
+
+def test_fused_norm_and_head_loss_have_exact_gradients():
+    from torch.autograd import gradcheck
+
+    from exactresume.model import _HeadCrossEntropy, _RMSNormFunction
+
+    x, weight = torch.randn(3, 5, 8, dtype=torch.double, requires_grad=True), torch.randn(8, dtype=torch.double, requires_grad=True)
+    assert gradcheck(lambda a, b: _RMSNormFunction.apply(a, b, 1e-6), (x, weight))
+    # 40 tokens over a 7-token vocabulary: several chunks of rows, the last one short.
+    hidden, head = torch.randn(40, 6, dtype=torch.double, requires_grad=True), torch.randn(7, 6, dtype=torch.double, requires_grad=True)
+    targets = torch.randint(0, 7, (40,))
+    assert gradcheck(lambda a, b: _HeadCrossEntropy.apply(a, b, targets), (hidden, head))
+
+
+def test_training_loss_matches_plain_cross_entropy():
+    torch.manual_seed(0)
+    model = MiniMindLM(ModelConfig(hidden_size=64, num_hidden_layers=2, vocab_size=300))
+    inputs, targets = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    fused = model.loss(inputs, targets)
+    fused.backward()
+    fused_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    plain = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    plain.backward()
+    assert abs(fused.item() - plain.item()) < 1e-5
+    for name, p in model.named_parameters():
+        assert torch.allclose(fused_grads[name], p.grad, atol=1e-6, rtol=1e-4), name
+    with torch.no_grad():
+        assert abs(model.loss(inputs, targets).item() - plain.item()) < 1e-5

@@ -4,8 +4,9 @@ Layout (a plain dict of tensors and Python values, so `torch.load(path, weights_
 `{"format", "version", "config", "model", "optimizer", "step", "gen_state", "rng"}`, one key per part,
 and `scaler` (the GradScaler) in fp16 runs only. Weights are stored in fp32 as trained, never
 rounded. `gen_state` is the data position of whichever loader the run uses. A file holds no
-gradients: it is written only between optimizer steps, never inside gradient accumulation. `restore(..., skip=...)` leaves parts out on
-purpose: the lab's `--no-optim` and `--no-skip` are this same code with one part skipped.
+gradients: it is written only between optimizer steps, never inside gradient accumulation.
+`restore(..., skip=...)` leaves parts out on purpose: the lab's `--no-optim` and `--no-skip` are
+this same code with one part skipped.
 """
 
 from __future__ import annotations

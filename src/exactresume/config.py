@@ -100,9 +100,12 @@ class TrainConfig:
     workers: int = 0  # DataLoader worker processes (--loader epoch); they never change the result
     warmup: int = 0  # linear lr warmup steps before the cosine schedule
     device: str = "cpu"  # "cpu" or "cuda"
+    # CPU threads per operation. The result depends on it (parallel sums split by thread), so it
+    # is part of the run; one thread is also the fastest for these small models on a shared machine.
+    threads: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch", "seq_len", "grad_accum"):
+        for name in ("steps", "batch", "seq_len", "grad_accum", "threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not self.lr > 0:

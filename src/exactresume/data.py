@@ -28,6 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .atomic import atomic_write_bytes, ensure_writable_folder
 from .errors import UserError
+from .progress import Progress
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2, MiniMind's order
 END_OF_TEXT = SPECIAL_TOKENS[0]
@@ -43,6 +44,7 @@ MANIFEST_FILE = "manifest.json"
 BYTE_ALPHABET_SIZE = 256
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + BYTE_ALPHABET_SIZE  # the trainer always keeps all 256 bytes
 MAX_VOCAB_SIZE = 1 << 16  # ids are stored as uint16
+ENCODE_CHUNK = 128  # documents per encode_batch call
 
 Log = Callable[[str], object]
 
@@ -258,9 +260,16 @@ def load_user_tokenizer(path: Path, data: bytes) -> Tokenizer:
 # The token stream
 
 
-def encode_documents(tokenizer: Tokenizer, documents: list[str], end_of_text_id: int) -> np.ndarray:
+def encode_documents(tokenizer: Tokenizer, documents: list[str], end_of_text_id: int,
+                     progress: Progress | None = None) -> np.ndarray:
     """All documents as one uint16 stream, each followed by `end_of_text_id`."""
-    encodings = tokenizer.encode_batch(documents, add_special_tokens=False)
+    encodings = []
+    for first in range(0, len(documents), ENCODE_CHUNK):  # chunks only so progress can be shown
+        encodings += tokenizer.encode_batch(documents[first : first + ENCODE_CHUNK], add_special_tokens=False)
+        if progress is not None:
+            progress.update(len(encodings))
+    if progress is not None:
+        progress.close()
     lengths = [len(encoding.ids) + 1 for encoding in encodings]
     stream = np.empty(sum(lengths), dtype=np.uint16)
     start = 0
@@ -316,7 +325,7 @@ def reusable_manifest(out: Path, key: dict) -> Manifest | None:
     return manifest if all(recorded[name] == value for name, value in key.items()) else None
 
 
-def prepare(config: PrepareConfig, out: Path, log: Log = print) -> Manifest:
+def prepare(config: PrepareConfig, out: Path, log: Log = print, progress_mode: str = "none") -> Manifest:
     """Write out/tokenizer.json, train.npy, val.npy and manifest.json, or reuse them if current."""
     out = ensure_writable_folder(Path(out))
     corpus_path = Path(config.corpus) if config.corpus is not None else default_corpus_path()
@@ -335,7 +344,9 @@ def prepare(config: PrepareConfig, out: Path, log: Log = print) -> Manifest:
     log(f"corpus {corpus_path}: {len(corpus_data) / 1e6:.1f} MB, {len(documents)} documents")
     tokenizer, tokenizer_bytes = make_tokenizer(config, documents, tokenizer_data, log)
     end_of_text_id = tokenizer.token_to_id(END_OF_TEXT)
-    train, val = split_tokens(encode_documents(tokenizer, documents, end_of_text_id), config.val_fraction)
+    encoding = Progress(len(documents), "prepare: encode", progress_mode, unit="document")
+    stream = encode_documents(tokenizer, documents, end_of_text_id, encoding)
+    train, val = split_tokens(stream, config.val_fraction)
     manifest = Manifest(
         version=FORMAT_VERSION,
         corpus=str(corpus_path.resolve()),

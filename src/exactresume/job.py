@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import ensure_writable_folder, tmp_path
+from .background import BackgroundSaveFailed, BackgroundSaver
 from .checkpoint import PART_NAMES, load_resume, restore, save_resume
 from .config import TrainConfig
 from .data import load_tokens
@@ -53,6 +54,7 @@ class TrainJob:
     save_every: int | None = None  # also checkpoint to out/checkpoints every N steps and at the end
     keep: int | None = 3  # newest checkpoints kept in out/checkpoints; None keeps all
     allow_change: frozenset[str] = field(default_factory=frozenset)  # keys of ALLOWED_CHANGES
+    async_save: bool = False  # checkpoints written by a background thread after a copy of the state
 
     def __post_init__(self) -> None:
         if self.stop_at is not None and not 1 <= self.stop_at < self.config.steps:
@@ -61,6 +63,8 @@ class TrainJob:
             raise UserError("--no-optim and --no-skip only make sense with --resume")
         if self.save_every is not None and self.save_every < 1:
             raise UserError(f"--save-every must be at least 1, got {self.save_every}")
+        if self.async_save and self.save_every is None:
+            raise UserError("--async-save needs --save-every N: it changes how the periodic checkpoints are written")
         if self.keep is not None and self.keep < 1:
             raise UserError(f"--keep must be at least 1 (0 keeps every checkpoint), got {self.keep}")
         unknown = sorted(set(self.allow_change) - set(ALLOWED_CHANGES))
@@ -141,21 +145,41 @@ class RunLogs:
 
 
 class Checkpointer:
-    """The job's saves into its store: log rows made durable first, each step saved at most once."""
+    """The job's saves into its store: log rows made durable first, each step saved at most once.
 
-    def __init__(self, store: CheckpointStore, logs: RunLogs, saved_step: int | None):
+    With a BackgroundSaver a save returns once the state is copied; `wait` is the point where the
+    last one is durable (the end of the run and a preemption call it before exiting).
+    """
+
+    def __init__(self, store: CheckpointStore, logs: RunLogs, saved_step: int | None, background: bool = False):
         self.store, self.logs, self.saved_step = store, logs, saved_step
+        self.background = BackgroundSaver(store) if background else None
 
     def save(self, run: Run) -> Path:
         step = run.step.value
         if step != self.saved_step:
             self.logs.sync()
-            try:
-                self.store.save(step, run.parts())
-            except OSError as error:
-                raise storage_error(f"the checkpoint at step {step} in {self.store.folder}", error, self._intact()) from None
+            with self._stopping_on_error(step):
+                (self.background or self.store).save(step, run.parts())
             self.saved_step = step
         return self.store.path_for(step)
+
+    def wait(self) -> None:
+        if self.background is not None:
+            with self._stopping_on_error(self.saved_step):
+                self.background.wait()
+
+    @contextlib.contextmanager
+    def _stopping_on_error(self, step: int | None):
+        try:
+            yield
+        except BackgroundSaveFailed as failed:  # an earlier step's save, found out now
+            if not isinstance(failed.error, OSError):
+                raise failed.error from None
+            raise storage_error(f"the checkpoint at step {failed.step} in {self.store.folder}", failed.error,
+                                self._intact()) from None
+        except OSError as error:
+            raise storage_error(f"the checkpoint at step {step} in {self.store.folder}", error, self._intact()) from None
 
     def _intact(self) -> str:
         existing = self.store.checkpoints()
@@ -211,6 +235,15 @@ def resume_run(job: TrainJob, run: Run, store: CheckpointStore) -> int:
     return run.step.value
 
 
+def prepare_run(job: TrainJob, store: CheckpointStore | None = None) -> Run:
+    """The run, built fresh and restored as --resume says (config checked first)."""
+    store = store or CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn)
+    run = build_run(job.config, load_tokens(job.data))
+    run.identity.allowed = frozenset(ALLOWED_CHANGES[name] for name in job.allow_change)
+    resume_run(job, run, store)
+    return run
+
+
 def _note_allowed_changes(run: Run, step: int) -> None:
     accepted = run.identity.accepted
     if not accepted:
@@ -243,18 +276,22 @@ def _write_outputs(job: TrainJob, run: Run) -> None:
         raise storage_error(str(path), error, "; nothing half-written was left") from None
 
 
-def run_job(job: TrainJob, on_step=lambda record: None) -> Run:
-    """Train as the job says and write its files; returns the finished run. Raises Preempted after saving."""
+def run_job(job: TrainJob, on_step=lambda record: None, on_start=lambda run: None) -> Run:
+    """Train as the job says and write its files; returns the finished run. Raises Preempted after saving.
+
+    `on_start(run)` sees the run once, restored and about to step; `on_step(record)` after each step.
+    """
     _check_outputs(job)
     store = CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn)
-    run = build_run(job.config, load_tokens(job.data))
-    run.identity.allowed = frozenset(ALLOWED_CHANGES[name] for name in job.allow_change)
     _remove_leftovers(job, store)
-    start = resume_run(job, run, store)
+    run = prepare_run(job, store)
+    start = run.step.value
     _note_allowed_changes(run, start)
     until = _target(job, start)
+    on_start(run)
     with RunLogs(job, start) as logs:
-        saver = Checkpointer(store, logs, saved_step=start if job.resume == AUTO_RESUME and start else None)
+        saver = Checkpointer(store, logs, saved_step=start if job.resume == AUTO_RESUME and start else None,
+                             background=job.async_save)
 
         def after_step(record: StepRecord) -> None:
             logs.record(record)
@@ -268,8 +305,10 @@ def run_job(job: TrainJob, on_step=lambda record: None) -> Run:
                 train(run, until, after_step)
         except Preempted as stop:
             stop.saved = saver.save(run)
+            saver.wait()
             raise
         if job.save_every:
             saver.save(run)
+            saver.wait()
         _write_outputs(job, run)
     return run

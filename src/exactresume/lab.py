@@ -2,15 +2,14 @@
 
 1 straight run, 2 stop at K with a resume file, 3 resume in a new process, 4 resume without the
 optimizer (noopt), 5 resume with the batch generator reseeded (noskip) — each training run in its
-own process — then 6 half precision, 7 optimizer vs weight elements, 8 the report. Numbers in the
-report come only from the files these steps write.
+own process — then 6 half precision, 7 optimizer vs weight elements, 8 the report and its figures.
+Numbers in the report come only from the files these steps write. noopt and noskip also step a
+fully restored twin alongside (`--divergence`), logging their drift from the uninterrupted run.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,16 +17,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import warm_start
 from .atomic import atomic_write_bytes, ensure_writable_folder
 from .checkpoint import load_resume
 from .compare import loss_differences, read_loss_log, read_samples, repeated_batches, weight_distance
 from .config import TrainConfig
 from .data import PrepareConfig, prepare
 from .errors import UserError
+from .inspection import resume_size_breakdown
 from .model import load_model
 from .weights import read_weights, save_weights
 
 DETAILS = "details"  # logs the report needs beyond the files the lab text names
+DIVERGENCE_RUNS = ("noopt", "noskip")  # also step a fully restored twin and log the distance per step
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ def _train_flags(config: LabConfig) -> list[str]:
     return ["--data", str(config.data), "--seed", str(t.seed), "--steps", str(t.steps), "--batch", str(t.batch),
             "--seq-len", str(t.seq_len), "--lr", repr(t.lr), "--preset", t.preset, "--grad-accum", str(t.grad_accum),
             "--dropout", repr(t.dropout), "--dtype", t.dtype, "--loader", t.loader, "--workers", str(t.workers),
-            "--warmup", str(t.warmup), "--device", t.device]
+            "--warmup", str(t.warmup), "--device", t.device, "--threads", str(t.threads)]
 
 
 def training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
@@ -73,11 +75,22 @@ def training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
     ]
 
 
-def run_training_process(name: str, flags: list[str], config: LabConfig) -> float:
-    """Run one `exactresume train` in a new process; its wall time in seconds."""
-    command = [sys.executable, "-m", "exactresume.cli", "train", "--out", str(config.out), *_train_flags(config), *flags]
+def divergence_flags(name: str, config: LabConfig) -> list[str]:
+    """`--divergence details/NAME_divergence.csv` for the runs the divergence figure draws."""
+    return ["--divergence", str(config.out / DETAILS / f"{name}_divergence.csv")] if name in DIVERGENCE_RUNS else []
+
+
+def run_training_process(name: str, flags: list[str], config: LabConfig, progress_mode: str = "none",
+                         label: str = "train") -> float:
+    """Run one `exactresume train` in a new process (forked from a warm server); its wall time in seconds.
+
+    The child's progress lines are passed on to our stdout when it ends; its stderr keeps the error line.
+    """
     started = time.perf_counter()
-    finished = subprocess.run(command, capture_output=True, text=True)
+    finished = warm_start.run_cli(["train", "--out", str(config.out), *_train_flags(config), *flags,
+                                   "--progress", progress_mode, "--label", label])
+    if progress_mode != "none" and finished.stdout:
+        print(finished.stdout, end="", flush=True)
     if finished.returncode != 0:
         lines = finished.stderr.strip().splitlines() or [f"exit code {finished.returncode}"]
         if finished.returncode == 2:
@@ -141,32 +154,44 @@ def comparison_figures(config: LabConfig) -> dict:
     return {"stop_at": k, "steps": config.train.steps, "runs": runs}
 
 
-def ensure_data(folder: Path) -> None:
+def ensure_data(folder: Path, log=print, progress_mode: str = "none") -> None:
     """Prepare the default corpus into `folder` unless it already holds prepared data."""
     if not (folder / "manifest.json").exists():
-        prepare(PrepareConfig(), folder)
+        prepare(PrepareConfig(), folder, log=log, progress_mode=progress_mode)
 
 
-def run_lab(config: LabConfig, log=print) -> dict:
-    """All eight steps; returns the timings (seconds) it also writes to details/timings.json."""
+def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
+    """All eight steps; returns the timings (seconds) it also writes to details/timings.json.
+
+    `progress_mode` (bar, lines or none) is passed to each training process; none also silences `log`.
+    """
+    log = log if progress_mode != "none" else (lambda message: None)
     ensure_writable_folder(config.out / DETAILS)
+    warm_start.start_server()
+    torch.set_num_threads(config.train.threads)  # for the lab's own figures (fp16 logits) as for its runs
     started = time.perf_counter()
-    ensure_data(config.data)
+    ensure_data(config.data, log, progress_mode)
     timings = {"prepare": time.perf_counter() - started}
     for number, (name, flags) in enumerate(training_runs(config), start=1):
-        timings[name] = run_training_process(name, flags, config)
-        log(f"[{number}/8] {name}: {timings[name]:.1f} s")
+        label = f"[{number}/8] {name}"
+        timings[name] = run_training_process(name, flags + divergence_flags(name, config), config, progress_mode, label)
+        log(f"{label}: {timings[name]:.1f} s")
     write_json(config.out / "fp16.json", fp16_figures(config))
     log("[6/8] fp16.json")
     write_json(config.out / "optim.json", optimizer_figures(config.out / "resume.pth"))
     log("[7/8] optim.json")
     write_json(config.out / "compare.json", comparison_figures(config))
+    write_json(config.out / DETAILS / "resume_sizes.json", resume_size_breakdown(config.out / "resume.pth"))
     if config.ablate:
         from .ablate import AblationConfig, run_ablation
 
         run_ablation(AblationConfig(train=config.train, stop_at=config.stop_at, data=config.data, out=config.out), log)
-    from .report import write_report  # the report reads only the files written above
+    from .figures import write_figures  # matplotlib loads only here
+    from .report import write_report  # the report and its figures read only the files written above
 
+    figures_started = time.perf_counter()
+    write_figures(config.out)
+    timings["figures"] = time.perf_counter() - figures_started
     write_report(config.out, lang=config.lang)
     timings["total"] = time.perf_counter() - started
     write_json(config.out / DETAILS / "timings.json", timings)

@@ -18,6 +18,35 @@ from torch import nn
 from .config import ModelConfig
 
 
+# The tokens' logits are made this many bytes at a time by the fused head and loss (cache-sized).
+LOGIT_CHUNK_BYTES = 4 << 20
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """weight * x / rms(x) in at least fp32, with its backward written out: half the kernels autograd runs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        inverse_rms = torch.rsqrt(wide.square().mean(-1, keepdim=True).add_(eps))
+        normed = wide * inverse_rms
+        ctx.save_for_backward(normed, inverse_rms, weight)
+        ctx.input_dtype = x.dtype
+        return (normed * weight).to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        normed, inverse_rms, weight = ctx.saved_tensors
+        grad = grad.to(normed.dtype)
+        grad_weight = (grad * normed).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        grad_normed = grad * weight
+        # d(x * r)/dx with r = rsqrt(mean(x^2) + eps) is r * (g - normed * mean(g * normed)).
+        projection = (grad_normed * normed).mean(-1, keepdim=True)
+        grad_x = torch.addcmul(grad_normed, normed, projection, value=-1).mul_(inverse_rms)
+        return grad_x.to(ctx.input_dtype), grad_weight, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -25,8 +54,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * normed).type_as(x)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,11 +65,12 @@ def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor,
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, head_dim) by position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, heads, head_dim) by position; cos and signed_sin are (T, 1, head_dim).
+
+    rotate_half(x) * sin == roll(x, half) * signed_sin, where signed_sin's first half is negated:
+    one copy instead of a negation and a concatenation."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class Attention(nn.Module):
@@ -59,14 +88,54 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, nh, T, hs)
+        # RoPE while (B, T, nh, hs) is still contiguous; attention takes the transposed views.
+        q = apply_rope(self.q_norm(self.q_proj(x).view(batch, length, self.heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True, dropout_p=self.dropout if self.training else 0.0
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, nh, T, hs)
+            is_causal=True, enable_gqa=True, dropout_p=self.dropout if self.training else 0.0,
         )
         return self.resid_dropout(self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)))
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits hidden @ weight.T, made a chunk of tokens at a time.
+
+    The (tokens, vocab) logits are a step's largest tensor. Each chunk's logits are turned into their
+    gradient (softmax - one_hot) / tokens in place while still in cache, and both matrix products of
+    the backward pass are done there too; backward() only scales the saved gradients. The logits never
+    exist whole, and the passes over them drop from about nine to five.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        tokens, vocab = hidden.shape[0], weight.shape[0]
+        chunk = max(16, LOGIT_CHUNK_BYTES // (4 * vocab))
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        losses, buffer = hidden.new_empty(tokens), hidden.new_empty(min(chunk, tokens), vocab)
+        for start in range(0, tokens, chunk):
+            rows = slice(start, min(start + chunk, tokens))
+            h, t = hidden[rows], targets[rows]
+            logits = torch.mm(h, weight.t(), out=buffer[: len(t)])  # (chunk, vocab), memory reused
+            picked = (torch.arange(len(t)), t)
+            target_logits = logits[picked]
+            top = logits.amax(-1, keepdim=True)
+            probs = logits.sub_(top).exp_()
+            total = probs.sum(-1, keepdim=True)
+            losses[rows] = (total.log() + top).squeeze(1) - target_logits  # logsumexp - target logit
+            probs.div_(total * tokens)
+            probs[picked] -= 1.0 / tokens
+            torch.mm(probs, weight, out=grad_hidden[rows])
+            grad_weight.addmm_(probs.t(), h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return losses.mean()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None
 
 
 class FeedForward(nn.Module):
@@ -124,23 +193,33 @@ class MiniMindLM(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def _rope(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (see apply_rope), each (length, 1, head_dim)."""
         if self.rope_cos.shape[0] < length or self.rope_cos.device != device:
             table_length = max(length, min(self.config.max_position_embeddings, 4096))
             cos, sin = rope_tables(self.config.head_dim, table_length, self.config.rope_theta)
-            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+            half = self.config.head_dim // 2
+            signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+            self.rope_cos, self.rope_sin = cos[:, None].to(device), signed_sin[:, None].to(device)
         return self.rope_cos[:length], self.rope_sin[:length]
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states (B, T, hidden) for token ids (B, T)."""
         cos, sin = self._rope(input_ids.shape[1], input_ids.device)
         x = self.model.dropout(self.model.embed_tokens(input_ids))
         for block in self.model.layers:
             x = block(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids))
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; inputs and targets are (B, T) token ids."""
-        logits = self(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        hidden = self.hidden_states(inputs).flatten(0, 1)
+        weight = self.lm_head.weight
+        if torch.is_grad_enabled() and not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == torch.float32:
+            return _HeadCrossEntropy.apply(hidden, weight, targets.flatten())
+        return F.cross_entropy(F.linear(hidden, weight).float(), targets.flatten())
 
 
 def infer_config(state_dict: dict[str, torch.Tensor], base: ModelConfig | None = None) -> ModelConfig:

@@ -1,7 +1,8 @@
 """report.md: what the lab measured, in Korean (default), English or Chinese.
 
 Every number comes from the json files and logs the lab wrote; the three section headings stay
-Korean in every language, as the user's specification asks.
+Korean in every language, as the user's specification asks. The figures (figures.py) sit beside
+report.md and are embedded with their captions (captions.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from .ablate import ablation_lines
 from .atomic import atomic_write_bytes
+from .captions import figure_block
 
 HEADINGS = ("## 무엇을 저장하나", "## 빠뜨리면", "## 반정밀도")
 
@@ -100,13 +102,17 @@ def render_report(folder: Path, lang: str = "ko") -> str:
     lines += ["", text["resumed"].format(max_abs_diff=resumed["max_abs_diff"], first=k + 1, steps=steps,
                                           equal=text["equal_yes" if resumed["log_rows_equal"] else "equal_no"]),
               "", text["optim"].format(**optim, resume_bytes=resume_bytes, fp32_bytes=fp16["fp32_bytes"],
-                                       file_ratio=resume_bytes / fp16["fp32_bytes"]),
-              "", HEADINGS[1], "", text["omit_intro"], ""]
-    lines += [f"- " + text["omit_row"].format(name=name, **runs[name]) for name in ("resumed", "noopt", "noskip")]
+                                       file_ratio=resume_bytes / fp16["fp32_bytes"]), ""]
+    lines += figure_block(folder, "sizes", lang)
+    lines += [HEADINGS[1], "", text["omit_intro"], ""]
+    lines += ["- " + text["omit_row"].format(name=name, **runs[name]) for name in ("resumed", "noopt", "noskip")]
     noskip = runs["noskip"]
     lines += ["", text["noopt"], "", text["noskip"].format(stop_at=k, seen_twice=noskip["batches_seen_twice"],
                                                          never=noskip["batches_never_seen"]),
-              "", text["subtle"], *ablation_lines(folder, lang), "", HEADINGS[2], "", text["half"].format(**fp16), "", text["split"], ""]
+              "", text["subtle"], *ablation_lines(folder, lang), ""]
+    for name in ("loss_curves", "loss_diff", "divergence"):
+        lines += figure_block(folder, name, lang)
+    lines += [HEADINGS[2], "", text["half"].format(**fp16), "", text["split"], ""]
     return "\n".join(lines)
 
 

@@ -100,7 +100,13 @@ class CheckpointStore:
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
         """Write `parts` as the checkpoint at `step`, durably and verified, then prune old ones."""
         self.faults.reached("snapshot")
-        state = snapshot(step, parts)
+        return self.commit(step, snapshot(step, parts))
+
+    def commit(self, step: int, state: dict) -> Path:
+        """The stages after the snapshot: write, fsync, rename, folder fsync, verify, retention.
+
+        `state` must not change while this runs (background.py hands it a private copy).
+        """
         path = self.path_for(step)
         self._ensure_folder()
         self._write(path, state)
@@ -190,7 +196,7 @@ def snapshot(step: int, parts: Mapping[str, Stateful]) -> dict:
     """The state to write: every part's state_dict and the step.
 
     The tensors are references to the live ones, not copies: fine while `save` runs before the next
-    step; a writer in the background must copy them first.
+    step; a writer in the background works on a copy (background.py).
     """
     reserved = [name for name in parts if name in RESERVED_NAMES]
     if reserved:

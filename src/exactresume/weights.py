@@ -1,8 +1,8 @@
 """Weights files (model state dicts for inference or comparison): write them, read any of ours.
 
 `read_weights` accepts a weights file or a resume file, sealed by us or plain (MiniMind's own
-`.pth` files), in fp32, fp16 or bf16, and returns the state dict with the config when the file
-records one.
+`.pth` files), or a safetensors file (`exactresume export`), in fp32, fp16 or bf16, and returns the
+state dict with the config when the file records one.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from .checkpoint import RESUME_FORMAT, check_resume_state
 from .config import ModelConfig
 from .errors import CheckpointError
+from .safetensors_weights import is_safetensors, read_safetensors
 from .sealed import load_sealed, save_sealed
 
 StateDict = dict[str, torch.Tensor]
@@ -31,10 +32,14 @@ def _is_state_dict(obj: object) -> bool:
 def read_weights(path: Path) -> tuple[StateDict, ModelConfig | None]:
     """The model state dict held by `path`, and its ModelConfig when the file records one."""
     path = Path(path)
-    obj = load_sealed(path, require_seal=False)
+    config = None
+    if path.is_file() and is_safetensors(path):
+        obj, config = read_safetensors(path)
+    else:
+        obj = load_sealed(path, require_seal=False)
     if isinstance(obj, dict) and obj.get("format") == RESUME_FORMAT:
         state = check_resume_state(path, obj)
         return state["model"], ModelConfig.from_dict(state["config"]["model"])
     if _is_state_dict(obj) and ("model.embed_tokens.weight" in obj or "lm_head.weight" in obj):
-        return obj, None
+        return obj, config
     raise CheckpointError(f"{path} holds no MiniMind model weights")

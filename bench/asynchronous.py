@@ -1,0 +1,65 @@
+"""Background-save figures (`--async-save`): how long the loop is blocked, and what saving costs it.
+
+Blocked: `BackgroundSaver.save` (wait for the previous save, snapshot, copy into staging memory,
+start the writer) against a synchronous `CheckpointStore.save` of the same state (snapshot, sealed
+write, fsync, rename, folder fsync, read back and verify, retention). The writer's work is waited
+for outside the timing.
+
+Throughput: `steps` training steps with a background save every `every` steps against the same
+steps without saving. The candidate's time includes waiting for its last save to finish, so one
+write per round is never overlapped with training: the figure is a lower bound.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from exactresume.background import BackgroundSaver
+from exactresume.steplog import LOSS_HEADER, StepLog
+from exactresume.store import CheckpointStore
+from exactresume.train import Run
+
+from .measure import interleave, ratio, timed
+from .training import exactresume_steps
+
+BLOCK_GOAL, THROUGHPUT_GOAL = 0.1, 0.95
+
+
+def bench_async_block(run: Run, folder: Path, reps: int) -> dict:
+    step = run.step.value
+    synchronous = CheckpointStore(folder / "sync", keep=1)
+    background = BackgroundSaver(CheckpointStore(folder / "background", keep=1))
+
+    def blocked() -> float:
+        seconds = timed(lambda: background.save(step, run.parts()))
+        background.wait()
+        return seconds
+
+    times = interleave({"sync": lambda: timed(lambda: synchronous.save(step, run.parts())), "blocked": blocked}, reps)
+    figure = ratio(times["blocked"], times["sync"])
+    return {"async_block_ratio": figure["ratio"],
+            "async_block": figure | {"goal": f"<= {BLOCK_GOAL}", "met": figure["ratio"] <= BLOCK_GOAL,
+                                     "what": "BackgroundSaver.save (copy into staging memory, start the writer) "
+                                             "/ CheckpointStore.save (the synchronous sequence)"}}
+
+
+def bench_async_throughput(run: Run, folder: Path, reps: int, steps: int = 10, every: int = 5) -> dict:
+    saver = BackgroundSaver(CheckpointStore(folder / "throughput", keep=1))
+    log = StepLog(folder / "log.csv", LOSS_HEADER, 0).open()
+
+    def saving() -> float:
+        def train_and_save() -> None:
+            for _ in range(steps // every):
+                exactresume_steps(run, every, log)
+                saver.save(run.step.value, run.parts())
+            saver.wait()
+        return timed(train_and_save)
+
+    times = interleave({"saving": saving, "plain": lambda: timed(lambda: exactresume_steps(run, steps, log))}, reps)
+    log.close()
+    figure = ratio(times["plain"], times["saving"])  # steps/s with saves over steps/s without
+    return {"async_throughput_ratio": figure["ratio"],
+            "async_throughput": figure | {"goal": f">= {THROUGHPUT_GOAL}", "met": figure["ratio"] >= THROUGHPUT_GOAL,
+                                          "steps_per_round": steps, "save_every": every,
+                                          "what": f"steps/s with --async-save --save-every {every} (its last save "
+                                                  "waited for) / steps/s without saving"}}

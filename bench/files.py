@@ -1,0 +1,146 @@
+"""Resume-file figures: a sealed save and a verified load vs the disk moving the same bytes.
+
+Save: `checkpoint.save_resume` (atomic: tmp file, fsync, rename, folder fsync; checksummed) vs one
+`write` of as many bytes from a warm buffer plus `fsync`; plain `torch.save` and safetensors on the
+same state for comparison. Load: `checkpoint.load_resume` (checksum, then deserialize) vs reading
+the file's bytes into newly allocated memory, both from the page cache (the file was just written).
+On this VM fresh memory costs about as much as the copy (MACHINE-NOTES), and torch.load's many
+tensor-sized allocations can reuse memory the allocator kept while one file-sized buffer cannot; so
+the read into memory already touched is reported too, as the page cache's own speed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from exactresume.checkpoint import capture, load_resume, save_resume
+from exactresume.train import Run
+
+from .measure import Trial, interleave, ratio, timed
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_and_fsync(path: Path, data: memoryview) -> None:
+    """The disk's figure: one write of all the bytes (looping only on a short write), then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_into_fresh_memory(path: Path) -> torch.Tensor:
+    """The disk's figure for loading: the file's bytes in newly allocated memory (not zero-filled)."""
+    with open(path, "rb", buffering=0) as file:
+        buffer = torch.empty(os.fstat(file.fileno()).st_size, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        done = 0
+        while done < len(view):
+            done += file.readinto(view[done:])
+    return buffer
+
+
+def read_into(path: Path, buffer: torch.Tensor) -> None:
+    """The page cache's copy speed: the file's bytes into memory already touched (no page faults)."""
+    view = memoryview(buffer.numpy())
+    with open(path, "rb", buffering=0) as file:
+        done = 0
+        while done < len(view):
+            done += file.readinto(view[done:])
+
+
+def flat_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """The resume state's tensors under flat names (tied weights once), as safetensors needs."""
+    flat: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(prefix: str, value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.data_ptr() not in seen or value.numel() == 0:
+                seen.add(value.data_ptr())
+                flat[prefix] = value.contiguous()
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                visit(f"{prefix}.{key}" if prefix else str(key), item)
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                visit(f"{prefix}.{index}", item)
+
+    visit("", state)
+    return flat
+
+
+def removing(path: Path, action) -> Trial:
+    """A trial: delete `path` (untimed), then time `action()`, which writes it anew."""
+    def trial() -> float:
+        path.unlink(missing_ok=True)
+        return timed(action)
+    return trial
+
+
+def bench_save(run: Run, folder: Path, reps: int) -> dict:
+    resume, state = folder / "resume.pth", capture(run.parts())
+    save_resume(resume, run.parts())
+    size = resume.stat().st_size
+    disk_buffer = torch.ones(size, dtype=torch.uint8)  # touched: warm memory, like the state's tensors
+    flat = flat_tensors(state)
+    paths = {name: folder / f"{name}.bin" for name in ("disk", "torch_save", "safetensors")}
+    trials = {
+        "sealed": removing(resume, lambda: save_resume(resume, run.parts())),
+        "disk": removing(paths["disk"], lambda: write_and_fsync(paths["disk"], memoryview(disk_buffer.numpy()))),
+        "torch_save": removing(paths["torch_save"], lambda: (torch.save(state, paths["torch_save"]), fsync_path(paths["torch_save"]))),
+        "safetensors": removing(paths["safetensors"], lambda: (save_file(flat, paths["safetensors"]), fsync_path(paths["safetensors"]))),
+    }
+    times = interleave(trials, reps)
+    sizes = {"sealed": resume.stat().st_size} | {name: path.stat().st_size for name, path in paths.items()}
+    for path in paths.values():
+        path.unlink()
+    sealed = ratio(times["sealed"], times["disk"])
+    return {
+        "resume_bytes": size,
+        "save_vs_disk_ratio": sealed["ratio"],
+        "save": sealed | {"goal": "<= 1.25", "met": sealed["ratio"] <= 1.25, "bytes": sizes,
+                          "torch_save_vs_disk_ratio": ratio(times["torch_save"], times["disk"]),
+                          "safetensors_vs_disk_ratio": ratio(times["safetensors"], times["disk"]),
+                          "what": "save_resume (atomic, fsynced, checksummed) / one write + fsync of as many bytes"},
+    }
+
+
+def bench_load(folder: Path, reps: int) -> dict:
+    resume, tensors = folder / "resume.pth", folder / "load.safetensors"
+    save_file(flat_tensors(load_resume(resume)), tensors)
+    warm = torch.ones(resume.stat().st_size, dtype=torch.uint8)
+    trials = {
+        "verified": lambda: timed(lambda: load_resume(resume)),
+        "disk": lambda: timed(lambda: read_into_fresh_memory(resume)),
+        "disk_warm_memory": lambda: timed(lambda: read_into(resume, warm)),
+        "torch_load": lambda: timed(lambda: torch.load(resume, weights_only=True, map_location="cpu")),
+        "safetensors": lambda: timed(lambda: load_file(tensors)),
+    }
+    times = interleave(trials, reps)
+    tensors.unlink()
+    verified = ratio(times["verified"], times["disk"])
+    return {
+        "load_vs_disk_ratio": verified["ratio"],
+        "load": verified | {"goal": "<= 1.5", "met": verified["ratio"] <= 1.5,
+                            "torch_load_vs_disk_ratio": ratio(times["torch_load"], times["disk"]),
+                            "safetensors_vs_disk_ratio": ratio(times["safetensors"], times["disk"]),
+                            "verified_vs_warm_memory_read_ratio": ratio(times["verified"], times["disk_warm_memory"]),
+                            "what": "load_resume (checksum + weights_only deserialize) / reading the bytes into newly "
+                                    "allocated memory (as any loader must); page cache warm. safetensors maps the file "
+                                    "and copies nothing until a tensor is touched"},
+    }

@@ -1,0 +1,125 @@
+"""`exactresume inspect`: kind, version, step, config, parts and sizes, checksum, for each kind of file."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from conftest import SMALL, assert_one_line_error, call_cli
+from exactresume.checkpoint import OPTIONAL_PARTS, PART_NAMES
+
+FP32_PARTS = set(PART_NAMES) - set(OPTIONAL_PARTS)  # an fp32 run has no loss scaler
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, kjv_folder):
+    """A small run stopped at step 3 (resume.pth), its end (final.pth), and fp16 exports of both."""
+    folder = tmp_path_factory.mktemp("inspect")
+    for flags in (["--stop-at", 3], []):
+        assert call_cli("train", "--out", folder, "--data", kjv_folder, *SMALL, "--quiet", *flags).returncode == 0
+    for source, out in (("final.pth", "final_fp16.pt"), ("resume.pth", "resume_fp16.safetensors")):
+        assert call_cli("export", folder / source, "-o", folder / out, "--data", kjv_folder).returncode == 0
+    return folder
+
+
+def inspect_json(path) -> dict:
+    finished = call_cli("inspect", path, "--json")
+    assert finished.returncode == 0, finished.stderr
+    return json.loads(finished.stdout)
+
+
+def stored(tensors) -> tuple[int, int]:
+    """(elements, bytes) of the distinct storages among `tensors`, as torch.save writes them."""
+    unique = {t.untyped_storage().data_ptr(): t for t in tensors}
+    return sum(t.numel() for t in unique.values()), sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def test_resume_file(small_run):
+    info = inspect_json(small_run / "resume.pth")
+    state = torch.load(small_run / "resume.pth", weights_only=True)
+    assert (info["kind"], info["format"], info["version"], info["step"]) == ("resume", "exactresume.resume", 1, 3)
+    assert info["checksum"] == "verified" and info["container"] == "torch"
+    assert info["config"]["train"]["steps"] == 8 and info["config"]["model"]["vocab_size"] == 6400
+    assert FP32_PARTS == set(info["parts"])
+    model = info["parts"]["model"]
+    assert model["tensors"] == len(state["model"]) and model["shared"] == 1
+    assert (model["elements"], model["bytes"]) == stored(state["model"].values())
+    assert model["dtypes"] == {"float32": model["bytes"]}
+    optimizer_tensors = [t for s in state["optimizer"]["state"].values() for t in s.values()]
+    assert info["parts"]["optimizer"]["tensors"] == len(optimizer_tensors)
+    assert info["file_bytes"] == (small_run / "resume.pth").stat().st_size > info["total"]["bytes"]
+    assert info["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def test_weights_file(small_run):
+    info = inspect_json(small_run / "final.pth")
+    assert info["kind"] == "weights" and info["checksum"] == "verified" and info["step"] is None
+    assert list(info["parts"]) == ["model"] and info["parts"]["model"]["dtypes"].keys() == {"float32"}
+
+
+def test_fp16_export_pt(small_run):
+    info = inspect_json(small_run / "final_fp16.pt")
+    fp32 = inspect_json(small_run / "final.pth")["parts"]["model"]
+    model = info["parts"]["model"]
+    assert info["kind"] == "export" and info["container"] == "torch" and "fp16" in info["description"]
+    assert model["dtypes"].keys() == {"float16"} and model["elements"] == fp32["elements"]
+    assert model["bytes"] * 2 == fp32["bytes"]
+
+
+def test_safetensors_export_stores_the_tie_once(small_run):
+    info = inspect_json(small_run / "resume_fp16.safetensors")
+    fp32 = inspect_json(small_run / "final.pth")["parts"]["model"]
+    assert (info["kind"], info["container"], info["checksum"]) == ("export", "safetensors", "verified")
+    assert info["parts"]["model"]["tensors"] == fp32["tensors"] - 1  # lm_head.weight is not stored again
+    assert info["parts"]["model"]["elements"] == fp32["elements"]
+    assert info["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert info["config"]["model"]["hidden_size"] == 128  # a resume file records its config; the export keeps it
+
+
+def test_sharded_folder(tmp_path, small_run):
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.load(small_run / "final.pth", weights_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": model, "step": 8}, checkpoint_id=tmp_path / "sharded")
+    info = inspect_json(tmp_path / "sharded")
+    assert (info["kind"], info["checksum"]) == ("sharded", "absent") and info["files"] >= 2
+    assert info["parts"]["model"]["tensors"] == len(model)
+    assert info["parts"]["model"]["elements"] == sum(t.numel() for t in model.values())
+    assert info["parts"]["step"]["tensors"] == 0 and info["parts"]["step"]["bytes"] > 0
+
+
+def test_human_view_has_a_row_per_part(small_run):
+    finished = call_cli("inspect", small_run / "resume.pth")
+    assert finished.returncode == 0
+    lines = finished.stdout.splitlines()
+    assert "resume file" in lines[0] and "step 3 of 8" in lines[0]
+    rows = {line.split()[0] for line in lines[1:]}
+    assert FP32_PARTS | {"total", "checksum", "size", "tied"} <= rows
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty", "random", "truncated", "flipped", "plain_folder", "bad_metadata"])
+def test_bad_input_is_one_line(tmp_path, small_run, damage):
+    good = (small_run / "resume.pth").read_bytes()
+    target = tmp_path / "bad.pth"
+    if damage == "plain_folder":
+        target.mkdir()
+    elif damage == "bad_metadata":
+        target.mkdir()
+        (target / ".metadata").write_bytes(b"\x80\x04\x95" + os.urandom(64))
+    elif damage != "missing":
+        target.write_bytes({"empty": b"", "random": os.urandom(4096), "truncated": good[: len(good) // 2],
+                            "flipped": good[:5000] + bytes([good[5000] ^ 1]) + good[5001:]}[damage])
+    assert_one_line_error(call_cli("inspect", target, "--json"), "bad.pth")
+
+
+def test_damaged_safetensors_export_is_refused(tmp_path, small_run):
+    data = bytearray((small_run / "resume_fp16.safetensors").read_bytes())
+    data[-100] ^= 0x40
+    (tmp_path / "bad.safetensors").write_bytes(bytes(data))
+    assert_one_line_error(call_cli("inspect", tmp_path / "bad.safetensors"), "checksum mismatch")

@@ -1,0 +1,64 @@
+"""README.md: the generated lab block matches the committed json, the CLI reference matches the parser,
+and the library example runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+from exactresume.cli import build_parser
+from exactresume.figures import FIGURES
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def load_builder():
+    spec = importlib.util.spec_from_file_location("build_readme", ROOT / "docs" / "build_readme.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def section(title: str) -> str:
+    """The README text under `## title`, up to the next `## ` heading."""
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_lab_block_is_what_the_renderer_makes_of_the_committed_json():
+    builder = load_builder()
+    block = README.split(builder.BEGIN, 1)[1].split(builder.END, 1)[0]
+    assert block == "\n" + builder.render_block(builder.DOCS_LAB)
+    for name in FIGURES:
+        assert f"(docs/lab/{name}.png)" in block
+        assert (builder.DOCS_LAB / f"{name}.png").read_bytes().startswith(b"\x89PNG")
+
+
+def subcommands() -> dict:
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.dest == "command")
+    return action.choices
+
+
+def test_cli_reference_names_every_command_and_only_real_flags():
+    reference = section("CLI reference")
+    commands = subcommands()
+    for name in commands:
+        assert f"`exactresume {name}" in reference, name
+    for row in re.findall(r"^\| `exactresume (\w+)[^|]*\|.*$", reference, re.MULTILINE):
+        assert row in commands
+    known = {option for command in commands.values() for action in command._actions for option in action.option_strings}
+    for flag in set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", reference)):
+        assert flag in known, flag
+
+
+def test_library_example_runs(tmp_path, kjv_folder, monkeypatch):
+    example = README.split("<!-- library-example:begin -->", 1)[1].split("<!-- library-example:end -->", 1)[0]
+    code = example.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len([line for line in code.splitlines() if line and not line.startswith(("from ", "import "))]) <= 10
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "kjv").symlink_to(kjv_folder)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    assert (tmp_path / "resume.pth").exists()
