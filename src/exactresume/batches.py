@@ -3,6 +3,9 @@
 The generator's state *is* the data position: saving `get_state()` and restoring it with
 `set_state()` makes a resumed run draw exactly the batches the uninterrupted run would have
 drawn, with no fast-forwarding and no batch seen twice.
+
+Under many processes every rank draws the same global batch and trains on its own slice of it
+(`shard`, `local`), so the sequence of samples does not depend on the number of processes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,17 @@ class RandomWindows:
         self.batch, self.seq_len = batch, seq_len
         self.generator = torch.Generator().manual_seed(seed)
         self._window = torch.arange(seq_len + 1)
+        self.rank, self.ranks = 0, 1
+
+    def shard(self, rank: int, ranks: int) -> None:
+        """Train on slice `rank` of `ranks` equal slices of each global batch."""
+        if self.batch % ranks:
+            raise UserError(f"--batch {self.batch} is not divisible by {ranks} processes; the global batch is split evenly")
+        self.rank, self.ranks = rank, ranks
+
+    def local(self, starts: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous slice of a global batch's window offsets."""
+        return starts.view(self.ranks, -1)[self.rank]
 
     def draw_starts(self) -> torch.Tensor:
         """The next batch's window offsets (batch,), advancing the generator."""

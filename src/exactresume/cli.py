@@ -3,6 +3,7 @@
     exactresume prepare --out data/kjv
     exactresume train --data data/kjv --out runs/a --stop-at 30
     exactresume train --data data/kjv --out runs/a --resume runs/a/resume.pth --weights runs/a/resumed.pth
+    exactresume train --data data/kjv --out runs/b --stop-at 30 --nproc 2 --sharded
     exactresume lab --data data/kjv --out runs/lab
     exactresume diff runs/lab/straight.pth runs/lab/resumed.pth
 
@@ -41,6 +42,11 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset, help="model size")
 
 
+def add_process_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="processes on this machine, started by torchrun (DDP; the global batch stays --batch)")
+
+
 def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, preset=args.preset)
 
@@ -53,19 +59,32 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .launcher import check_batch_split, launch, launched_by_torchrun
+
+    if not launched_by_torchrun():
+        check_batch_split(args.batch, args.nproc)
+        if args.nproc > 1:  # every process checks the other flags itself
+            return launch(args.argv, args.nproc)
+    from .distributed import World, process_group
     from .job import TrainJob, run_job
 
     skip = frozenset(name for flag, name in ((args.no_optim, "optimizer"), (args.no_skip, "gen_state")) if flag)
     job = TrainJob(train_config(args), args.data, args.out, stop_at=args.stop_at, resume=args.resume,
-                   skip_parts=skip, weights=args.weights, log=args.log, samples=args.samples)
-    run_job(job)
+                   skip_parts=skip, weights=args.weights, log=args.log, samples=args.samples, sharded=args.sharded)
+    with process_group(World.from_env()) as world:
+        run_job(job, world=world)
     return 0
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
     from .lab import LabConfig, run_lab
+    from .launcher import check_batch_split, launched_by_torchrun
 
-    run_lab(LabConfig(train=train_config(args), stop_at=args.stop_at, data=args.data, out=args.out, lang=args.lang))
+    if launched_by_torchrun():
+        raise UserError("run the lab as one process: with --nproc N it starts each training run on N processes")
+    check_batch_split(args.batch, args.nproc)
+    run_lab(LabConfig(train=train_config(args), stop_at=args.stop_at, data=args.data, out=args.out, lang=args.lang,
+                      nproc=args.nproc))
     return 0
 
 
@@ -104,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--weights", type=Path, help="weights file at the end (default OUT/final.pth)")
     train.add_argument("--log", type=Path, help="loss log, step,train_loss (default OUT/log.csv)")
     train.add_argument("--samples", type=Path, help="also log each step's window offsets, step,starts")
+    add_process_flag(train)
+    train.add_argument("--sharded", action="store_true",
+                       help="write the resume state as OUT/resume.dcp, a torch.distributed.checkpoint folder")
     train.set_defaults(func=cmd_train)
 
     lab = commands.add_parser("lab", help="the whole lab: straight, stop, resume, ablations, fp16, report")
@@ -111,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_flags(lab)
     lab.add_argument("--stop-at", type=int, default=30, help="where the interrupted run stops")
     lab.add_argument("--lang", choices=("ko", "en", "zh"), default="ko", help="language of the report's body")
+    add_process_flag(lab)
     lab.set_defaults(func=cmd_lab)
 
     diff = commands.add_parser("diff", help="per-tensor max abs difference of two weights or resume files")
@@ -122,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what --nproc relaunches under torchrun
     try:
         return args.func(args)
     except UserError as error:

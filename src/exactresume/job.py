@@ -2,7 +2,8 @@
 
 Loads the prepared data, builds the run, optionally restores a resume file (leaving parts out
 for the lab's ablations), trains to `--stop-at` or `--steps`, and writes the resume file or the
-weights file and the logs, each atomically.
+weights file and the logs, each atomically. Under many processes (distributed.py) every rank runs
+the job; only rank 0 writes files, and with `sharded` every rank writes its shard of the resume state.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import atomic_write_bytes, ensure_writable_folder
-from .checkpoint import load_resume, restore, save_resume
 from .config import TrainConfig
 from .data import load_tokens
+from .distributed import World, restore_checkpoint, save_checkpoint
 from .errors import UserError
 from .train import Run, StepRecord, build_run, train
 from .weights import save_weights
@@ -33,16 +34,19 @@ class TrainJob:
     weights: Path | None = None  # default out/final.pth
     log: Path | None = None  # default out/log.csv
     samples: Path | None = None  # optional `step,starts` log of the windows each step trained on
+    sharded: bool = False  # write the resume state as a DCP folder, out/resume.dcp, each rank its shard
 
     def __post_init__(self) -> None:
         if self.stop_at is not None and not 1 <= self.stop_at < self.config.steps:
             raise UserError(f"--stop-at {self.stop_at} must be between 1 and --steps - 1 ({self.config.steps - 1})")
         if self.skip_parts and self.resume is None:
             raise UserError("--no-optim and --no-skip only make sense with --resume")
+        if self.sharded and self.stop_at is None:
+            raise UserError("--sharded only makes sense with --stop-at (it is how the resume state is written)")
 
     @property
     def resume_file(self) -> Path:
-        return self.out / "resume.pth"
+        return self.out / ("resume.dcp" if self.sharded else "resume.pth")
 
 
 class RunLogs:
@@ -58,11 +62,12 @@ class RunLogs:
         self.samples.write(f"{record.step},{' '.join(str(int(s)) for s in record.starts)}\n")
 
 
-def prepare_run(job: TrainJob) -> Run:
-    """The run, built fresh and, with --resume, restored (config checked first)."""
+def prepare_run(job: TrainJob, world: World = World()) -> Run:
+    """The run, built fresh as this rank's replica and, with --resume, restored (config checked first)."""
     run = build_run(job.config, load_tokens(job.data))
+    world.replicate(run)
     if job.resume is not None:
-        restore(load_resume(job.resume), run.parts(), skip=job.skip_parts)
+        restore_checkpoint(job.resume, world.parts(run.parts()), job.skip_parts, world)
     return run
 
 
@@ -73,20 +78,21 @@ def _check_outputs(job: TrainJob) -> None:
         raise UserError(f"--weights would overwrite the resume file {job.resume}")
 
 
-def run_job(job: TrainJob, on_step=lambda record: None) -> Run:
-    """Train as the job says and write its files; returns the finished run."""
+def run_job(job: TrainJob, on_step=lambda record: None, world: World = World()) -> Run:
+    """Train as the job says and write its files (rank 0); returns the finished run."""
     _check_outputs(job)
-    run = prepare_run(job)
+    run = prepare_run(job, world)
     until = job.stop_at or job.config.steps
     if run.step.value >= until:
         raise UserError(f"the resume file is at step {run.step.value}; nothing to train up to step {until}")
     logs = RunLogs()
     train(run, until, lambda record: (logs.record(record), on_step(record)))
-    atomic_write_bytes(job.log or job.out / "log.csv", logs.losses.getvalue().encode())
-    if job.samples:
-        atomic_write_bytes(job.samples, logs.samples.getvalue().encode())
+    if world.is_main:
+        atomic_write_bytes(job.log or job.out / "log.csv", logs.losses.getvalue().encode())
+        if job.samples:
+            atomic_write_bytes(job.samples, logs.samples.getvalue().encode())
     if job.stop_at is not None:
-        save_resume(job.resume_file, run.parts())
-    else:
+        save_checkpoint(job.resume_file, world.parts(run.parts()), world, job.sharded)
+    elif world.is_main:
         save_weights(job.weights or job.out / "final.pth", run.model.state_dict())
     return run

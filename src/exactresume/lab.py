@@ -37,6 +37,7 @@ class LabConfig:
     data: Path = Path("data/kjv")
     out: Path = Path("runs/lab")
     lang: str = "ko"
+    nproc: int = 1  # processes of each training run (torchrun, DDP)
 
     def __post_init__(self) -> None:
         if not 1 <= self.stop_at < self.train.steps:
@@ -50,7 +51,7 @@ def write_json(path: Path, values: dict) -> None:
 def _train_flags(config: LabConfig) -> list[str]:
     t = config.train
     return ["--data", str(config.data), "--seed", str(t.seed), "--steps", str(t.steps), "--batch", str(t.batch),
-            "--seq-len", str(t.seq_len), "--lr", repr(t.lr), "--preset", t.preset]
+            "--seq-len", str(t.seq_len), "--lr", repr(t.lr), "--preset", t.preset, "--nproc", str(config.nproc)]
 
 
 def training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:

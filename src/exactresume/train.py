@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from .config import ModelConfig, TrainConfig
 from .data import TokenData
 from .model import MiniMindLM
 from .parts import GlobalRng, RunIdentity, Stateful, StepCounter
+
+if TYPE_CHECKING:
+    from .distributed import Replicas
 
 
 def lr_at(step: int, total: int, peak: float) -> float:
@@ -47,6 +50,9 @@ class Run:
     batches: RandomWindows
     rng: GlobalRng
     identity: RunIdentity
+    # Set under many processes (distributed.World.replicate): the DDP-wrapped loss, whose backward
+    # averages gradients over ranks, and the mean of the logged loss over ranks.
+    replicas: Replicas | None = None
 
     def parts(self) -> dict[str, Stateful]:
         return {"config": self.identity, "model": self.model, "optimizer": self.optimizer,
@@ -84,15 +90,15 @@ def train_step(run: Run) -> StepRecord:
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     starts = run.batches.draw_starts()
-    inputs, targets = run.batches.windows(starts)
+    inputs, targets = run.batches.windows(run.batches.local(starts))
     run.model.train()
-    loss = run.model.loss(inputs, targets)
+    loss = run.replicas.loss(inputs, targets) if run.replicas else run.model.loss(inputs, targets)
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.config.grad_clip)
     run.optimizer.step()
     run.step.value += 1
-    return StepRecord(run.step.value, loss.item(), starts)
+    return StepRecord(run.step.value, (run.replicas.mean(loss) if run.replicas else loss).item(), starts)
 
 
 def train(run: Run, until: int, on_step: Callable[[StepRecord], None] = lambda record: None) -> None:
