@@ -133,6 +133,11 @@ def test_sharded_checkpoint_round_trips(killed):
             assert torch.equal(sharded["optimizer"]["state"][name][moment], single["optimizer"]["state"][index][moment])
 
 
+def test_diff_reads_a_sharded_folder(killed):
+    finished = call_cli("diff", killed / "resume.dcp", killed / "step2.pth")
+    assert finished.returncode == 0 and "max abs difference 0.000e+00: equal" in finished.stdout
+
+
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(killed):
     from exactresume.sharded import load_sharded, verify_sharded
 
@@ -202,6 +207,11 @@ def test_damaged_shard_and_missing_commit_marker_are_refused(tmp_path, kjv_folde
     assert_one_line_error(resume_sharded(tmp_path / "out", kjv_folder, folder), "__0_0.distcp", "checksum mismatch")
     (folder / "commit.pth").unlink()
     assert_one_line_error(resume_sharded(tmp_path / "out", kjv_folder, folder), "no commit marker")
+
+
+def test_a_plain_folder_is_not_a_checkpoint(tmp_path, kjv_folder):
+    (tmp_path / "runs").mkdir()
+    assert_one_line_error(resume_sharded(tmp_path / "out", kjv_folder, tmp_path / "runs"), "runs is a folder, not a resume file")
 
 
 def test_sharded_checkpoint_of_a_different_model_is_refused(tmp_path, kjv_folder, killed):

@@ -153,6 +153,8 @@ def verify_sharded(folder: Path) -> dict:
     """The commit marker, after checking that every file it lists is present with its checksum."""
     commit = folder / COMMIT
     if not commit.is_file():
+        if not any(folder.glob("*.distcp")):
+            raise CheckpointError(f"{folder} is a folder, not a resume file or a sharded checkpoint")
         raise CheckpointError(f"{folder} has no commit marker ({COMMIT}): its save did not finish, so it is not trusted")
     marker = load_sealed(commit)
     if not isinstance(marker, dict) or marker.get("format") != SHARDED_FORMAT:
