@@ -183,7 +183,7 @@ def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
             os.kill(os.getpid(), signal.SIGINT)  # arrives mid-loop, as Ctrl-C would
 
     run_job = job_module.run_job
-    monkeypatch.setattr(job_module, "run_job", lambda job: run_job(job, on_step=interrupt_at_step_3))
+    monkeypatch.setattr(job_module, "run_job", lambda job, **kwargs: run_job(job, on_step=interrupt_at_step_3, **kwargs))
     args = build_parser().parse_args(list(map(str, train_flags(tmp_path, kjv_folder, "--resume", "auto"))))
     assert cmd_train(args) == 75
     assert checkpoint_files(tmp_path) == ([3], []) and logged_steps(tmp_path) == 3

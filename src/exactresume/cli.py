@@ -4,6 +4,7 @@
     exactresume train --data data/kjv --out runs/a --stop-at 30
     exactresume train --data data/kjv --out runs/a --resume runs/a/resume.pth --weights runs/a/resumed.pth
     exactresume train --data data/kjv --out runs/b --save-every 10 --keep 3 --resume auto
+    exactresume train --data data/kjv --out runs/c --stop-at 30 --nproc 2 --sharded
     exactresume lab --data data/kjv --out runs/lab
     exactresume ablate --data data/kjv --out runs/ablate
     exactresume diff runs/lab/straight.pth runs/lab/resumed.pth
@@ -56,6 +57,11 @@ def add_feature_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) ->
     parser.add_argument("--device", choices=DEVICES, default=defaults.device, help="cpu, or cuda with deterministic kernels")
 
 
+def add_process_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="processes on this machine, started by torchrun (DDP; the global batch stays --batch)")
+
+
 def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, preset=args.preset,
                        grad_accum=args.grad_accum, dropout=args.dropout, dtype=args.dtype, loader=args.loader,
@@ -70,15 +76,24 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .launcher import check_batch_split, launch, launched_by_torchrun
+
+    if not launched_by_torchrun():
+        check_batch_split(args.batch, args.nproc, args.grad_accum)
+        if args.nproc > 1:  # every process checks the other flags itself
+            return launch(args.argv, args.nproc)
+    from .distributed import World, process_group
     from .job import TrainJob, run_job
     from .preemption import PREEMPTED_EXIT, Preempted
 
     skip = frozenset(name for flag, name in ((args.no_optim, "optimizer"), (args.no_skip, "gen_state")) if flag)
     job = TrainJob(train_config(args), args.data, args.out, stop_at=args.stop_at, resume=args.resume,
                    skip_parts=skip, weights=args.weights, log=args.log, samples=args.samples,
-                   save_every=args.save_every, keep=args.keep or None, allow_change=frozenset(args.allow_change))
+                   save_every=args.save_every, keep=args.keep or None, allow_change=frozenset(args.allow_change),
+                   sharded=args.sharded)
     try:
-        run_job(job)
+        with process_group(World.from_env()) as world:
+            run_job(job, world=world)
     except Preempted as stop:
         print(f"exactresume train: {stop}", file=sys.stderr)
         return PREEMPTED_EXIT
@@ -92,9 +107,13 @@ def resume_source(text: str) -> Path | str:
 
 def cmd_lab(args: argparse.Namespace) -> int:
     from .lab import LabConfig, run_lab
+    from .launcher import check_batch_split, launched_by_torchrun
 
+    if launched_by_torchrun():
+        raise UserError("run the lab as one process: with --nproc N it starts each training run on N processes")
+    check_batch_split(args.batch, args.nproc, args.grad_accum)
     run_lab(LabConfig(train=train_config(args), stop_at=args.stop_at, data=args.data, out=args.out, lang=args.lang,
-                      ablate=args.ablate))
+                      ablate=args.ablate, nproc=args.nproc))
     return 0
 
 
@@ -161,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--weights", type=Path, help="weights file at the end (default OUT/final.pth)")
     train.add_argument("--log", type=Path, help="loss log, step,train_loss (default OUT/log.csv)")
     train.add_argument("--samples", type=Path, help="also log each step's window offsets, step,starts")
+    add_process_flag(train)
+    train.add_argument("--sharded", action="store_true",
+                       help="write the resume state as OUT/resume.dcp, a torch.distributed.checkpoint folder")
     train.set_defaults(func=cmd_train)
 
     lab = commands.add_parser("lab", help="the whole lab: straight, stop, resume, ablations, fp16, report")
@@ -169,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--stop-at", type=int, default=30, help="where the interrupted run stops")
     lab.add_argument("--lang", choices=("ko", "en", "zh"), default="ko", help="language of the report's body")
     lab.add_argument("--ablate", action="store_true", help="also run the ablation of every resume part (ablation.json, a table in the report)")
+    add_process_flag(lab)
     lab.set_defaults(func=cmd_lab)
 
     ablate = commands.add_parser("ablate", help="resume with each part of the resume file lost in turn; ablation.json and a table")
@@ -189,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what --nproc relaunches under torchrun
     try:
         return args.func(args)
     except UserError as error:

@@ -100,7 +100,10 @@ class CheckpointStore:
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
         """Write `parts` as the checkpoint at `step`, durably and verified, then prune old ones."""
         self.faults.reached("snapshot")
-        state = snapshot(step, parts)
+        return self.save_snapshot(step, snapshot(step, parts))
+
+    def save_snapshot(self, step: int, state: dict) -> Path:
+        """`save` of a state already captured with `snapshot` (by every rank of a many-process run)."""
         path = self.path_for(step)
         self._ensure_folder()
         self._write(path, state)

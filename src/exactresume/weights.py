@@ -1,8 +1,8 @@
 """Weights files (model state dicts for inference or comparison): write them, read any of ours.
 
 `read_weights` accepts a weights file or a resume file, sealed by us or plain (MiniMind's own
-`.pth` files), in fp32, fp16 or bf16, and returns the state dict with the config when the file
-records one.
+`.pth` files), in fp32, fp16 or bf16, or a sharded resume folder, and returns the state dict with
+the config when the file records one.
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ def _is_state_dict(obj: object) -> bool:
 def read_weights(path: Path) -> tuple[StateDict, ModelConfig | None]:
     """The model state dict held by `path`, and its ModelConfig when the file records one."""
     path = Path(path)
+    if path.is_dir():  # a sharded resume checkpoint (--sharded)
+        from .sharded import load_sharded
+
+        state = load_sharded(path)
+        return state["model"], ModelConfig.from_dict(state["config"]["model"])
     obj = load_sealed(path, require_seal=False)
     if isinstance(obj, dict) and obj.get("format") == RESUME_FORMAT:
         state = check_resume_state(path, obj)
