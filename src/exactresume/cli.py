@@ -4,6 +4,7 @@
     exactresume train --data data/kjv --out runs/a --stop-at 30
     exactresume train --data data/kjv --out runs/a --resume runs/a/resume.pth --weights runs/a/resumed.pth
     exactresume train --data data/kjv --out runs/b --save-every 10 --keep 3 --resume auto
+    exactresume train --data data/kjv --out runs/c --stop-at 30 --nproc 2 --sharded
     exactresume lab --data data/kjv --out runs/lab
     exactresume ablate --data data/kjv --out runs/ablate
     exactresume diff runs/lab/straight.pth runs/lab/resumed.pth
@@ -60,6 +61,11 @@ def add_feature_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) ->
     parser.add_argument("--device", choices=DEVICES, default=defaults.device, help="cpu, or cuda with deterministic kernels")
 
 
+def add_process_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="processes on this machine, started by torchrun (DDP; the global batch stays --batch)")
+
+
 def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, preset=args.preset,
                        grad_accum=args.grad_accum, dropout=args.dropout, dtype=args.dtype, loader=args.loader,
@@ -77,6 +83,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .launcher import check_batch_split, launch, launched_by_torchrun
+
+    if not launched_by_torchrun():
+        check_batch_split(args.batch, args.nproc, args.grad_accum)
+        if args.nproc > 1:  # every process checks the other flags itself
+            return launch(args.argv, args.nproc)
+    from .distributed import World, process_group
     from .divergence import DivergenceLog
     from .job import TrainJob, run_job
     from .preemption import PREEMPTED_EXIT, Preempted
@@ -86,9 +99,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     job = TrainJob(train_config(args), args.data, args.out, stop_at=args.stop_at, resume=args.resume,
                    skip_parts=skip, weights=args.weights, log=args.log, samples=args.samples,
                    save_every=args.save_every, keep=args.keep or None, allow_change=frozenset(args.allow_change),
-                   async_save=args.async_save)
-    progress = Progress(job.stop_at or job.config.steps, args.label, mode_from_args(args))
-    divergence = DivergenceLog(job, args.divergence) if args.divergence else None
+                   async_save=args.async_save, sharded=args.sharded)
+    world = World.from_env()
+    progress = Progress(job.stop_at or job.config.steps, args.label, mode_from_args(args) if world.is_main else "none")
+    # Rank 0 steps the twin (one process on the whole global batch) and writes the log.
+    divergence = DivergenceLog(job, args.divergence) if args.divergence and world.is_main else None
 
     def on_start(run) -> None:
         if divergence:
@@ -101,7 +116,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress.update(record.step, loss=record.loss)
 
     try:
-        run_job(job, on_step=on_step, on_start=on_start)
+        with process_group(world):
+            run_job(job, on_step=on_step, on_start=on_start, world=world)
     except Preempted as stop:
         print(f"exactresume train: {stop}", file=sys.stderr)
         return PREEMPTED_EXIT
@@ -124,9 +140,13 @@ def cmd_lab(args: argparse.Namespace) -> int:
     if 1 <= args.stop_at < train.steps:  # else LabConfig refuses it below: start nothing for a refusal
         start_server()  # before importing torch here, so the fork server's imports overlap with ours
     from .lab import LabConfig, run_lab
+    from .launcher import check_batch_split, launched_by_torchrun
 
+    if launched_by_torchrun():
+        raise UserError("run the lab as one process: with --nproc N it starts each training run on N processes")
+    check_batch_split(args.batch, args.nproc, args.grad_accum)
     run_lab(LabConfig(train=train, stop_at=args.stop_at, data=args.data, out=args.out, lang=args.lang,
-                      ablate=args.ablate),
+                      ablate=args.ablate, nproc=args.nproc),
             progress_mode=mode_from_args(args))
     return 0
 
@@ -223,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --resume: also step a fully restored twin and log the weight distance to it per step")
     add_progress_flags(train)
     train.add_argument("--label", default="train", help="name shown on the progress line")
+    add_process_flag(train)
+    train.add_argument("--sharded", action="store_true",
+                       help="write the resume state as OUT/resume.dcp, a torch.distributed.checkpoint folder")
     train.set_defaults(func=cmd_train)
 
     lab = commands.add_parser("lab", help="the whole lab: straight, stop, resume, ablations, fp16, report")
@@ -232,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--lang", choices=("ko", "en", "zh"), default="ko", help="language of the report's body")
     lab.add_argument("--ablate", action="store_true", help="also run the ablation of every resume part (ablation.json, a table in the report)")
     add_progress_flags(lab)
+    add_process_flag(lab)
     lab.set_defaults(func=cmd_lab)
 
     ablate = commands.add_parser("ablate", help="resume with each part of the resume file lost in turn; ablation.json and a table")
@@ -266,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what --nproc relaunches under torchrun
     try:
         return args.func(args)
     except UserError as error:

@@ -5,6 +5,10 @@ folder, or with `--resume auto` from the newest valid checkpoint in OUT/checkpoi
 `--stop-at` or `--steps` while appending each step's log rows, saves a checkpoint every
 `--save-every` steps and when preempted, and writes the resume file or the weights file at the end.
 
+Under many processes (distributed.py) every rank runs the job: every rank builds and restores its
+replica and takes part in each save (the per-rank parts are gathered from all), only rank 0 writes
+the files and the logs; with `sharded` every rank writes its shard of OUT/resume.dcp.
+
 Exit paths: done (0); a user's mistake (UserError, 2); a disk that refuses a write (StorageError,
 74: the previous checkpoint is intact and nothing half-written is left); SIGTERM/SIGINT (Preempted,
 75: a checkpoint of the finished step is saved).
@@ -20,14 +24,15 @@ from pathlib import Path
 
 from .atomic import ensure_writable_folder, tmp_path
 from .background import BackgroundSaveFailed, BackgroundSaver
-from .checkpoint import PART_NAMES, load_resume, restore, save_resume
+from .checkpoint import PART_NAMES, restore
 from .config import TrainConfig
 from .data import load_tokens
+from .distributed import World, is_sharded_folder, restore_checkpoint, save_checkpoint
 from .errors import CheckpointError, StorageError, UserError
 from .parts import describe
 from .preemption import Preempted, PreemptionGuard
 from .steplog import LOSS_HEADER, SAMPLES_HEADER, StepLog
-from .store import CheckpointStore
+from .store import CheckpointStore, snapshot
 from .train import Run, StepRecord, build_run, lr_at, train
 from .weights import save_weights
 
@@ -55,6 +60,7 @@ class TrainJob:
     keep: int | None = 3  # newest checkpoints kept in out/checkpoints; None keeps all
     allow_change: frozenset[str] = field(default_factory=frozenset)  # keys of ALLOWED_CHANGES
     async_save: bool = False  # checkpoints written by a background thread after a copy of the state
+    sharded: bool = False  # write the resume state as a DCP folder, out/resume.dcp, each rank its shard
 
     def __post_init__(self) -> None:
         if self.stop_at is not None and not 1 <= self.stop_at < self.config.steps:
@@ -70,10 +76,12 @@ class TrainJob:
         unknown = sorted(set(self.allow_change) - set(ALLOWED_CHANGES))
         if unknown:
             raise UserError(f"--allow-change {unknown[0]}: only {', '.join(ALLOWED_CHANGES)} may change on resume")
+        if self.sharded and self.stop_at is None:
+            raise UserError("--sharded only makes sense with --stop-at (it is how the resume state is written)")
 
     @property
     def resume_file(self) -> Path:
-        return self.out / "resume.pth"
+        return self.out / ("resume.dcp" if self.sharded else "resume.pth")
 
     @property
     def checkpoint_folder(self) -> Path:
@@ -108,7 +116,10 @@ def storage_error(what: str, error: OSError, after: str = "") -> StorageError:
 class RunLogs:
     """This process's loss log and optional samples log, trimmed to the resumed step, one row per step."""
 
-    def __init__(self, job: TrainJob, resumed_step: int):
+    def __init__(self, job: TrainJob, resumed_step: int, world: World = World()):
+        self.logs: list[StepLog] = []
+        if not world.is_main:  # rank 0 logs the global batch and the loss averaged over ranks
+            return
         # Both files are checked before either is touched: a refusal changes nothing.
         self.logs = [StepLog(job.log_file, LOSS_HEADER, resumed_step)]
         if job.samples:
@@ -147,20 +158,27 @@ class RunLogs:
 class Checkpointer:
     """The job's saves into its store: log rows made durable first, each step saved at most once.
 
-    With a BackgroundSaver a save returns once the state is copied; `wait` is the point where the
-    last one is durable (the end of the run and a preemption call it before exiting).
+    Every rank calls `save` (the per-rank parts gather every rank's state); rank 0 writes. With a
+    BackgroundSaver a save returns once the state is copied; `wait` is the point where the last one
+    is durable (the end of the run and a preemption call it before exiting).
     """
 
-    def __init__(self, store: CheckpointStore, logs: RunLogs, saved_step: int | None, background: bool = False):
-        self.store, self.logs, self.saved_step = store, logs, saved_step
-        self.background = BackgroundSaver(store) if background else None
+    def __init__(self, store: CheckpointStore, logs: RunLogs, saved_step: int | None, world: World = World(),
+                 background: bool = False):
+        self.store, self.logs, self.saved_step, self.world = store, logs, saved_step, world
+        self.background = BackgroundSaver(store) if background and world.is_main else None
 
     def save(self, run: Run) -> Path:
         step = run.step.value
         if step != self.saved_step:
             self.logs.sync()
+            parts = self.world.parts(run.parts())
             with self._stopping_on_error(step):
-                (self.background or self.store).save(step, run.parts())
+                if self.world.is_main:
+                    (self.background or self.store).save(step, parts)
+                else:
+                    snapshot(step, parts)  # takes part in gathering the per-rank parts; rank 0 writes
+            self.world.barrier()
             self.saved_step = step
         return self.store.path_for(step)
 
@@ -201,10 +219,11 @@ def _remove_leftovers(job: TrainJob, store: CheckpointStore) -> None:
     """Delete `.tmp` files a crashed save of this job's outputs left behind."""
     store.remove_leftovers()
     for path in (job.resume_file, job.weights_file):
-        tmp_path(path).unlink(missing_ok=True)
+        if not tmp_path(path).is_dir():  # a sharded save clears its own staging folder
+            tmp_path(path).unlink(missing_ok=True)
 
 
-def _restore_from_folder(folder: Path, run: Run, skip: frozenset[str]) -> int:
+def _restore_from_folder(folder: Path, parts: dict, skip: frozenset[str], world: World) -> int:
     """--resume FOLDER: the newest valid checkpoint in someone's checkpoint folder (nothing is deleted there)."""
     skipped: list[str] = []
     store = CheckpointStore(folder, keep=None, notify=skipped.append)
@@ -213,34 +232,43 @@ def _restore_from_folder(folder: Path, run: Run, skip: frozenset[str]) -> int:
         details = [f"only {len(store.leftovers())} .tmp leftover(s) of interrupted saves"] if store.leftovers() else []
         details += skipped[:1] + ([f"and {len(skipped) - 1} more damaged"] if len(skipped) > 1 else [])
         raise CheckpointError("; ".join([f"{folder} holds no complete checkpoint", *details]))
-    for message in skipped:
-        warn(message)
     checkpoint, state = found
-    restore(state, run.parts(), skip=skip)
-    note(f"resumed from {checkpoint.path} at step {checkpoint.step}")
+    restore(state, parts, skip=skip)
+    if world.is_main:
+        for message in skipped:
+            warn(message)
+        note(f"resumed from {checkpoint.path} at step {checkpoint.step}")
     return checkpoint.step
 
 
-def resume_run(job: TrainJob, run: Run, store: CheckpointStore) -> int:
-    """Restore the run as --resume says (config checked first); the step it continues from."""
+def resume_run(job: TrainJob, run: Run, store: CheckpointStore, world: World = World()) -> int:
+    """Restore the run as --resume says (config checked first); the step it continues from.
+
+    Every rank restores its replica, through `world.parts` (each rank's entry of the per-rank parts).
+    A folder holding DCP's files is a sharded checkpoint (--sharded); any other folder a checkpoint store.
+    """
     if job.resume is None:
         return 0
+    parts = world.parts(run.parts())
     if job.resume == AUTO_RESUME:
-        step = store.restore(run.parts(), skip=job.skip_parts)
-        note(f"resumed from {store.path_for(step)} at step {step}" if step else f"no checkpoint in {store.folder}; starting at step 0")
+        step = store.restore(parts, skip=job.skip_parts)
+        if world.is_main:
+            note(f"resumed from {store.path_for(step)} at step {step}" if step else f"no checkpoint in {store.folder}; starting at step 0")
         return step
-    if Path(job.resume).is_dir():
-        return _restore_from_folder(Path(job.resume), run, job.skip_parts)
-    restore(load_resume(Path(job.resume)), run.parts(), skip=job.skip_parts)
+    path = Path(job.resume)
+    if path.is_dir() and not is_sharded_folder(path):
+        return _restore_from_folder(path, parts, job.skip_parts, world)
+    restore_checkpoint(path, parts, job.skip_parts, world)
     return run.step.value
 
 
-def prepare_run(job: TrainJob, store: CheckpointStore | None = None) -> Run:
-    """The run, built fresh and restored as --resume says (config checked first)."""
+def prepare_run(job: TrainJob, store: CheckpointStore | None = None, world: World = World()) -> Run:
+    """The run, built fresh as this rank's replica and restored as --resume says (config checked first)."""
     store = store or CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn)
     run = build_run(job.config, load_tokens(job.data))
+    world.replicate(run)
     run.identity.allowed = frozenset(ALLOWED_CHANGES[name] for name in job.allow_change)
-    resume_run(job, run, store)
+    resume_run(job, run, store, world)
     return run
 
 
@@ -265,40 +293,51 @@ def _target(job: TrainJob, start: int) -> int:
     return until
 
 
-def _write_outputs(job: TrainJob, run: Run) -> None:
+def _write_outputs(job: TrainJob, run: Run, world: World) -> None:
+    """The resume file or folder (every rank takes part), or the weights file (rank 0)."""
     path = job.resume_file if job.stop_at is not None else job.weights_file
     try:
         if job.stop_at is not None:
-            save_resume(path, run.parts())
-        else:
+            save_checkpoint(path, world.parts(run.parts()), world, job.sharded)
+        elif world.is_main:
             save_weights(path, run.model.state_dict())
     except OSError as error:
         raise storage_error(str(path), error, "; nothing half-written was left") from None
 
 
-def run_job(job: TrainJob, on_step=lambda record: None, on_start=lambda run: None) -> Run:
+def _ignore(message: str) -> None:
+    pass
+
+
+def run_job(job: TrainJob, on_step=lambda record: None, on_start=lambda run: None, world: World = World()) -> Run:
     """Train as the job says and write its files; returns the finished run. Raises Preempted after saving.
 
     `on_start(run)` sees the run once, restored and about to step; `on_step(record)` after each step.
+    Under many processes every rank calls this with its `world`; rank 0 writes the files.
     """
     _check_outputs(job)
-    store = CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn)
-    _remove_leftovers(job, store)
-    run = prepare_run(job, store)
+    store = CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn if world.is_main else _ignore)
+    if world.is_main:
+        _remove_leftovers(job, store)
+    world.barrier()  # no rank reads the store while rank 0 clears it
+    run = prepare_run(job, store, world)
     start = run.step.value
-    _note_allowed_changes(run, start)
+    if world.is_main:
+        _note_allowed_changes(run, start)
     until = _target(job, start)
     on_start(run)
-    with RunLogs(job, start) as logs:
+    with RunLogs(job, start, world) as logs:
         saver = Checkpointer(store, logs, saved_step=start if job.resume == AUTO_RESUME and start else None,
-                             background=job.async_save)
+                             world=world, background=job.async_save)
 
         def after_step(record: StepRecord) -> None:
             logs.record(record)
             on_step(record)
             if job.save_every and run.step.value % job.save_every == 0:
                 saver.save(run)
-            guard.check(run.step.value)
+            # The ranks agree on a signal any of them caught, so all stop after the same step and save together.
+            if world.any(guard.requested):
+                raise Preempted(guard.signal_name or "a signal to another process", run.step.value)
 
         try:
             with PreemptionGuard() as guard:
@@ -310,5 +349,5 @@ def run_job(job: TrainJob, on_step=lambda record: None, on_start=lambda run: Non
         if job.save_every:
             saver.save(run)
             saver.wait()
-        _write_outputs(job, run)
+        _write_outputs(job, run, world)
     return run

@@ -40,6 +40,7 @@ class LabConfig:
     out: Path = Path("runs/lab")
     lang: str = "ko"
     ablate: bool = False  # also run the ablation (ablate.py) into the same folder, for the report
+    nproc: int = 1  # processes of each training run (torchrun, DDP)
 
     def __post_init__(self) -> None:
         if not 1 <= self.stop_at < self.train.steps:
@@ -55,7 +56,7 @@ def _train_flags(config: LabConfig) -> list[str]:
     return ["--data", str(config.data), "--seed", str(t.seed), "--steps", str(t.steps), "--batch", str(t.batch),
             "--seq-len", str(t.seq_len), "--lr", repr(t.lr), "--preset", t.preset, "--grad-accum", str(t.grad_accum),
             "--dropout", repr(t.dropout), "--dtype", t.dtype, "--loader", t.loader, "--workers", str(t.workers),
-            "--warmup", str(t.warmup), "--device", t.device, "--threads", str(t.threads)]
+            "--warmup", str(t.warmup), "--device", t.device, "--threads", str(t.threads), "--nproc", str(config.nproc)]
 
 
 def training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from .device import loss_scaler, precision_context, training_device
 from .epochs import EpochLoader
 from .model import MiniMindLM
 from .parts import GlobalRng, RunIdentity, Stateful, StepCounter
+
+if TYPE_CHECKING:
+    from .distributed import Replicas
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 0) -> float:
@@ -59,6 +62,9 @@ class Run:
     identity: RunIdentity
     scaler: torch.amp.GradScaler
     device: torch.device
+    # Set under many processes (distributed.World.replicate): this rank's slice of each global batch,
+    # the DDP-wrapped loss whose backward averages gradients over ranks, the mean of the logged loss.
+    replicas: Replicas | None = None
 
     def parts(self) -> dict[str, Stateful]:
         parts = {"config": self.identity, "model": self.model, "optimizer": self.optimizer,
@@ -129,13 +135,16 @@ def train_step(run: Run) -> StepRecord:
     lr = lr_at(run.step.value, config.steps, config.lr, config.warmup)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    batch = run.batches.next_batch()
+    batch = run.batches.next_batch()  # the global batch: what the step trains on does not depend on N
+    local, ranks = (run.replicas.local(batch), run.replicas.size) if run.replicas else (batch, 1)
+    forward = run.replicas.loss if run.replicas else run.model.loss
     run.model.train()
     run.optimizer.zero_grad(set_to_none=True)
     loss = 0.0
-    for inputs, targets, share in micro_batches(batch, config.batch // config.grad_accum):
+    # Micro-batches split this rank's slice; DDP then averages the equal slices' gradients over ranks.
+    for inputs, targets, share in micro_batches(local, config.batch // ranks // config.grad_accum):
         with precision_context(config, run.device):
-            micro_loss = run.model.loss(inputs.to(run.device), targets.to(run.device))
+            micro_loss = forward(inputs.to(run.device), targets.to(run.device))
         # Weighting by share makes the summed gradient that of the mean over the step's sequences.
         run.scaler.scale(micro_loss * share).backward()
         loss += micro_loss.item() * share
@@ -144,7 +153,7 @@ def train_step(run: Run) -> StepRecord:
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.step.value += 1
-    return StepRecord(run.step.value, loss, batch.starts)
+    return StepRecord(run.step.value, run.replicas.mean(loss) if run.replicas else loss, batch.starts)
 
 
 def train(run: Run, until: int, on_step: Callable[[StepRecord], None] = lambda record: None) -> None:

@@ -1,8 +1,8 @@
 """Weights files (model state dicts for inference or comparison): write them, read any of ours.
 
 `read_weights` accepts a weights file or a resume file, sealed by us or plain (MiniMind's own
-`.pth` files), or a safetensors file (`exactresume export`), in fp32, fp16 or bf16, and returns the
-state dict with the config when the file records one.
+`.pth` files), a safetensors file (`exactresume export`) or a sharded resume folder (`--sharded`), in
+fp32, fp16 or bf16, and returns the state dict with the config when the file records one.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ def _is_state_dict(obj: object) -> bool:
 def read_weights(path: Path) -> tuple[StateDict, ModelConfig | None]:
     """The model state dict held by `path`, and its ModelConfig when the file records one."""
     path = Path(path)
+    if path.is_dir():  # a sharded resume checkpoint (--sharded)
+        from .sharded import load_sharded
+
+        state = load_sharded(path)
+        return state["model"], ModelConfig.from_dict(state["config"]["model"])
     config = None
     if path.is_file() and is_safetensors(path):
         obj, config = read_safetensors(path)

@@ -1,0 +1,45 @@
+"""Run by test_distributed under torchrun (2 processes): save a sharded checkpoint, then kill rank 1
+in the middle of writing its shard of the next one.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/kill_mid_save.py DATA FOLDER
+
+Leaves FOLDER/resume.dcp (step 2), FOLDER/step2.pth (the same state as one sealed file) and the
+killed save's FOLDER/resume.dcp.tmp/.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemWriter
+
+from exactresume.config import TrainConfig
+from exactresume.data import load_tokens
+from exactresume.distributed import World, process_group, save_checkpoint
+from exactresume.train import build_run, train
+
+
+def write_part_then_die(writer: FileSystemWriter, plan, planner) -> None:
+    """Stand-in for rank 1's shard write: a few bytes of its file, then SIGKILL (no cleanup runs)."""
+    (Path(writer.path) / "__1_0.distcp").write_bytes(b"the first bytes of a shard")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(data: Path, folder: Path) -> None:
+    with process_group(World.from_env()) as world:
+        run = build_run(TrainConfig(steps=8, batch=2, seq_len=16), load_tokens(data))
+        world.replicate(run)
+        train(run, 2)
+        save_checkpoint(folder / "resume.dcp", world.parts(run.parts()), world, sharded=True)
+        save_checkpoint(folder / "step2.pth", world.parts(run.parts()), world, sharded=False)
+        train(run, 3)
+        if world.rank == 1:
+            FileSystemWriter.write_data = write_part_then_die
+        save_checkpoint(folder / "resume.dcp", world.parts(run.parts()), world, sharded=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
