@@ -34,7 +34,7 @@ from .training import MATMUL_SIZE, bench_training
 
 # Training steps per timed repetition: enough to last a few hundred milliseconds.
 STEPS_PER_REP = {"default": 3, "minimind-26m": 1, "minimind-64m": 1}
-THROUGHPUT_PRESETS = ("default",)  # a 10-step round of the larger presets would take minutes
+THROUGHPUT_PRESETS = ("default",)  # a 30-step round of the larger presets would take minutes
 
 
 def memory_figures(config: TrainConfig, data: Path, folder: Path) -> dict:
@@ -57,7 +57,7 @@ def bench_preset(name: str, args: argparse.Namespace, data, folder: Path, log) -
     (folder / "resume.pth").unlink()
     figures |= bench_async_block(run, folder / "async", args.reps)
     if name in THROUGHPUT_PRESETS:
-        figures |= bench_async_throughput(run, folder / "async", args.reps, steps=4 if args.toy else 10,
+        figures |= bench_async_throughput(run, folder / "async", args.reps, steps=4 if args.toy else 30,
                                           every=2 if args.toy else 5)
     else:
         figures |= {"async_throughput_ratio": None,

@@ -1,10 +1,11 @@
-"""Background saves (`--async-save`): the same bytes as a synchronous save, taken from a copy, with
-failures reported and the previous checkpoint kept. Kills during a background write are in
+"""Background saves (`--async-save`): the same bytes as a synchronous save, copied before the next
+optimizer step changes the state, with failures reported and the previous checkpoint kept. Kills during a background write are in
 test_fault_tolerance.py, resumed in new processes."""
 
 from __future__ import annotations
 
 import errno
+import time
 from pathlib import Path
 
 import pytest
@@ -39,11 +40,23 @@ def test_background_file_is_byte_identical_to_a_synchronous_save(fp16_run, tmp_p
     assert "scaler" in fp16_run.parts()
 
 
-def test_the_copy_is_taken_before_save_returns(fp16_run, tmp_path):
+def test_the_next_optimizer_step_waits_for_the_copy(fp16_run, tmp_path):
     expected = CheckpointStore(tmp_path / "sync").save(2, fp16_run.parts()).read_bytes()
     saver = BackgroundSaver(CheckpointStore(tmp_path / "background"))
+    copy = saver.staging.copy
+    saver.staging.copy = lambda state: (time.sleep(0.5), copy(state))[1]  # a copy slower than the step
     path = saver.save(2, fp16_run.parts())
-    with torch.no_grad():  # the loop goes on while the writer works
+    train(fp16_run, until=4)  # the loop goes on: two optimizer steps change every weight and moment in place
+    saver.wait()
+    assert path.read_bytes() == expected
+    assert saver.blocked_seconds >= 0.3  # the first optimizer step waited for the copy
+
+
+def test_without_overlap_save_returns_with_the_copy_made(fp16_run, tmp_path):
+    expected = CheckpointStore(tmp_path / "sync").save(2, fp16_run.parts()).read_bytes()
+    saver = BackgroundSaver(CheckpointStore(tmp_path / "background"), overlap=False)
+    path = saver.save(2, fp16_run.parts())
+    with torch.no_grad():  # a change outside the optimizer, as an EMA update would make
         for parameter in fp16_run.model.parameters():
             parameter.add_(1.0)
     saver.wait()

@@ -1,26 +1,33 @@
-"""Checkpoints written in the background: the training loop waits only for a copy of the state.
+"""Checkpoints written in the background: the training loop does not wait for the disk.
 
     saver = BackgroundSaver(store)
-    saver.save(step, parts)   # copies the state into staging memory and returns; a thread writes it
+    saver.save(step, parts)   # returns at once; a thread copies the state, then writes it
     saver.wait()              # the save in flight is durable and verified, or its error is raised
 
-The copy is taken between optimizer steps, so the file holds exactly what `store.save` would have
-written at that step, byte for byte. The thread runs the store's own stages (`CheckpointStore.commit`:
-write, fsync, rename, folder fsync, verify, retention) in the same order, so old checkpoints are
-still deleted only after the new one is durable and reads back verified, and a kill at any moment
-leaves what a kill of a synchronous save leaves.
+`save` takes the parts' state dicts (references to the live tensors, plus small values such as RNG
+states, which are copies already) and hands them to a writer thread. The thread first copies the
+tensors into staging memory, while the loop runs the next step's forward and backward, which only
+read them; the next `optimizer.step()` waits until the copy is complete (a step pre-hook on every
+optimizer among the parts), so the file holds exactly the state at `step`, byte for byte what
+`store.save` would have written. A loop that changes the state in place before its next optimizer
+step (an EMA of the weights, BatchNorm statistics in the forward pass) passes `overlap=False`, and
+`save` then returns only once the copy is made.
 
-At most one save is in flight: `save` first waits for the previous one and then reuses its staging
-memory. Copying into memory that is already touched runs at memory speed, where fresh allocations
-page-fault (and this VM hands idle memory back to its host), so the staging copy is kept between
-saves: a background-saving run holds one extra copy of its state. A failure in the background is
-raised by the next `save` or `wait` as BackgroundSaveFailed, naming the step it was saving.
+The thread then runs the store's own stages (`CheckpointStore.commit`: write, fsync, rename, folder
+fsync, verify, retention) in the same order, so old checkpoints are still deleted only after the new
+one is durable and reads back verified, and a kill at any moment leaves what a kill of a synchronous
+save leaves. At most one save is in flight: `save` first waits for the previous one and reuses its
+staging memory (the copy is kept between saves, so a background-saving run holds one extra copy of
+its state). A failure in the background is raised by the next `save` or `wait` (or by the optimizer
+step that waits for the copy) as BackgroundSaveFailed, naming the step it was saving.
+`blocked_seconds` adds up the time the caller spent waiting in `save` and in the pre-hook.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -88,22 +95,39 @@ class StagingMemory:
 
 
 class BackgroundSaver:
-    """`store.save` split in two: a copy in the caller's thread, the rest in a writer thread."""
+    """`store.save` split in two: state dicts taken in the caller's thread, copy and write in a writer thread."""
 
-    def __init__(self, store: CheckpointStore):
-        self.store, self.staging = store, StagingMemory()
+    def __init__(self, store: CheckpointStore, overlap: bool = True):
+        self.store, self.overlap, self.staging = store, overlap, StagingMemory()
+        self.blocked_seconds = 0.0
         self._writer: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
         self._failure: BackgroundSaveFailed | None = None
+        self._hooked: set[int] = set()
 
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
-        """Wait for the previous save, copy `parts`, start writing them; the path the checkpoint will have."""
+        """Wait for the previous save, start this one; the path the checkpoint will have."""
+        started = time.perf_counter()
         self.wait()
         self.store.faults.reached("snapshot")
-        state = self.staging.copy(snapshot(step, parts))
+        state = snapshot(step, parts)
+        self._hook_optimizers(parts)
+        self._copied.clear()
         # Not a daemon: an exiting interpreter lets a started save finish rather than cut it off.
-        self._writer = threading.Thread(target=self._commit, args=(step, state), name=f"checkpoint-{step}")
+        self._writer = threading.Thread(target=self._copy_and_commit, args=(step, state), name=f"checkpoint-{step}")
         self._writer.start()
+        if not self.overlap:
+            self._copied.wait()
+        self.blocked_seconds += time.perf_counter() - started
         return self.store.path_for(step)
+
+    def wait_for_copy(self) -> None:
+        """Block until the save in flight has copied the state (the live tensors may change after)."""
+        if not self._copied.is_set():
+            started = time.perf_counter()
+            self._copied.wait()
+            self.blocked_seconds += time.perf_counter() - started
 
     def wait(self) -> None:
         """Block until no save is in flight; raise BackgroundSaveFailed if the last one failed."""
@@ -118,8 +142,22 @@ class BackgroundSaver:
     def in_flight(self) -> bool:
         return self._writer is not None and self._writer.is_alive()
 
-    def _commit(self, step: int, state: dict) -> None:
+    def _hook_optimizers(self, parts: Mapping[str, Stateful]) -> None:
+        for part in parts.values():
+            optimizer = getattr(part, "part", part)  # a part may wrap its object (distributed.PerRank)
+            if isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in self._hooked:
+                optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.wait_for_copy())
+                self._hooked.add(id(optimizer))
+
+    def _copy_and_commit(self, step: int, state: dict) -> None:
+        # Hand the interpreter lock back at once: a new thread otherwise keeps it while it runs Python,
+        # and `save` (waiting in Thread.start) would return only after tens of milliseconds.
+        time.sleep(0)
         try:
+            try:
+                state = self.staging.copy(state)
+            finally:
+                self._copied.set()  # a failed copy must not leave the loop waiting
             self.store.commit(step, state)
         except BaseException as error:  # handed to the training thread, which decides
             self._failure = BackgroundSaveFailed(step, error)
