@@ -14,6 +14,7 @@ from pathlib import Path
 
 from exactresume.config import TrainConfig
 from exactresume.data import TokenData
+from exactresume.lab import DIVERGENCE_RUNS
 from exactresume.train import build_run, train
 
 from .measure import Summary, interleave, ratio, timed
@@ -22,8 +23,9 @@ DEFAULT_STOP_AT = 30
 
 
 def lab_training_steps(steps: int, stop_at: int) -> int:
-    """straight + stop + resumed + noopt + noskip."""
-    return steps + stop_at + 3 * (steps - stop_at)
+    """straight + stop + resumed + noopt + noskip, and the fully restored twins that noopt and noskip
+    step alongside for the divergence figure (`--divergence`): each a real training step."""
+    return steps + stop_at + (3 + len(DIVERGENCE_RUNS)) * (steps - stop_at)
 
 
 def lab_command(config: TrainConfig, stop_at: int, data: Path, out: Path) -> list[str]:
