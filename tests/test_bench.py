@@ -30,3 +30,12 @@ def test_toy_bench_writes_every_figure_and_the_readme_block(tmp_path, kjv_folder
     subprocess.run([sys.executable, "-m", "bench.table", str(tmp_path / "bench.json"), "--readme", str(readme)], cwd=ROOT, check=True)
     text = readme.read_text()
     assert "old" not in text and text.endswith(f"{end}\n\nafter\n") and f"{figures['save_vs_disk_ratio']:.2f}" in text
+
+
+def test_readme_performance_table_is_rendered_from_docs_bench_json():
+    from bench.table import BEGIN, END, render
+
+    bench = json.loads((ROOT / "docs" / "bench.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert readme.split(BEGIN, 1)[1].split(END, 1)[0] == "\n" + render(bench) + "\n"
+    assert not bench["settings"]["toy"] and set(bench["presets"]) == {"default", "minimind-26m", "minimind-64m"}

@@ -59,7 +59,7 @@ class TrainJob:
     save_every: int | None = None  # also checkpoint to out/checkpoints every N steps and at the end
     keep: int | None = 3  # newest checkpoints kept in out/checkpoints; None keeps all
     allow_change: frozenset[str] = field(default_factory=frozenset)  # keys of ALLOWED_CHANGES
-    async_save: bool = False  # checkpoints written by a background thread after a copy of the state
+    async_save: bool = False  # periodic checkpoints written by a background thread (background.py)
     sharded: bool = False  # write the resume state as a DCP folder, out/resume.dcp, each rank its shard
 
     def __post_init__(self) -> None:
@@ -159,8 +159,8 @@ class Checkpointer:
     """The job's saves into its store: log rows made durable first, each step saved at most once.
 
     Every rank calls `save` (the per-rank parts gather every rank's state); rank 0 writes. With a
-    BackgroundSaver a save returns once the state is copied; `wait` is the point where the last one
-    is durable (the end of the run and a preemption call it before exiting).
+    BackgroundSaver a save returns at once (its copy is made during the next step); `wait` is the
+    point where the last one is durable (the end of the run and a preemption call it before exiting).
     """
 
     def __init__(self, store: CheckpointStore, logs: RunLogs, saved_step: int | None, world: World = World(),
