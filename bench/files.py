@@ -17,18 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from exactresume.atomic import fsync_path
 from exactresume.checkpoint import capture, load_resume, save_resume
 from exactresume.train import Run
 
 from .measure import Trial, interleave, ratio, timed
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_and_fsync(path: Path, data: memoryview) -> None:

@@ -20,13 +20,18 @@ def tmp_path(path: Path) -> Path:
     return path.with_name(path.name + TMP_SUFFIX)
 
 
-def fsync_folder(folder: Path) -> None:
-    """Make a rename or unlink inside `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or folder by name (for a folder: makes a rename or unlink inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a rename or unlink inside `folder` durable."""
+    fsync_path(folder)
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
