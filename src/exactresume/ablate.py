@@ -31,7 +31,7 @@ import torch
 from .atomic import atomic_write_bytes, ensure_writable_folder
 from .checkpoint import load_resume, restore, save_resume
 from .compare import read_samples, weight_distance
-from .config import TrainConfig
+from .config import TrainConfig, check_stop_at
 from .data import TokenData, load_tokens
 from .epochs import TokenSamples
 from .errors import UserError
@@ -109,8 +109,7 @@ class AblationConfig:
     dropout: float = 0.1  # the dropout setup's dropout, when the configured run has none
 
     def __post_init__(self) -> None:
-        if not 1 <= self.stop_at < self.train.steps:
-            raise UserError(f"--stop-at {self.stop_at} must be between 1 and --steps - 1 ({self.train.steps - 1})")
+        check_stop_at(self.stop_at, self.train.steps)
         if not 0.0 < self.dropout < 1.0:
             raise UserError(f"--ablation-dropout must be in (0, 1), got {self.dropout}")
 

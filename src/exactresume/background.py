@@ -138,10 +138,6 @@ class BackgroundSaver:
         if failure is not None:
             raise failure
 
-    @property
-    def in_flight(self) -> bool:
-        return self._writer is not None and self._writer.is_alive()
-
     def _hook_optimizers(self, parts: Mapping[str, Stateful]) -> None:
         for part in parts.values():
             optimizer = getattr(part, "part", part)  # a part may wrap its object (distributed.PerRank)

@@ -140,3 +140,9 @@ class TrainConfig:
 
     def with_changes(self, **changes) -> "TrainConfig":
         return replace(self, **changes)
+
+
+def check_stop_at(stop_at: int, steps: int) -> None:
+    """Refuse a stop that leaves nothing before or after it: 1 <= stop_at < steps."""
+    if not 1 <= stop_at < steps:
+        raise UserError(f"--stop-at {stop_at} must be between 1 and --steps - 1 ({steps - 1})")

@@ -25,7 +25,7 @@ from pathlib import Path
 from .atomic import ensure_writable_folder, tmp_path
 from .background import BackgroundSaveFailed, BackgroundSaver
 from .checkpoint import PART_NAMES, restore
-from .config import TrainConfig
+from .config import TrainConfig, check_stop_at
 from .data import load_tokens
 from .distributed import World, is_sharded_folder, restore_checkpoint, save_checkpoint
 from .errors import CheckpointError, StorageError, UserError
@@ -63,8 +63,8 @@ class TrainJob:
     sharded: bool = False  # write the resume state as a DCP folder, out/resume.dcp, each rank its shard
 
     def __post_init__(self) -> None:
-        if self.stop_at is not None and not 1 <= self.stop_at < self.config.steps:
-            raise UserError(f"--stop-at {self.stop_at} must be between 1 and --steps - 1 ({self.config.steps - 1})")
+        if self.stop_at is not None:
+            check_stop_at(self.stop_at, self.config.steps)
         if self.skip_parts and self.resume is None:
             raise UserError("--no-optim and --no-skip only make sense with --resume")
         if self.save_every is not None and self.save_every < 1:

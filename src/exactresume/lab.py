@@ -21,7 +21,7 @@ from . import warm_start
 from .atomic import atomic_write_bytes, ensure_writable_folder
 from .checkpoint import load_resume
 from .compare import loss_differences, read_loss_log, read_samples, repeated_batches, weight_distance
-from .config import TrainConfig
+from .config import TrainConfig, check_stop_at
 from .data import PrepareConfig, prepare
 from .errors import UserError
 from .inspection import resume_size_breakdown
@@ -43,8 +43,7 @@ class LabConfig:
     nproc: int = 1  # processes of each training run (torchrun, DDP)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.stop_at < self.train.steps:
-            raise UserError(f"--stop-at {self.stop_at} must be between 1 and --steps - 1 ({self.train.steps - 1})")
+        check_stop_at(self.stop_at, self.train.steps)
 
 
 def write_json(path: Path, values: dict) -> None:
