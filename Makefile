@@ -31,8 +31,12 @@ ablation: data
 	mkdir -p docs && cp runs/ablate/ablation.json docs/ablation.json
 	$(BIN)/exactresume ablate --markdown docs/ablation.json --readme README.md
 
+# All tests, then the habits: lint, format and the import layers (pyproject.toml holds their rules).
 test: $(STAMP)
 	$(BIN)/python -m pytest
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 # Every figure a ratio against a baseline in the same run (about 7 minutes on two cores); the README's
 # Performance table is regenerated from the json kept in docs/.

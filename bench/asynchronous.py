@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exactresume.background import BackgroundSaver
-from exactresume.steplog import LOSS_HEADER, StepLog
-from exactresume.store import CheckpointStore
-from exactresume.train import Run
+from exactresume.store.background import BackgroundSaver
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.steplog import LOSS_HEADER, StepLog
+from exactresume.training.loop import Run
 
 from .measure import interleave, ratio, timed
 from .training import exactresume_steps
@@ -40,13 +40,21 @@ def bench_async_block(run: Run, folder: Path, reps: int) -> dict:
         background.wait()
         return seconds
 
-    times = interleave({"sync": lambda: timed(lambda: synchronous.save(run.step.value, run.parts())), "blocked": blocked}, reps)
+    times = interleave(
+        {"sync": lambda: timed(lambda: synchronous.save(run.step.value, run.parts())), "blocked": blocked}, reps
+    )
     log.close()
     figure = ratio(times["blocked"], times["sync"])
-    return {"async_block_ratio": figure["ratio"],
-            "async_block": figure | {"goal": f"<= {BLOCK_GOAL}", "met": figure["ratio"] <= BLOCK_GOAL,
-                                     "what": "time the loop waits for a background save (in save and in the next "
-                                             "optimizer step) / CheckpointStore.save (the synchronous sequence)"}}
+    return {
+        "async_block_ratio": figure["ratio"],
+        "async_block": figure
+        | {
+            "goal": f"<= {BLOCK_GOAL}",
+            "met": figure["ratio"] <= BLOCK_GOAL,
+            "what": "time the loop waits for a background save (in save and in the next "
+            "optimizer step) / CheckpointStore.save (the synchronous sequence)",
+        },
+    }
 
 
 def bench_async_throughput(run: Run, folder: Path, reps: int, steps: int = 30, every: int = 5) -> dict:
@@ -59,13 +67,21 @@ def bench_async_throughput(run: Run, folder: Path, reps: int, steps: int = 30, e
                 exactresume_steps(run, every, log)
                 saver.save(run.step.value, run.parts())
             saver.wait()
+
         return timed(train_and_save)
 
     times = interleave({"saving": saving, "plain": lambda: timed(lambda: exactresume_steps(run, steps, log))}, reps)
     log.close()
     figure = ratio(times["plain"], times["saving"])  # steps/s with saves over steps/s without
-    return {"async_throughput_ratio": figure["ratio"],
-            "async_throughput": figure | {"goal": f">= {THROUGHPUT_GOAL}", "met": figure["ratio"] >= THROUGHPUT_GOAL,
-                                          "steps_per_round": steps, "save_every": every,
-                                          "what": f"steps/s with --async-save --save-every {every} (its last save "
-                                                  "waited for) / steps/s without saving"}}
+    return {
+        "async_throughput_ratio": figure["ratio"],
+        "async_throughput": figure
+        | {
+            "goal": f">= {THROUGHPUT_GOAL}",
+            "met": figure["ratio"] >= THROUGHPUT_GOAL,
+            "steps_per_round": steps,
+            "save_every": every,
+            "what": f"steps/s with --async-save --save-every {every} (its last save "
+            "waited for) / steps/s without saving",
+        },
+    }

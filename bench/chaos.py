@@ -29,21 +29,42 @@ from pathlib import Path
 
 import torch
 
+from exactresume.core.data import ensure_data
 from exactresume.errors import CheckpointError
-from exactresume.faults import FAULT_ENV
-from exactresume.lab import ensure_data
-from exactresume.sealed import verify
-from exactresume.store import CheckpointStore
-from exactresume.weights import read_weights
+from exactresume.store.faults import FAULT_ENV
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.sealed import verify
+from exactresume.store.weights import read_weights
 
 SAVE_STAGES = ("write", "fsync", "rename", "folder-fsync", "verify", "retention")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def train_command(folder: Path, args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "exactresume.cli", "train", "--out", str(folder), "--data", str(args.data),
-            "--steps", str(args.steps), "--batch", "2", "--seq-len", "16", "--save-every", str(args.save_every),
-            "--keep", "2", "--samples", str(folder / "samples.csv"), "--resume", "auto"]
+    return [
+        sys.executable,
+        "-m",
+        "exactresume.cli",
+        "train",
+        "--out",
+        str(folder),
+        "--data",
+        str(args.data),
+        "--steps",
+        str(args.steps),
+        "--batch",
+        "2",
+        "--seq-len",
+        "16",
+        "--save-every",
+        str(args.save_every),
+        "--keep",
+        "2",
+        "--samples",
+        str(folder / "samples.csv"),
+        "--resume",
+        "auto",
+    ]
 
 
 def reference_run(folder: Path, args: argparse.Namespace) -> float:
@@ -70,8 +91,9 @@ def damaged_checkpoints(folder: Path) -> int:
 
 def kill_at_random_moment(folder: Path, args: argparse.Namespace, window: float, rng: random.Random) -> int:
     """Start a run, SIGKILL it a random time after it starts training; its exit code."""
-    child = subprocess.Popen(train_command(folder, args), env=ENV, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True)
+    child = subprocess.Popen(
+        train_command(folder, args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     child.stdout.readline()  # the resume line: what follows is training and saving
     time.sleep(rng.uniform(0.0, window))
     child.send_signal(signal.SIGKILL)
@@ -81,8 +103,9 @@ def kill_at_random_moment(folder: Path, args: argparse.Namespace, window: float,
 
 def run_with_fault(folder: Path, args: argparse.Namespace, fault: str | None) -> int:
     env = ENV | ({FAULT_ENV: fault} if fault else {})
-    return subprocess.run(train_command(folder, args), env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL).returncode
+    return subprocess.run(
+        train_command(folder, args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    ).returncode
 
 
 def same_result(folder: Path, reference: Path) -> bool:
@@ -92,7 +115,9 @@ def same_result(folder: Path, reference: Path) -> bool:
     return weights and logs
 
 
-def trial(folder: Path, kills: int, args: argparse.Namespace, window: float, rng: random.Random, tally: Counter) -> None:
+def trial(
+    folder: Path, kills: int, args: argparse.Namespace, window: float, rng: random.Random, tally: Counter
+) -> None:
     """Kill the run `kills` times (fewer if it finishes first), then let it finish."""
     for _ in range(kills):
         if rng.random() < 0.5:
@@ -119,12 +144,19 @@ def trial(folder: Path, kills: int, args: argparse.Namespace, window: float, rng
 
 def figures(tally: Counter, trials: int, differed: int, seconds: float) -> dict:
     stage_kills = sum(tally[f"kill_{stage}"] for stage in SAVE_STAGES)
-    return {"trials": trials, "kills": tally["kills"], "kills_mid_save": stage_kills + tally["random_mid_save"],
-            "kills_at_save_stage": {stage: tally[f"kill_{stage}"] for stage in SAVE_STAGES},
-            "kills_at_random_moment": tally["kill_random"], "random_kills_that_left_a_tmp": tally["random_mid_save"],
-            "processes": tally["processes"], "runs_that_finished_before_their_kill": tally["finished_before_kill"],
-            "damaged_complete_checkpoints_after_kills": tally["damaged_after_kill"],
-            "results_differed": differed, "seconds": round(seconds, 1)}
+    return {
+        "trials": trials,
+        "kills": tally["kills"],
+        "kills_mid_save": stage_kills + tally["random_mid_save"],
+        "kills_at_save_stage": {stage: tally[f"kill_{stage}"] for stage in SAVE_STAGES},
+        "kills_at_random_moment": tally["kill_random"],
+        "random_kills_that_left_a_tmp": tally["random_mid_save"],
+        "processes": tally["processes"],
+        "runs_that_finished_before_their_kill": tally["finished_before_kill"],
+        "damaged_complete_checkpoints_after_kills": tally["damaged_after_kill"],
+        "results_differed": differed,
+        "seconds": round(seconds, 1),
+    }
 
 
 def main() -> int:
@@ -151,8 +183,10 @@ def main() -> int:
         print(f"trial {trials}: {tally['kills']} kills so far, {differed} differed", flush=True)
     result = figures(tally, trials, differed, time.perf_counter() - started)
     (args.out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{result['trials']} trials, {result['kills']} kills, {result['kills_mid_save']} landed mid-save, "
-          f"{result['results_differed']} final results differed")
+    print(
+        f"{result['trials']} trials, {result['kills']} kills, {result['kills_mid_save']} landed mid-save, "
+        f"{result['results_differed']} final results differed"
+    )
     print(json.dumps(result, indent=2))
     return 1 if differed or tally["damaged_after_kill"] else 0
 

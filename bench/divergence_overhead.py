@@ -15,12 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from exactresume.checkpoint import save_resume
 from exactresume.config import TrainConfig
-from exactresume.data import load_tokens
-from exactresume.divergence import DivergenceLog
-from exactresume.job import TrainJob, prepare_run
-from exactresume.train import build_run, train_step
+from exactresume.core.data import load_tokens
+from exactresume.store.resume import save_resume
+from exactresume.training.divergence import DivergenceLog
+from exactresume.training.job import TrainJob, prepare_run
+from exactresume.training.loop import build_run, train_step
 
 
 def main() -> None:
@@ -33,8 +33,9 @@ def main() -> None:
         first = build_run(config, load_tokens(args.data))
         train_step(first)
         save_resume(Path(folder) / "resume.pth", first.parts())
-        job = TrainJob(config, args.data, Path(folder), resume=Path(folder) / "resume.pth",
-                       skip_parts=frozenset({"optimizer"}))
+        job = TrainJob(
+            config, args.data, Path(folder), resume=Path(folder) / "resume.pth", skip_parts=frozenset({"optimizer"})
+        )
         plain, tracked = prepare_run(job), prepare_run(job)
         log = DivergenceLog(job, Path(folder) / "divergence.csv")
         log.attach(tracked)
@@ -47,8 +48,10 @@ def main() -> None:
             log.record(train_step(tracked))
             tracked_seconds.append(time.perf_counter() - started)
     plain_median, tracked_median = statistics.median(plain_seconds), statistics.median(tracked_seconds)
-    print(f"per step: {plain_median:.4f} s without the twin, {tracked_median:.4f} s with it "
-          f"({tracked_median / plain_median:.2f}x; {args.steps} steps each, interleaved)")
+    print(
+        f"per step: {plain_median:.4f} s without the twin, {tracked_median:.4f} s with it "
+        f"({tracked_median / plain_median:.2f}x; {args.steps} steps each, interleaved)"
+    )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from exactresume.atomic import fsync_path
-from exactresume.checkpoint import capture, load_resume, save_resume
-from exactresume.train import Run
+from exactresume.store.resume import capture, load_resume, save_resume
+from exactresume.training.loop import Run
 
 from .measure import Trial, interleave, ratio, timed
 
@@ -79,9 +79,11 @@ def flat_tensors(state: dict) -> dict[str, torch.Tensor]:
 
 def removing(path: Path, action) -> Trial:
     """A trial: delete `path` (untimed), then time `action()`, which writes it anew."""
+
     def trial() -> float:
         path.unlink(missing_ok=True)
         return timed(action)
+
     return trial
 
 
@@ -95,8 +97,12 @@ def bench_save(run: Run, folder: Path, reps: int) -> dict:
     trials = {
         "sealed": removing(resume, lambda: save_resume(resume, run.parts())),
         "disk": removing(paths["disk"], lambda: write_and_fsync(paths["disk"], memoryview(disk_buffer.numpy()))),
-        "torch_save": removing(paths["torch_save"], lambda: (torch.save(state, paths["torch_save"]), fsync_path(paths["torch_save"]))),
-        "safetensors": removing(paths["safetensors"], lambda: (save_file(flat, paths["safetensors"]), fsync_path(paths["safetensors"]))),
+        "torch_save": removing(
+            paths["torch_save"], lambda: (torch.save(state, paths["torch_save"]), fsync_path(paths["torch_save"]))
+        ),
+        "safetensors": removing(
+            paths["safetensors"], lambda: (save_file(flat, paths["safetensors"]), fsync_path(paths["safetensors"]))
+        ),
     }
     times = interleave(trials, reps)
     sizes = {"sealed": resume.stat().st_size} | {name: path.stat().st_size for name, path in paths.items()}
@@ -106,10 +112,15 @@ def bench_save(run: Run, folder: Path, reps: int) -> dict:
     return {
         "resume_bytes": size,
         "save_vs_disk_ratio": sealed["ratio"],
-        "save": sealed | {"goal": "<= 1.25", "met": sealed["ratio"] <= 1.25, "bytes": sizes,
-                          "torch_save_vs_disk_ratio": ratio(times["torch_save"], times["disk"]),
-                          "safetensors_vs_disk_ratio": ratio(times["safetensors"], times["disk"]),
-                          "what": "save_resume (atomic, fsynced, checksummed) / one write + fsync of as many bytes"},
+        "save": sealed
+        | {
+            "goal": "<= 1.25",
+            "met": sealed["ratio"] <= 1.25,
+            "bytes": sizes,
+            "torch_save_vs_disk_ratio": ratio(times["torch_save"], times["disk"]),
+            "safetensors_vs_disk_ratio": ratio(times["safetensors"], times["disk"]),
+            "what": "save_resume (atomic, fsynced, checksummed) / one write + fsync of as many bytes",
+        },
     }
 
 
@@ -129,11 +140,15 @@ def bench_load(folder: Path, reps: int) -> dict:
     verified = ratio(times["verified"], times["disk"])
     return {
         "load_vs_disk_ratio": verified["ratio"],
-        "load": verified | {"goal": "<= 1.5", "met": verified["ratio"] <= 1.5,
-                            "torch_load_vs_disk_ratio": ratio(times["torch_load"], times["disk"]),
-                            "safetensors_vs_disk_ratio": ratio(times["safetensors"], times["disk"]),
-                            "verified_vs_warm_memory_read_ratio": ratio(times["verified"], times["disk_warm_memory"]),
-                            "what": "load_resume (checksum + weights_only deserialize) / reading the bytes into newly "
-                                    "allocated memory (as any loader must); page cache warm. safetensors maps the file "
-                                    "and copies nothing until a tensor is touched"},
+        "load": verified
+        | {
+            "goal": "<= 1.5",
+            "met": verified["ratio"] <= 1.5,
+            "torch_load_vs_disk_ratio": ratio(times["torch_load"], times["disk"]),
+            "safetensors_vs_disk_ratio": ratio(times["safetensors"], times["disk"]),
+            "verified_vs_warm_memory_read_ratio": ratio(times["verified"], times["disk_warm_memory"]),
+            "what": "load_resume (checksum + weights_only deserialize) / reading the bytes into newly "
+            "allocated memory (as any loader must); page cache warm. safetensors maps the file "
+            "and copies nothing until a tensor is touched",
+        },
     }

@@ -20,18 +20,28 @@ def _kind(presets: dict, kind: str) -> dict:
     per_gb = {name: ours[name] / gb[name] for name in gb}
     large = [per_gb[name] for name in gb if gb[name] >= MIN_GB]
     linear = max(large) / min(large) - 1 <= LINEAR_TOLERANCE if len(large) >= 2 else None
-    rates = ", ".join(f"{per_gb[n]:.2f} s/GB at {gb[n]:.2f} GB (disk {disk[n] / gb[n]:.2f})" for n in sorted(gb, key=gb.get))
+    rates = ", ".join(
+        f"{per_gb[n]:.2f} s/GB at {gb[n]:.2f} GB (disk {disk[n] / gb[n]:.2f})" for n in sorted(gb, key=gb.get)
+    )
     verdict = {True: "linear", False: "not linear", None: "too few large files to say"}[linear]
-    return {"gb": gb, "seconds": ours, "disk_seconds": disk, "s_per_gb": per_gb, "linear": linear,
-            "fit": _line(list(gb.values()), list(ours.values())) if len(gb) >= 2 else None,
-            "verdict": f"{kind}: {rates}: {verdict} (files over {MIN_GB} GB within {LINEAR_TOLERANCE:.0%} per GB)"}
+    return {
+        "gb": gb,
+        "seconds": ours,
+        "disk_seconds": disk,
+        "s_per_gb": per_gb,
+        "linear": linear,
+        "fit": _line(list(gb.values()), list(ours.values())) if len(gb) >= 2 else None,
+        "verdict": f"{kind}: {rates}: {verdict} (files over {MIN_GB} GB within {LINEAR_TOLERANCE:.0%} per GB)",
+    }
 
 
 def growth(presets: dict) -> dict:
     """Per-preset s/GB (written into each preset) and, per kind, the rates, a line and a verdict."""
     measured = {name: p for name, p in presets.items() if "save" in p and "load" in p}
-    for name, preset in measured.items():
+    for _name, preset in measured.items():
         gb = preset["resume_bytes"] / 1e9
-        preset["growth"] = {"save_s_per_gb": preset["save"]["candidate_s"]["median"] / gb,
-                            "load_s_per_gb": preset["load"]["candidate_s"]["median"] / gb}
+        preset["growth"] = {
+            "save_s_per_gb": preset["save"]["candidate_s"]["median"] / gb,
+            "load_s_per_gb": preset["load"]["candidate_s"]["median"] / gb,
+        }
     return {kind: _kind(measured, kind) for kind in ("save", "load")} if measured else {}

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from exactresume.config import TrainConfig
-from exactresume.data import TokenData
-from exactresume.lab import DIVERGENCE_RUNS
-from exactresume.train import build_run, train
+from exactresume.core.data import TokenData
+from exactresume.lab.lab import DIVERGENCE_RUNS
+from exactresume.training.loop import build_run, train
 
 from .measure import Summary, interleave, ratio, timed
 
@@ -29,10 +29,30 @@ def lab_training_steps(steps: int, stop_at: int) -> int:
 
 
 def lab_command(config: TrainConfig, stop_at: int, data: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "exactresume.cli", "lab", "--data", str(data), "--out", str(out),
-            "--seed", str(config.seed), "--steps", str(config.steps), "--stop-at", str(stop_at),
-            "--batch", str(config.batch), "--seq-len", str(config.seq_len), "--preset", config.preset,
-            "--threads", str(config.threads)]
+    return [
+        sys.executable,
+        "-m",
+        "exactresume.cli",
+        "lab",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--seed",
+        str(config.seed),
+        "--steps",
+        str(config.steps),
+        "--stop-at",
+        str(stop_at),
+        "--batch",
+        str(config.batch),
+        "--seq-len",
+        str(config.seq_len),
+        "--preset",
+        config.preset,
+        "--threads",
+        str(config.threads),
+    ]
 
 
 def run_lab(command: list[str]) -> float:
@@ -42,10 +62,12 @@ def run_lab(command: list[str]) -> float:
     return 0.0
 
 
-def bench_lab(config: TrainConfig, stop_at: int, data: TokenData, out: Path, reps: int, deadline: float | None = None) -> dict:
+def bench_lab(
+    config: TrainConfig, stop_at: int, data: TokenData, out: Path, reps: int, deadline: float | None = None
+) -> dict:
     """Lab runs and blocks of in-process steps, alternating; at most `reps` rounds, none past `deadline`."""
     steps_in_lab = lab_training_steps(config.steps, stop_at)
-    run = build_run(config.with_changes(steps=10 ** 6), data)
+    run = build_run(config.with_changes(steps=10**6), data)
     train(run, 2)  # the first steps allocate the optimizer's state: not a typical step
     block = min(steps_in_lab, 12)
     command = lab_command(config, stop_at, data.folder, out)
@@ -59,7 +81,13 @@ def bench_lab(config: TrainConfig, stop_at: int, data: TokenData, out: Path, rep
     timings = json.loads((out / "details" / "timings.json").read_text())
     return {
         "lab_wall_ratio": figure["ratio"],
-        "lab_wall": figure | {"training_steps": steps_in_lab, "step_s": Summary.of([c / steps_in_lab for c in times["compute"]]).to_dict(),
-                              "last_lab_timings_s": timings, "goal": "<= 1.3", "met": figure["ratio"] <= 1.3,
-                              "what": "exactresume lab wall time / (its training steps x step time measured between labs)"},
+        "lab_wall": figure
+        | {
+            "training_steps": steps_in_lab,
+            "step_s": Summary.of([c / steps_in_lab for c in times["compute"]]).to_dict(),
+            "last_lab_timings_s": timings,
+            "goal": "<= 1.3",
+            "met": figure["ratio"] <= 1.3,
+            "what": "exactresume lab wall time / (its training steps x step time measured between labs)",
+        },
     }

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 # A trial runs its candidate once and returns the seconds it measured itself (so setup and
 # cleanup stay outside the figure).
@@ -24,7 +24,7 @@ class Summary:
     n: int
 
     @classmethod
-    def of(cls, values: list[float]) -> "Summary":
+    def of(cls, values: list[float]) -> Summary:
         return cls(statistics.median(values), min(values), max(values), len(values))
 
     def to_dict(self) -> dict:
@@ -38,7 +38,9 @@ def timed(action: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def interleave(trials: dict[str, Trial], reps: int, warmup: int = 1, deadline: float | None = None) -> dict[str, list[float]]:
+def interleave(
+    trials: dict[str, Trial], reps: int, warmup: int = 1, deadline: float | None = None
+) -> dict[str, list[float]]:
     """Run every trial once per round, rotating the order each round; warm-up rounds are dropped.
 
     Rotating (A B C, B C A, C A B, ...) keeps any trial from always following the same one. With a
@@ -66,8 +68,13 @@ def ratio(candidate: list[float], baseline: list[float]) -> dict:
     Each round's two measurements were taken one after the other, so their ratio cancels most of
     what the machine's other jobs did to both; the median of those ratios is the figure."""
     per_round = [c / b for c, b in zip(candidate, baseline)]
-    return {"ratio": statistics.median(per_round), "round_min": min(per_round), "round_max": max(per_round),
-            "candidate_s": Summary.of(candidate).to_dict(), "baseline_s": Summary.of(baseline).to_dict()}
+    return {
+        "ratio": statistics.median(per_round),
+        "round_min": min(per_round),
+        "round_max": max(per_round),
+        "candidate_s": Summary.of(candidate).to_dict(),
+        "baseline_s": Summary.of(baseline).to_dict(),
+    }
 
 
 def _status_kib(field: str) -> int:

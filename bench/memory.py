@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from exactresume.checkpoint import capture, load_resume, restore, save_resume
 from exactresume.config import TrainConfig
-from exactresume.data import load_tokens
-from exactresume.train import build_run, train
+from exactresume.core.data import load_tokens
+from exactresume.store.resume import capture, load_resume, restore, save_resume
+from exactresume.training.loop import build_run, train
 
 from .measure import peak_rss_bytes, reset_peak_rss, rss_bytes
 
@@ -64,11 +64,16 @@ def measure(config: TrainConfig, data: Path, folder: Path, steps: int) -> dict:
     file_bytes = resume.stat().st_size
     resume.unlink()
     return {
-        "state_bytes": size, "file_bytes": file_bytes,
-        "rss_built": built, "train_peak": train_peak,
-        "save_rss_before": save_before, "save_peak": save_peak,
+        "state_bytes": size,
+        "file_bytes": file_bytes,
+        "rss_built": built,
+        "train_peak": train_peak,
+        "save_rss_before": save_before,
+        "save_peak": save_peak,
         "save_extra_copies": (save_peak - save_before) / size,
-        "load_rss_before": load_before, "load_peak": load_peak, "load_rss_holding_state": held,
+        "load_rss_before": load_before,
+        "load_peak": load_peak,
+        "load_rss_holding_state": held,
         "load_extra_copies": (load_peak - load_before) / size,
         "rss_after_restore": after_restore,
     }
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=1, help="training steps inside the measured window")
     args = parser.parse_args(argv)
-    config = TrainConfig(steps=10 ** 6, batch=args.batch, seq_len=args.seq_len, preset=args.preset)
+    config = TrainConfig(steps=10**6, batch=args.batch, seq_len=args.seq_len, preset=args.preset)
     json.dump(measure(config, args.data, args.folder, args.steps), sys.stdout)
     return 0
 

@@ -1,8 +1,8 @@
 """`python -m bench` (what `make bench` runs): every figure, written to bench.json and printed as a table.
 
-    python -m bench                                   # default, minimind-26m, minimind-64m; about 10 minutes
-    python -m bench --presets default --reps 5        # one preset
-    python -m bench --toy --out /tmp/b                # the harness on a toy size, in seconds (figures meaningless)
+python -m bench                                   # default, minimind-26m, minimind-64m; about 10 minutes
+python -m bench --presets default --reps 5        # one preset
+python -m bench --toy --out /tmp/b                # the harness on a toy size, in seconds (figures meaningless)
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import torch
 
 from exactresume.atomic import atomic_write_bytes
 from exactresume.config import PRESETS, TrainConfig
-from exactresume.data import load_tokens
-from exactresume.lab import ensure_data
+from exactresume.core.data import ensure_data, load_tokens
 
 from .asynchronous import bench_async_block, bench_async_throughput
 from .files import bench_load, bench_save
@@ -39,8 +38,21 @@ THROUGHPUT_PRESETS = ("default",)  # a 30-step round of the larger presets would
 
 def memory_figures(config: TrainConfig, data: Path, folder: Path) -> dict:
     """The memory figures of one preset, from a fresh process (this one has freed memory to reuse)."""
-    command = [sys.executable, "-m", "bench.memory", "--preset", config.preset, "--data", str(data),
-               "--folder", str(folder), "--batch", str(config.batch), "--seq-len", str(config.seq_len)]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.memory",
+        "--preset",
+        config.preset,
+        "--data",
+        str(data),
+        "--folder",
+        str(folder),
+        "--batch",
+        str(config.batch),
+        "--seq-len",
+        str(config.seq_len),
+    ]
     finished = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     if finished.returncode != 0:
         raise RuntimeError(f"bench.memory failed:\n{finished.stderr}")
@@ -48,7 +60,7 @@ def memory_figures(config: TrainConfig, data: Path, folder: Path) -> dict:
 
 
 def bench_preset(name: str, args: argparse.Namespace, data, folder: Path, log) -> dict:
-    config = TrainConfig(steps=10 ** 6, batch=args.batch, seq_len=args.seq_len, preset=name)
+    config = TrainConfig(steps=10**6, batch=args.batch, seq_len=args.seq_len, preset=name)
     steps = 2 if args.toy else STEPS_PER_REP.get(name, 1)
     started = time.perf_counter()
     figures, run = bench_training(config, data, steps, args.reps, matmul_size=256 if args.toy else MATMUL_SIZE)
@@ -57,11 +69,14 @@ def bench_preset(name: str, args: argparse.Namespace, data, folder: Path, log) -
     (folder / "resume.pth").unlink()
     figures |= bench_async_block(run, folder / "async", args.reps)
     if name in THROUGHPUT_PRESETS:
-        figures |= bench_async_throughput(run, folder / "async", args.reps, steps=4 if args.toy else 30,
-                                          every=2 if args.toy else 5)
+        figures |= bench_async_throughput(
+            run, folder / "async", args.reps, steps=4 if args.toy else 30, every=2 if args.toy else 5
+        )
     else:
-        figures |= {"async_throughput_ratio": None,
-                    "async_throughput": {"status": f"measured on {', '.join(THROUGHPUT_PRESETS)} only (bench time)"}}
+        figures |= {
+            "async_throughput_ratio": None,
+            "async_throughput": {"status": f"measured on {', '.join(THROUGHPUT_PRESETS)} only (bench time)"},
+        }
     del run
     log(f"{name}: + save/load {time.perf_counter() - started:.0f} s")
     figures["memory"] = memory_figures(config, args.data, folder)
@@ -72,24 +87,35 @@ def bench_preset(name: str, args: argparse.Namespace, data, folder: Path, log) -
 def notes(bench: dict) -> list[str]:
     """Sentences under the table, each made from the figures."""
     machine = bench["machine"]
-    lines = [f"Measured on {machine['cpus']} CPUs shared with other jobs (1-minute load average "
-             f"{machine['load_average_before']:.1f} before, {machine['load_average_after']:.1f} after); "
-             f"medians of {bench['settings']['reps']} interleaved rounds after a warm-up round, "
-             "(min–max) of the round-by-round ratios; ✗ marks a missed goal."]
+    lines = [
+        f"Measured on {machine['cpus']} CPUs shared with other jobs (1-minute load average "
+        f"{machine['load_average_before']:.1f} before, {machine['load_average_after']:.1f} after); "
+        f"medians of {bench['settings']['reps']} interleaved rounds after a warm-up round, "
+        "(min–max) of the round-by-round ratios; ✗ marks a missed goal."
+    ]
     for name, preset in bench["presets"].items():
         compute = preset.get("compute")
         if compute:
             same = compute["step_flop_per_s"] / compute["matmul_flop_per_s"]["matmul_1_thread"]
             cpu = preset["train_overhead"]["cpu_ratio"]["ratio"]
-            lines.append(f"{name}: training on {preset['threads']} thread(s); compute efficiency {same:.2f} against a "
-                         f"1-thread matmul in wall time, {compute['cpu_time_efficiency']:.2f} in CPU time; training "
-                         f"overhead in CPU time {cpu:.3f}.")
+            lines.append(
+                f"{name}: training on {preset['threads']} thread(s); compute efficiency {same:.2f} against a "
+                f"1-thread matmul in wall time, {compute['cpu_time_efficiency']:.2f} in CPU time; training "
+                f"overhead in CPU time {cpu:.3f}."
+            )
     lab = bench.get("lab_wall", {})
     if "candidate_s" in lab:
-        runs = ", ".join(f"{name} {seconds:.1f}" for name, seconds in lab["last_lab_timings_s"].items() if name not in ("prepare", "total"))
-        lines.append(f"lab (default config, {lab['training_steps']} training steps): median {lab['candidate_s']['median']:.1f} s "
-                     f"wall against {lab['baseline_s']['median']:.1f} s of step compute over {lab['candidate_s']['n']} rounds; "
-                     f"its last run's training processes took (s): {runs}.")
+        runs = ", ".join(
+            f"{name} {seconds:.1f}"
+            for name, seconds in lab["last_lab_timings_s"].items()
+            if name not in ("prepare", "total")
+        )
+        lines.append(
+            f"lab (default config, {lab['training_steps']} training steps): "
+            f"median {lab['candidate_s']['median']:.1f} s "
+            f"wall against {lab['baseline_s']['median']:.1f} s of step compute over {lab['candidate_s']['n']} rounds; "
+            f"its last run's training processes took (s): {runs}."
+        )
     lines += [kind["verdict"] for kind in bench.get("growth", {}).values()]
     return lines
 
@@ -103,8 +129,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lab-reps", type=int, default=3, help="repetitions of the whole lab (0: skip)")
-    parser.add_argument("--budget-min", type=float, default=14, help="start no further lab round that would end later (at least one runs)")
-    parser.add_argument("--toy", action="store_true", help="default preset at batch 2 x 16, 2 reps, no lab: checks the harness")
+    parser.add_argument(
+        "--budget-min",
+        type=float,
+        default=14,
+        help="start no further lab round that would end later (at least one runs)",
+    )
+    parser.add_argument(
+        "--toy", action="store_true", help="default preset at batch 2 x 16, 2 reps, no lab: checks the harness"
+    )
     args = parser.parse_args(argv)
     if args.toy:
         args.presets, args.reps, args.batch, args.seq_len, args.lab_reps = "default", 2, 2, 16, 0
@@ -130,12 +163,24 @@ def main(argv: list[str] | None = None) -> int:
         else:
             bench |= {"lab_wall_ratio": None, "lab_wall": {"status": "not measured (--lab-reps 0)"}}
     bench["growth"] = growth(bench["presets"])
-    bench["machine"] = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                        "torch": torch.__version__, "python": platform.python_version(),
-                        "load_average_before": load_before, "load_average_after": load_average(),
-                        "shared": "other people's jobs may run at the same time; ratios are within-run"}
-    bench["settings"] = {"reps": args.reps, "warmup_rounds": 1, "batch": args.batch, "seq_len": args.seq_len,
-                         "toy": args.toy, "lab_reps": args.lab_reps, "wall_s": time.perf_counter() - started}
+    bench["machine"] = {
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        "shared": "other people's jobs may run at the same time; ratios are within-run",
+    }
+    bench["settings"] = {
+        "reps": args.reps,
+        "warmup_rounds": 1,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "toy": args.toy,
+        "lab_reps": args.lab_reps,
+        "wall_s": time.perf_counter() - started,
+    }
     bench["notes"] = notes(bench)
     atomic_write_bytes(args.out / "bench.json", (json.dumps(bench, indent=2) + "\n").encode())
     print(render(bench))

@@ -1,7 +1,7 @@
 """The benchmark table, rendered from bench.json; and the README's Performance block regenerated from it.
 
-    python -m bench.table runs/bench/bench.json                      # print the table
-    python -m bench.table runs/bench/bench.json --readme README.md   # rewrite the block between the markers
+python -m bench.table runs/bench/bench.json                      # print the table
+python -m bench.table runs/bench/bench.json --readme README.md   # rewrite the block between the markers
 """
 
 from __future__ import annotations
@@ -36,17 +36,45 @@ def ratio_rows(bench: dict) -> list[tuple[str, str, list[str]]]:
     presets, names = list(bench["presets"].values()), list(bench["presets"])
     lab = bench.get("lab_wall")
     rows = [
-        ("1 training overhead: steps/s, exactresume ÷ minimal loop", "≥ 0.97", [_ranged(p.get("train_overhead")) for p in presets]),
-        ("2 compute efficiency: step FLOP/s ÷ best fp32 matmul FLOP/s", "≥ 0.6 (default)", [_efficiency(n, p) for n, p in zip(names, presets)]),
+        (
+            "1 training overhead: steps/s, exactresume ÷ minimal loop",
+            "≥ 0.97",
+            [_ranged(p.get("train_overhead")) for p in presets],
+        ),
+        (
+            "2 compute efficiency: step FLOP/s ÷ best fp32 matmul FLOP/s",
+            "≥ 0.6 (default)",
+            [_efficiency(n, p) for n, p in zip(names, presets)],
+        ),
         ("3 sealed atomic save ÷ one write + fsync", "≤ 1.25", [_ranged(p.get("save")) for p in presets]),
-        ("   torch.save + fsync ÷ the same", "", [_ranged(p.get("save", {}).get("torch_save_vs_disk_ratio")) for p in presets]),
-        ("   safetensors + fsync ÷ the same", "", [_ranged(p.get("save", {}).get("safetensors_vs_disk_ratio")) for p in presets]),
+        (
+            "   torch.save + fsync ÷ the same",
+            "",
+            [_ranged(p.get("save", {}).get("torch_save_vs_disk_ratio")) for p in presets],
+        ),
+        (
+            "   safetensors + fsync ÷ the same",
+            "",
+            [_ranged(p.get("save", {}).get("safetensors_vs_disk_ratio")) for p in presets],
+        ),
         ("4 verified load ÷ reading the bytes", "≤ 1.5", [_ranged(p.get("load")) for p in presets]),
         ("   torch.load ÷ the same", "", [_ranged(p.get("load", {}).get("torch_load_vs_disk_ratio")) for p in presets]),
-        ("   safetensors load (lazy: maps, copies nothing) ÷ the same", "", [_ranged(p.get("load", {}).get("safetensors_vs_disk_ratio")) for p in presets]),
-        ("   verified load ÷ reading into memory already touched", "", [_ranged(p.get("load", {}).get("verified_vs_warm_memory_read_ratio")) for p in presets]),
+        (
+            "   safetensors load (lazy: maps, copies nothing) ÷ the same",
+            "",
+            [_ranged(p.get("load", {}).get("safetensors_vs_disk_ratio")) for p in presets],
+        ),
+        (
+            "   verified load ÷ reading into memory already touched",
+            "",
+            [_ranged(p.get("load", {}).get("verified_vs_warm_memory_read_ratio")) for p in presets],
+        ),
         ("5 async save: loop blocked ÷ synchronous save", "≤ 0.1", [_ranged(p.get("async_block")) for p in presets]),
-        ("   async save: steps/s with --save-every 5 ÷ no saving", "≥ 0.95", [_ranged(p.get("async_throughput")) for p in presets]),
+        (
+            "   async save: steps/s with --save-every 5 ÷ no saving",
+            "≥ 0.95",
+            [_ranged(p.get("async_throughput")) for p in presets],
+        ),
         ("6 lab wall time ÷ (training steps × step time)", "≤ 1.3", [_ranged(lab)] + ["—"] * (len(presets) - 1)),
     ]
     return rows
@@ -67,26 +95,73 @@ def raw_rows(bench: dict) -> list[tuple[str, list[str]]]:
     gflops = lambda v: f"{v / 1e9:,.1f}"
     return [
         ("parameters", [get("params", lambda v: f"{v / 1e6:.1f} M", p) for p in presets]),
-        ("step ms: exactresume / minimal loop", [f"{get('train_overhead.baseline_s.median', ms, p)} / {get('train_overhead.candidate_s.median', ms, p)}" for p in presets]),
-        ("GFLOP/s: step / matmul 1 thread / matmul all threads", [
-            f"{get('compute.step_flop_per_s', gflops, p)} / " + " / ".join(gflops(v) for v in p.get("compute", {}).get("matmul_flop_per_s", {}).values())
-            for p in presets]),
+        (
+            "step ms: exactresume / minimal loop",
+            [
+                f"{get('train_overhead.baseline_s.median', ms, p)} / {get('train_overhead.candidate_s.median', ms, p)}"
+                for p in presets
+            ],
+        ),
+        (
+            "GFLOP/s: step / matmul 1 thread / matmul all threads",
+            [
+                f"{get('compute.step_flop_per_s', gflops, p)} / "
+                + " / ".join(gflops(v) for v in p.get("compute", {}).get("matmul_flop_per_s", {}).values())
+                for p in presets
+            ],
+        ),
         ("resume file MB", [get("resume_bytes", _mb, p) for p in presets]),
-        ("save s: sealed / disk / torch.save / safetensors", [
-            " / ".join([get("save.candidate_s.median", s, p), get("save.baseline_s.median", s, p),
+        (
+            "save s: sealed / disk / torch.save / safetensors",
+            [
+                " / ".join(
+                    [
+                        get("save.candidate_s.median", s, p),
+                        get("save.baseline_s.median", s, p),
                         get("save.torch_save_vs_disk_ratio.candidate_s.median", s, p),
-                        get("save.safetensors_vs_disk_ratio.candidate_s.median", s, p)]) for p in presets]),
-        ("load s: verified / disk / torch.load / safetensors", [
-            " / ".join([get("load.candidate_s.median", s, p), get("load.baseline_s.median", s, p),
+                        get("save.safetensors_vs_disk_ratio.candidate_s.median", s, p),
+                    ]
+                )
+                for p in presets
+            ],
+        ),
+        (
+            "load s: verified / disk / torch.load / safetensors",
+            [
+                " / ".join(
+                    [
+                        get("load.candidate_s.median", s, p),
+                        get("load.baseline_s.median", s, p),
                         get("load.torch_load_vs_disk_ratio.candidate_s.median", s, p),
-                        get("load.safetensors_vs_disk_ratio.candidate_s.median", s, p)]) for p in presets]),
-        ("async s: loop blocked / synchronous save", [
-            f"{get('async_block.candidate_s.median', s, p)} / {get('async_block.baseline_s.median', s, p)}" for p in presets]),
-        ("7 peak RSS MB: training / saving / loading", [
-            " / ".join(get(f"memory.{k}", _mb, p) for k in ("train_peak", "save_peak", "load_peak")) for p in presets]),
-        ("   save, extra memory ÷ state size", [get("memory.save_extra_copies", lambda v: f"{v:.2f}", p) for p in presets]),
-        ("   load, extra memory ÷ state size", [get("memory.load_extra_copies", lambda v: f"{v:.2f}", p) for p in presets]),
-        ("8 save / load, s per GB", [f"{get('growth.save_s_per_gb', s, p)} / {get('growth.load_s_per_gb', s, p)}" for p in presets]),
+                        get("load.safetensors_vs_disk_ratio.candidate_s.median", s, p),
+                    ]
+                )
+                for p in presets
+            ],
+        ),
+        (
+            "async s: loop blocked / synchronous save",
+            [
+                f"{get('async_block.candidate_s.median', s, p)} / {get('async_block.baseline_s.median', s, p)}"
+                for p in presets
+            ],
+        ),
+        (
+            "7 peak RSS MB: training / saving / loading",
+            [" / ".join(get(f"memory.{k}", _mb, p) for k in ("train_peak", "save_peak", "load_peak")) for p in presets],
+        ),
+        (
+            "   save, extra memory ÷ state size",
+            [get("memory.save_extra_copies", lambda v: f"{v:.2f}", p) for p in presets],
+        ),
+        (
+            "   load, extra memory ÷ state size",
+            [get("memory.load_extra_copies", lambda v: f"{v:.2f}", p) for p in presets],
+        ),
+        (
+            "8 save / load, s per GB",
+            [f"{get('growth.save_s_per_gb', s, p)} / {get('growth.load_s_per_gb', s, p)}" for p in presets],
+        ),
     ]
 
 
@@ -94,9 +169,18 @@ def render(bench: dict) -> str:
     """The figures as two markdown tables (ratios with round-by-round min–max; raw medians), plus notes."""
     names = list(bench["presets"])
     head = "| figure | goal | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names) + "\n"
-    lines = [head + "\n".join(f"| {label} | {goal} | " + " | ".join(cells) + " |" for label, goal, cells in ratio_rows(bench))]
-    lines.append("| raw medians | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n"
-                 + "\n".join(f"| {label} | " + " | ".join(cells) + " |" for label, cells in raw_rows(bench)))
+    lines = [
+        head
+        + "\n".join(f"| {label} | {goal} | " + " | ".join(cells) + " |" for label, goal, cells in ratio_rows(bench))
+    ]
+    lines.append(
+        "| raw medians | "
+        + " | ".join(names)
+        + " |\n|---|"
+        + "---|" * len(names)
+        + "\n"
+        + "\n".join(f"| {label} | " + " | ".join(cells) + " |" for label, cells in raw_rows(bench))
+    )
     notes = [f"- {note}" for note in bench.get("notes", [])]
     return "\n\n".join(lines + (["\n".join(notes)] if notes else []))
 

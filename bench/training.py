@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from exactresume.config import TrainConfig
-from exactresume.data import TokenData
-from exactresume.steplog import LOSS_HEADER, StepLog
-from exactresume.train import Run, build_run, train
+from exactresume.core.data import TokenData
+from exactresume.store.steplog import LOSS_HEADER, StepLog
+from exactresume.training.loop import Run, build_run, train
 
 from .measure import Summary, Trial, interleave, ratio, timed
 
@@ -101,17 +101,23 @@ class CpuClock:
             wall = trial()
             self.seconds.setdefault(name, []).append((time.process_time() - started) / divide)
             return wall
+
         return measured
 
 
-def bench_training(config: TrainConfig, data: TokenData, steps_per_rep: int, reps: int,
-                   matmul_size: int = MATMUL_SIZE) -> tuple[dict, Run]:
+def bench_training(
+    config: TrainConfig, data: TokenData, steps_per_rep: int, reps: int, matmul_size: int = MATMUL_SIZE
+) -> tuple[dict, Run]:
     """Interleave both loops and the matmuls; returns the figures and the trained exactresume run."""
     log = StepLog(Path(tempfile.mkdtemp()) / "log.csv", LOSS_HEADER, 0).open()
     run, loop, cpu = build_run(config, data), minimal_loop(config, data, steps_per_rep), CpuClock()
     all_threads = os.cpu_count() or 1
     trials = {
-        "exactresume": cpu.wrap("exactresume", lambda: timed(lambda: exactresume_steps(run, steps_per_rep, log)) / steps_per_rep, steps_per_rep),
+        "exactresume": cpu.wrap(
+            "exactresume",
+            lambda: timed(lambda: exactresume_steps(run, steps_per_rep, log)) / steps_per_rep,
+            steps_per_rep,
+        ),
         "minimal": cpu.wrap("minimal", lambda: timed(lambda: loop.steps(steps_per_rep)) / steps_per_rep, steps_per_rep),
         "matmul_1_thread": cpu.wrap("matmul_1_thread", matmul_trial(1, matmul_size)),
     }
@@ -119,30 +125,43 @@ def bench_training(config: TrainConfig, data: TokenData, steps_per_rep: int, rep
         trials[f"matmul_{all_threads}_threads"] = matmul_trial(all_threads, matmul_size)
     times = interleave(trials, reps)
     cpu_times = {name: values[-reps:] for name, values in cpu.seconds.items()}  # drop the warm-up round
-    return training_figures(run, times, cpu_times, 2.0 * matmul_size ** 3 * MATMUL_COUNT), run
+    return training_figures(run, times, cpu_times, 2.0 * matmul_size**3 * MATMUL_COUNT), run
 
 
 def training_figures(run: Run, times: dict, cpu_times: dict, matmul_flops: float) -> dict:
     flops = step_flops(run)
-    matmul_rates = {name: matmul_flops / Summary.of(values).median for name, values in times.items() if name.startswith("matmul")}
+    matmul_rates = {
+        name: matmul_flops / Summary.of(values).median for name, values in times.items() if name.startswith("matmul")
+    }
     best_matmul = max(matmul_rates, key=matmul_rates.get)
     step_rate = flops / Summary.of(times["exactresume"]).median
     efficiency = step_rate / matmul_rates[best_matmul]
-    cpu_efficiency = (flops / Summary.of(cpu_times["exactresume"]).median) / (matmul_flops / Summary.of(cpu_times["matmul_1_thread"]).median)
+    cpu_efficiency = (flops / Summary.of(cpu_times["exactresume"]).median) / (
+        matmul_flops / Summary.of(cpu_times["matmul_1_thread"]).median
+    )
     overhead = ratio(times["minimal"], times["exactresume"])  # steps/s ours over steps/s minimal
     return {
         "params": sum(p.numel() for p in run.model.parameters()),
         "threads": torch.get_num_threads(),
         "step_flops": flops,
         "train_overhead_ratio": overhead["ratio"],
-        "train_overhead": overhead | {"goal": ">= 0.97", "met": overhead["ratio"] >= 0.97,
-                                      "cpu_ratio": ratio(cpu_times["minimal"], cpu_times["exactresume"]),
-                                      "what": "minimal loop's step time / exactresume's step time (= steps/s ours / minimal)"},
+        "train_overhead": overhead
+        | {
+            "goal": ">= 0.97",
+            "met": overhead["ratio"] >= 0.97,
+            "cpu_ratio": ratio(cpu_times["minimal"], cpu_times["exactresume"]),
+            "what": "minimal loop's step time / exactresume's step time (= steps/s ours / minimal)",
+        },
         "compute_efficiency": efficiency,
-        "compute": {"step_flop_per_s": step_rate, "matmul_flop_per_s": matmul_rates, "baseline": best_matmul,
-                    "matmul_s": {name: Summary.of(v).to_dict() for name, v in times.items() if name.startswith("matmul")},
-                    "cpu_time_efficiency": cpu_efficiency,
-                    "what": "wall FLOP/s of a step / wall FLOP/s of the fastest plain matmul (1 thread or all); "
-                            "cpu_time_efficiency: FLOP per CPU-second of a step / of a 1-thread matmul",
-                    "goal": ">= 0.6 (default preset)", "met": efficiency >= 0.6},
+        "compute": {
+            "step_flop_per_s": step_rate,
+            "matmul_flop_per_s": matmul_rates,
+            "baseline": best_matmul,
+            "matmul_s": {name: Summary.of(v).to_dict() for name, v in times.items() if name.startswith("matmul")},
+            "cpu_time_efficiency": cpu_efficiency,
+            "what": "wall FLOP/s of a step / wall FLOP/s of the fastest plain matmul (1 thread or all); "
+            "cpu_time_efficiency: FLOP per CPU-second of a step / of a 1-thread matmul",
+            "goal": ">= 0.6 (default preset)",
+            "met": efficiency >= 0.6,
+        },
     }

@@ -13,8 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from exactresume.captions import caption_values, figure_block
-from exactresume.figures import FIGURES
+from exactresume.report.captions import caption_values, figure_block
+from exactresume.report.figures import FIGURES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_LAB = ROOT / "docs" / "lab"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from exactresume.cli import main
-from exactresume.data import PrepareConfig, prepare
+from exactresume.core.data import PrepareConfig, prepare
 
 # Small runs keep the suite fast; exactness does not depend on size.
 SMALL = ["--steps", "8", "--batch", "2", "--seq-len", "16"]

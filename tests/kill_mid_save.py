@@ -17,9 +17,12 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemWriter
 
 from exactresume.config import TrainConfig
-from exactresume.data import load_tokens
-from exactresume.distributed import World, process_group, save_checkpoint
-from exactresume.train import build_run, train
+from exactresume.core.data import load_tokens
+from exactresume.dist.replicas import process_group, replicate
+from exactresume.store.access import save_checkpoint
+from exactresume.store.resume import per_rank
+from exactresume.training.loop import build_run, train
+from exactresume.world import World
 
 
 def write_part_then_die(writer: FileSystemWriter, plan, planner) -> None:
@@ -31,14 +34,14 @@ def write_part_then_die(writer: FileSystemWriter, plan, planner) -> None:
 def main(data: Path, folder: Path) -> None:
     with process_group(World.from_env()) as world:
         run = build_run(TrainConfig(steps=8, batch=2, seq_len=16), load_tokens(data))
-        world.replicate(run)
+        replicate(run, world)
         train(run, 2)
-        save_checkpoint(folder / "resume.dcp", world.parts(run.parts()), world, sharded=True)
-        save_checkpoint(folder / "step2.pth", world.parts(run.parts()), world, sharded=False)
+        save_checkpoint(folder / "resume.dcp", per_rank(run.parts(), world), world, sharded=True)
+        save_checkpoint(folder / "step2.pth", per_rank(run.parts(), world), world, sharded=False)
         train(run, 3)
         if world.rank == 1:
             FileSystemWriter.write_data = write_part_then_die
-        save_checkpoint(folder / "resume.dcp", world.parts(run.parts()), world, sharded=True)
+        save_checkpoint(folder / "resume.dcp", per_rank(run.parts(), world), world, sharded=True)
 
 
 if __name__ == "__main__":

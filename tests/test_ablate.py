@@ -10,14 +10,23 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL, assert_one_line_error, call_cli
-from exactresume.ablate import VARIANTS, readme_block, render_markdown
-from exactresume.compare import read_samples
 from exactresume.config import TrainConfig
+from exactresume.lab.ablate import VARIANTS
+from exactresume.report.tables import readme_block, render_markdown
+from exactresume.store.steplog import read_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 README, DOCS_JSON = ROOT / "README.md", ROOT / "docs" / "ablation.json"
 ABLATE_FLAGS = [*SMALL, "--stop-at", "4"]  # 4 resumed steps of 2 sequences
-METRICS = ("max_abs_diff", "rel_l2", "first_loss_diff", "final_loss_diff", "val_loss_diff", "samples_seen_twice", "samples_never_seen")
+METRICS = (
+    "max_abs_diff",
+    "rel_l2",
+    "first_loss_diff",
+    "final_loss_diff",
+    "val_loss_diff",
+    "samples_seen_twice",
+    "samples_never_seen",
+)
 DATA_ROWS = {("base", "noskip"), ("epoch", "nocursor")}
 
 

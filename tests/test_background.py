@@ -1,23 +1,22 @@
 """Background saves (`--async-save`): the same bytes as a synchronous save, copied before the next
-optimizer step changes the state, with failures reported and the previous checkpoint kept. Kills during a background write are in
-test_fault_tolerance.py, resumed in new processes."""
+optimizer step changes the state, with failures reported and the previous checkpoint kept. Kills during a background
+write are in test_fault_tolerance.py, resumed in new processes."""
 
 from __future__ import annotations
 
 import errno
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import SMALL, assert_one_line_error, call_cli
-from exactresume.background import BackgroundSaveFailed, BackgroundSaver, StagingMemory
 from exactresume.config import TrainConfig
-from exactresume.data import load_tokens
-from exactresume.faults import Fault, FaultPoints
-from exactresume.store import CheckpointStore, snapshot
-from exactresume.train import build_run, train
+from exactresume.core.data import load_tokens
+from exactresume.store.background import BackgroundSaveFailed, BackgroundSaver, StagingMemory
+from exactresume.store.faults import Fault, FaultPoints
+from exactresume.store.folder import CheckpointStore, snapshot
+from exactresume.training.loop import build_run, train
 
 
 @pytest.fixture
@@ -71,8 +70,14 @@ def test_staging_memory_is_reused_and_keeps_tied_storage_shared(fp16_run):
     second = staging.copy(state)
     assert [storage.data_ptr() for storage in staging.pool] == pool
     model = second["model"]
-    assert model["lm_head.weight"].untyped_storage().data_ptr() == model["model.embed_tokens.weight"].untyped_storage().data_ptr()
-    assert model["lm_head.weight"].untyped_storage().data_ptr() != state["model"]["lm_head.weight"].untyped_storage().data_ptr()
+    assert (
+        model["lm_head.weight"].untyped_storage().data_ptr()
+        == model["model.embed_tokens.weight"].untyped_storage().data_ptr()
+    )
+    assert (
+        model["lm_head.weight"].untyped_storage().data_ptr()
+        != state["model"]["lm_head.weight"].untyped_storage().data_ptr()
+    )
     for name, tensor in state["model"].items():
         assert torch.equal(first["model"][name], tensor), name
 

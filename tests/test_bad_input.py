@@ -53,25 +53,46 @@ def test_damaged_resume_file_is_refused(tmp_path, kjv_folder, stopped, damage):
     assert not (tmp_path / "out" / "final.pth").exists()
 
 
-@pytest.mark.parametrize("flag, value, field", [("--batch", 3, "batch"), ("--seq-len", 20, "seq_len"),
-                                                ("--preset", "minimind-26m", "hidden_size")])
+@pytest.mark.parametrize(
+    "flag, value, field",
+    [("--batch", 3, "batch"), ("--seq-len", 20, "seq_len"), ("--preset", "minimind-26m", "hidden_size")],
+)
 def test_resuming_a_different_run_names_the_fields(tmp_path, kjv_folder, stopped, flag, value, field):
-    command = ["train", "--out", tmp_path, "--data", kjv_folder, *SMALL, flag, value, "--resume", stopped / "resume.pth"]
+    command = [
+        "train",
+        "--out",
+        tmp_path,
+        "--data",
+        kjv_folder,
+        *SMALL,
+        flag,
+        value,
+        "--resume",
+        stopped / "resume.pth",
+    ]
     finished = call_cli(*command)
     assert_one_line_error(finished, "different run", field)
 
 
 def test_resuming_on_different_data_is_refused(tmp_path, stopped):
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(f"Paragraph {i} about stopping and resuming training runs exactly." * 3 for i in range(300)))
+    corpus.write_text(
+        "\n\n".join(f"Paragraph {i} about stopping and resuming training runs exactly." * 3 for i in range(300))
+    )
     call_cli("prepare", "--out", tmp_path / "data", "--corpus", corpus, "--vocab-size", 300)
-    finished = call_cli("train", "--out", tmp_path, "--data", tmp_path / "data", *SMALL, "--resume", stopped / "resume.pth")
+    finished = call_cli(
+        "train", "--out", tmp_path, "--data", tmp_path / "data", *SMALL, "--resume", stopped / "resume.pth"
+    )
     assert_one_line_error(finished, "different run", "data")
 
 
 def test_stop_at_not_before_steps(tmp_path, kjv_folder):
-    assert_one_line_error(call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--stop-at", 8), "--stop-at")
-    assert_one_line_error(call_cli("lab", "--out", tmp_path, "--data", kjv_folder, "--steps", 10, "--stop-at", 12), "--stop-at")
+    assert_one_line_error(
+        call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--stop-at", 8), "--stop-at"
+    )
+    assert_one_line_error(
+        call_cli("lab", "--out", tmp_path, "--data", kjv_folder, "--steps", 10, "--stop-at", 12), "--stop-at"
+    )
 
 
 def test_corpus_too_small_for_the_sequence_length(tmp_path):
@@ -100,7 +121,18 @@ def test_refusals_overwrite_nothing(tmp_path, kjv_folder, stopped):
     before = fingerprint(stopped)
     resume_with(stopped, kjv_folder, stopped, stopped / "resume.pth", "--batch", 5)
     resume_with(stopped, kjv_folder, stopped, stopped / "final.pth")
-    call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--resume", stopped / "resume.pth", "--weights", stopped / "resume.pth")
+    call_cli(
+        "train",
+        "--out",
+        stopped,
+        "--data",
+        kjv_folder,
+        *SMALL,
+        "--resume",
+        stopped / "resume.pth",
+        "--weights",
+        stopped / "resume.pth",
+    )
     assert fingerprint(stopped) == before
 
 
@@ -117,7 +149,9 @@ def test_pickle_payload_does_not_run(tmp_path, kjv_folder, stopped):
             return (os.system, (f"touch {marker}",))
 
     torch.save({"format": "exactresume.resume", "payload": Payload()}, tmp_path / "evil.pth")
-    finished = run_cli("train", "--out", tmp_path / "out", "--data", kjv_folder, *SMALL, "--resume", tmp_path / "evil.pth")
+    finished = run_cli(
+        "train", "--out", tmp_path / "out", "--data", kjv_folder, *SMALL, "--resume", tmp_path / "evil.pth"
+    )
     assert_one_line_error(finished, "evil.pth")
     assert not marker.exists()
     assert_one_line_error(run_cli("diff", tmp_path / "evil.pth", stopped / "final.pth"), "evil.pth")

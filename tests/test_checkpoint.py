@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from exactresume import atomic
-from exactresume.checkpoint import capture, restore
 from exactresume.errors import CheckpointError
-from exactresume.parts import GlobalRng, RunIdentity, StepCounter
-from exactresume.sealed import load_sealed, read_seal, save_sealed
+from exactresume.store.resume import capture, restore
+from exactresume.store.sealed import load_sealed, read_seal, save_sealed
+from exactresume.training.parts import GlobalRng, RunIdentity, StepCounter
 
 
 def test_interrupted_write_leaves_previous_file_intact(tmp_path, monkeypatch):
@@ -39,7 +39,7 @@ def test_process_killed_before_rename_leaves_previous_file(tmp_path):
     script = f"""
 import os, signal, torch
 from exactresume import atomic
-from exactresume.sealed import save_sealed
+from exactresume.store.sealed import save_sealed
 atomic.os.replace = lambda a, b: os.kill(os.getpid(), signal.SIGKILL)
 save_sealed(r"{path}", {{"step": 2, "w": torch.ones(1000)}})
 """

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models
 
-from exactresume import data
-from exactresume.data import (
+from exactresume.core import data
+from exactresume.core.data import (
     DEFAULT_VOCAB_SIZE,
     MANIFEST_FILE,
     SPECIAL_TOKENS,
@@ -25,9 +25,9 @@ from exactresume.data import (
     VAL_FILE,
     PrepareConfig,
     data_fingerprint,
+    default_corpus_path,
     load_tokens,
     prepare,
-    default_corpus_path,
     split_tokens,
 )
 from exactresume.errors import UserError
@@ -96,8 +96,10 @@ def test_prepare_is_byte_identical_in_another_process_with_one_thread(kjv_folder
     # A fresh process has a new hash seed, and one rayon thread changes the trainer's work split:
     # neither may change a byte of the outputs.
     other = tmp_path / "again"
-    script = "import sys; from pathlib import Path; from exactresume.data import *; " \
-             "prepare(PrepareConfig(), Path(sys.argv[1]), log=lambda line: None)"
+    script = (
+        "import sys; from pathlib import Path; from exactresume.core.data import *; "
+        "prepare(PrepareConfig(), Path(sys.argv[1]), log=lambda line: None)"
+    )
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, "-c", script, str(other)], check=True, env=env)
     for name in OUTPUT_FILES:

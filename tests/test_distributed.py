@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from conftest import SMALL, assert_one_line_error, call_cli, run_cli
-from exactresume.checkpoint import load_resume
-from exactresume.compare import read_loss_log, read_samples
-from exactresume.distributed import PerRank, World
+from exactresume.dist.launcher import first_error, launch_command
 from exactresume.errors import CheckpointError
-from exactresume.lab import LabConfig, _train_flags
-from exactresume.launcher import first_error, launch_command
-from exactresume.weights import read_weights
+from exactresume.lab.lab import LabConfig, _train_flags
+from exactresume.store.resume import PerRank, load_resume
+from exactresume.store.steplog import read_loss_log, read_samples
+from exactresume.store.weights import read_weights
+from exactresume.world import World
 
 # The bound for a resume on another number of processes: only the reduction order differs.
 CROSS_N_ATOL = 1e-5
@@ -82,7 +82,7 @@ def test_same_number_of_processes_resumes_bit_identical(tmp_path, kjv_folder, ru
     train(tmp_path, kjv_folder, "--nproc", 2, "--resume", resume, "--log", tmp_path / "log.csv")
     assert_weights_equal(runs / "straight2" / "final.pth", tmp_path / "final.pth")
     straight_rows = (runs / "straight2" / "log.csv").read_text().splitlines()
-    assert (tmp_path / "log.csv").read_text().splitlines()[1:] == straight_rows[k + 1:]
+    assert (tmp_path / "log.csv").read_text().splitlines()[1:] == straight_rows[k + 1 :]
 
 
 def test_checkpoint_store_and_auto_resume_on_two_processes(tmp_path, kjv_folder, runs):
@@ -108,7 +108,16 @@ def test_two_to_one_process_same_samples_and_close_weights(tmp_path, kjv_folder,
 
 
 def test_one_to_two_processes_same_samples_and_close_weights(tmp_path, kjv_folder, runs):
-    train(tmp_path, kjv_folder, "--nproc", 2, "--resume", runs / "stop1" / "resume.pth", "--samples", tmp_path / "samples.csv")
+    train(
+        tmp_path,
+        kjv_folder,
+        "--nproc",
+        2,
+        "--resume",
+        runs / "stop1" / "resume.pth",
+        "--samples",
+        tmp_path / "samples.csv",
+    )
     straight = read_samples(runs / "straight1" / "samples.csv")
     assert read_samples(tmp_path / "samples.csv") == {step: straight[step] for step in range(4, 9)}
     assert max_abs_difference(runs / "straight1" / "final.pth", tmp_path / "final.pth") <= CROSS_N_ATOL
@@ -124,11 +133,13 @@ def test_resume_file_holds_every_ranks_state(runs):
 
 
 def test_sharded_checkpoint_round_trips(killed):
-    from exactresume.sharded import load_sharded
+    from exactresume.store.sharded import load_sharded
 
     folder = killed / "resume.dcp"
     assert {path.name for path in folder.iterdir()} == {"__0_0.distcp", "__1_0.distcp", ".metadata", "commit.pth"}
-    assert all((folder / f"__{rank}_0.distcp").stat().st_size > 1_000_000 for rank in (0, 1))  # each rank wrote its share
+    assert all(
+        (folder / f"__{rank}_0.distcp").stat().st_size > 1_000_000 for rank in (0, 1)
+    )  # each rank wrote its share
     sharded, single = load_sharded(folder), load_resume(killed / "step2.pth")
     assert sharded["step"] == single["step"] == 2 and sharded["config"] == single["config"]
     assert all(torch.equal(sharded["model"][name], single["model"][name]) for name in single["model"])
@@ -150,7 +161,7 @@ def test_diff_reads_a_sharded_folder(killed):
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(killed):
-    from exactresume.sharded import load_sharded, verify_sharded
+    from exactresume.store.sharded import load_sharded, verify_sharded
 
     staging = killed / "resume.dcp.tmp"
     assert (staging / "__1_0.distcp").read_bytes() == b"the first bytes of a shard"
@@ -162,7 +173,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(killed):
 
 
 def test_a_new_save_replaces_the_old_folder_and_clears_a_killed_one(tmp_path, kjv_folder, killed):
-    from exactresume.sharded import load_sharded
+    from exactresume.store.sharded import load_sharded
 
     out = tmp_path / "out"
     shutil.copytree(killed / "resume.dcp", out / "resume.dcp")  # the previous checkpoint, step 2
@@ -195,6 +206,7 @@ def test_lab_passes_the_process_count_to_every_training_run():
 
 # ---- refusals: one line, exit 2 ----------------------------------------------------------------
 
+
 def resume_sharded(out, data, folder, *flags):
     return call_cli("train", "--out", out, "--data", data, *SMALL, "--resume", folder, *flags)
 
@@ -222,7 +234,9 @@ def test_damaged_shard_and_missing_commit_marker_are_refused(tmp_path, kjv_folde
 
 def test_a_plain_folder_is_read_as_a_checkpoint_store(tmp_path, kjv_folder):
     (tmp_path / "runs").mkdir()
-    assert_one_line_error(resume_sharded(tmp_path / "out", kjv_folder, tmp_path / "runs"), "runs holds no complete checkpoint")
+    assert_one_line_error(
+        resume_sharded(tmp_path / "out", kjv_folder, tmp_path / "runs"), "runs holds no complete checkpoint"
+    )
 
 
 def test_sharded_checkpoint_of_a_different_model_is_refused(tmp_path, kjv_folder, killed):
@@ -232,10 +246,13 @@ def test_sharded_checkpoint_of_a_different_model_is_refused(tmp_path, kjv_folder
 
 def test_the_launcher_says_the_ranks_error_once():
     # What torchrun's stderr holds when both ranks refuse a resume (trimmed from a real run).
-    stderr = ("exactresume train: error: resume.dcp: shard file __1_0.distcp is missing\n" * 2
-              + "W1129 api.py:1028] Sending process 13475 closing signal SIGTERM\n"
-              "E1129 api.py:1002] failed (exitcode: 2) local_rank: 1 (pid: 13476)\nTraceback (most recent call last):\n"
-              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n  exitcode  : 2 (pid: 13476)\n")
+    stderr = (
+        "exactresume train: error: resume.dcp: shard file __1_0.distcp is missing\n"
+        * 2
+        + "W1129 api.py:1028] Sending process 13475 closing signal SIGTERM\n"
+        "E1129 api.py:1002] failed (exitcode: 2) local_rank: 1 (pid: 13476)\nTraceback (most recent call last):\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n  exitcode  : 2 (pid: 13476)\n"
+    )
     assert first_error(stderr) == "exactresume train: error: resume.dcp: shard file __1_0.distcp is missing"
     assert first_error("Traceback (most recent call last):\nValueError: a bug\n") is None
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, call_cli
-from exactresume.compare import read_loss_log, weight_distance
 from exactresume.config import PRESETS, TrainConfig
-from exactresume.divergence import DivergenceLog, read_divergence
-from exactresume.job import TrainJob, run_job
-from exactresume.weights import read_weights
+from exactresume.core.compare import weight_distance
+from exactresume.store.steplog import read_divergence, read_loss_log
+from exactresume.store.weights import read_weights
+from exactresume.training.divergence import DivergenceLog
+from exactresume.training.job import TrainJob, run_job
 
 
 @pytest.fixture
@@ -26,14 +27,22 @@ def with_dropout(monkeypatch):
 
 
 def noopt_job(config, kjv_folder, folder, name):
-    return TrainJob(config, kjv_folder, folder, resume=folder / "resume.pth", skip_parts=frozenset({"optimizer"}),
-                    weights=folder / f"{name}.pth", log=folder / f"{name}.csv")
+    return TrainJob(
+        config,
+        kjv_folder,
+        folder,
+        resume=folder / "resume.pth",
+        skip_parts=frozenset({"optimizer"}),
+        weights=folder / f"{name}.pth",
+        log=folder / f"{name}.csv",
+    )
 
 
 def test_twin_follows_the_uninterrupted_run_and_leaves_the_ablated_run_alone(tmp_path, kjv_folder, with_dropout):
     config = with_dropout
-    straight = run_job(TrainJob(config, kjv_folder, tmp_path, weights=tmp_path / "straight.pth",
-                                log=tmp_path / "straight.csv"))
+    straight = run_job(
+        TrainJob(config, kjv_folder, tmp_path, weights=tmp_path / "straight.pth", log=tmp_path / "straight.csv")
+    )
     run_job(TrainJob(config, kjv_folder, tmp_path, stop_at=2, log=tmp_path / "stopped.csv"))
     run_job(noopt_job(config, kjv_folder, tmp_path, "noopt_alone"))
     divergence = DivergenceLog(noopt_job(config, kjv_folder, tmp_path, "noopt"), tmp_path / "divergence.csv")
@@ -52,5 +61,7 @@ def test_twin_follows_the_uninterrupted_run_and_leaves_the_ablated_run_alone(tmp
 
 
 def test_divergence_needs_a_resume(tmp_path, kjv_folder):
-    finished = call_cli("train", "--out", tmp_path, "--data", kjv_folder, "--steps", 4, "--divergence", tmp_path / "d.csv")
+    finished = call_cli(
+        "train", "--out", tmp_path, "--data", kjv_folder, "--steps", 4, "--divergence", tmp_path / "d.csv"
+    )
     assert_one_line_error(finished, "--divergence", "--resume")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactresume.data import load_tokens
-from exactresume.epochs import EpochLoader, step_indices
+from exactresume.core.data import load_tokens
+from exactresume.core.epochs import EpochLoader, step_indices
 from exactresume.errors import CheckpointError
 
 SEQ_LEN, BATCH, SEED = 16, 4, 7
@@ -55,8 +55,8 @@ def test_batches_are_the_token_windows_they_name(tokens):
     batch = loader(tokens).next_batch()
     stream = torch.from_numpy(tokens.astype("int64"))
     for row, start in enumerate(batch.starts.tolist()):
-        assert torch.equal(batch.inputs[row], stream[start:start + SEQ_LEN])
-        assert torch.equal(batch.targets[row], stream[start + 1:start + SEQ_LEN + 1])
+        assert torch.equal(batch.inputs[row], stream[start : start + SEQ_LEN])
+        assert torch.equal(batch.targets[row], stream[start + 1 : start + SEQ_LEN + 1])
 
 
 def test_two_workers_deliver_exactly_what_the_main_process_would(tokens):
@@ -90,8 +90,10 @@ def test_mid_epoch_resume_loads_only_the_samples_it_trains(tokens):
     assert resumed.state_dict() == straight.state_dict()
 
 
-@pytest.mark.parametrize("change, needle", [({"permutation_seed": 12345}, "permutation seed"),
-                                            ({"cursor": 4}, "cursor 4"), ({"batch": 5}, "batches of 5")])
+@pytest.mark.parametrize(
+    "change, needle",
+    [({"permutation_seed": 12345}, "permutation seed"), ({"cursor": 4}, "cursor 4"), ({"batch": 5}, "batches of 5")],
+)
 def test_a_state_from_another_run_is_refused(tokens, change, needle):
     state = loader(tokens).state_dict() | change
     with pytest.raises(CheckpointError, match=needle):

@@ -11,8 +11,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import SMALL, assert_one_line_error, call_cli
-from exactresume.model import load_model
-from exactresume.weights import read_weights, save_weights
+from exactresume.store.weights import load_model, read_weights, save_weights
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,9 @@ def logits(model, kjv_folder) -> torch.Tensor:
 
 def test_fp16_safetensors_round_trip(tmp_path, resume_file, kjv_folder):
     out = tmp_path / "model.safetensors"
-    finished = call_cli("export", resume_file, "--dtype", "fp16", "--format", "safetensors", "-o", out, "--data", kjv_folder)
+    finished = call_cli(
+        "export", resume_file, "--dtype", "fp16", "--format", "safetensors", "-o", out, "--data", kjv_folder
+    )
     assert finished.returncode == 0, finished.stderr
     with safe_open(out, "pt") as file:
         keys, metadata = set(file.keys()), file.metadata()
@@ -91,7 +92,9 @@ def test_clamp_saturates_and_bf16_needs_no_clamp(tmp_path, too_large):
     finished = call_cli("export", too_large, "--clamp", "-o", tmp_path / "out.safetensors", "--data", tmp_path)
     assert finished.returncode == 0 and "clamped 1 values" in finished.stdout
     assert read_weights(tmp_path / "out.safetensors")[0]["model.norm.weight"][3].item() == -65504.0
-    assert call_cli("export", too_large, "--dtype", "bf16", "-o", tmp_path / "out.pt", "--data", tmp_path).returncode == 0
+    assert (
+        call_cli("export", too_large, "--dtype", "bf16", "-o", tmp_path / "out.pt", "--data", tmp_path).returncode == 0
+    )
 
 
 def test_export_refuses_to_overwrite_its_source(resume_file):

@@ -22,10 +22,10 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import SMALL, assert_one_line_error, call_cli
-from exactresume.faults import FAULT_ENV
-from exactresume.sealed import save_sealed, verify
-from exactresume.store import CheckpointStore, checkpoint_name
-from exactresume.weights import read_weights
+from exactresume.store.faults import FAULT_ENV
+from exactresume.store.folder import CheckpointStore, checkpoint_name
+from exactresume.store.sealed import save_sealed, verify
+from exactresume.store.weights import read_weights
 
 # One thread per process: the runs compared are made alike, and far faster on a shared 2-core machine.
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -106,8 +106,11 @@ def assert_storage_error(finished: subprocess.CompletedProcess, *needles: str) -
 
 
 def tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.endswith(".tmp")}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.name.endswith(".tmp")
+    }
 
 
 # -- kill -9 ------------------------------------------------------------------------------------------
@@ -141,6 +144,7 @@ def test_kills_inside_each_save_stage_then_auto_resume_is_bit_exact(tmp_path, kj
 
 
 # -- preemption and a kill at a random moment ---------------------------------------------------------
+
 
 def start_child(args) -> subprocess.Popen:
     return subprocess.Popen(command(args), env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -177,7 +181,7 @@ def test_sigterm_saves_then_kill_at_random_then_auto_resume_is_bit_exact(tmp_pat
 
 
 def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
-    import exactresume.job as job_module
+    import exactresume.training.job as job_module
     from exactresume.cli import build_parser, cmd_train
 
     def interrupt_at_step_3(record):
@@ -198,13 +202,15 @@ def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
 
 # -- full disk --------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 30 MB file system (tmpfs): room for one 20 MB checkpoint, not two."""
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     yield mount_point
@@ -228,13 +234,15 @@ def test_full_disk_stops_with_previous_checkpoint_intact_then_resumes(small_disk
 def test_io_error_at_each_save_stage_stops_cleanly(tmp_path, kjv_folder, monkeypatch, stage, error):
     monkeypatch.setenv(FAULT_ENV, f"{stage}@2:{error}")
     finished = call_cli(*chaos_flags(tmp_path, kjv_folder))
-    assert_storage_error(finished, "checkpoint at step 4", "ENOSPC" if error == "enospc" else "EIO",
-                         "step-00000002.pth is intact")
+    assert_storage_error(
+        finished, "checkpoint at step 4", "ENOSPC" if error == "enospc" else "EIO", "step-00000002.pth is intact"
+    )
     assert checkpoint_files(tmp_path) == ([2], [])
     assert not (tmp_path / "final.pth").exists()
 
 
 # -- bad inputs: exit 2, one line, nothing overwritten -----------------------------------------------
+
 
 @pytest.fixture
 def victim(tmp_path) -> Path:
@@ -248,20 +256,31 @@ def victim(tmp_path) -> Path:
 
 def damaged(good: bytes, damage: str) -> bytes:
     kind, _, where = damage.partition(":")
-    offset = {"1": 1, "100": 100, "4096": 4096, "half": len(good) // 2, "end-1": len(good) - 1,
-              "end-30": len(good) - 30, "end-10": len(good) - 10}.get(where, 0)
+    offset = {
+        "1": 1,
+        "100": 100,
+        "4096": 4096,
+        "half": len(good) // 2,
+        "end-1": len(good) - 1,
+        "end-30": len(good) - 30,
+        "end-10": len(good) - 10,
+    }.get(where, 0)
     if kind == "truncate":
         return good[:offset]
     if kind == "flip":
-        return good[:offset] + bytes([good[offset] ^ 0x01]) + good[offset + 1:]
+        return good[:offset] + bytes([good[offset] ^ 0x01]) + good[offset + 1 :]
     return {"empty": b"", "random": random.Random(3).randbytes(100_000)}[kind]
 
 
-@pytest.mark.parametrize("damage, reason", [
-    *[(f"truncate:{where}", "truncated") for where in ("1", "100", "4096", "half", "end-30", "end-1")],
-    *[(f"flip:{where}", "checksum mismatch") for where in ("100", "half", "end-10")],
-    ("empty", "empty"), ("random", "truncated, or not written by exactresume"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        *[(f"truncate:{where}", "truncated") for where in ("1", "100", "4096", "half", "end-30", "end-1")],
+        *[(f"flip:{where}", "checksum mismatch") for where in ("100", "half", "end-10")],
+        ("empty", "empty"),
+        ("random", "truncated, or not written by exactresume"),
+    ],
+)
 def test_damaged_checkpoint_is_refused(tmp_path, kjv_folder, reference, victim, damage, reason):
     bad = tmp_path / "bad.pth"
     bad.write_bytes(damaged((reference / "checkpoints" / checkpoint_name(8)).read_bytes(), damage))
@@ -276,9 +295,11 @@ def test_foreign_files_are_refused(tmp_path, kjv_folder, reference, victim):
     save_file({name: tensor.clone() for name, tensor in state.items()}, tmp_path / "model.safetensors")
     torch.save(state, tmp_path / "plain.pth")
     before = tree(victim)
-    for path, reason in ((tmp_path / "model.safetensors", "no exactresume checksum"),
-                         (tmp_path / "plain.pth", "no exactresume checksum"),
-                         (reference / "final.pth", "weights file, not a resume file")):
+    for path, reason in (
+        (tmp_path / "model.safetensors", "no exactresume checksum"),
+        (tmp_path / "plain.pth", "no exactresume checksum"),
+        (reference / "final.pth", "weights file, not a resume file"),
+    ):
         finished = call_cli(*train_flags(victim, kjv_folder, "--resume", path))
         assert_one_line_error(finished, str(path), reason)
     assert tree(victim) == before
@@ -294,9 +315,15 @@ def test_sealed_pickle_payload_does_not_run(tmp_path, kjv_folder, victim):
     evil = victim / "checkpoints" / checkpoint_name(6)
     save_sealed(evil, {"format": "exactresume.resume", "payload": Payload()})  # its checksum is right
     before = tree(victim)
-    assert_one_line_error(call_cli(*train_flags(tmp_path / "out", kjv_folder, "--resume", evil)), str(evil), "not a loadable")
-    assert_one_line_error(call_cli(*train_flags(tmp_path / "out", kjv_folder, "--resume", evil.parent)),
-                          str(evil.parent), "holds no complete checkpoint", "not a loadable")
+    assert_one_line_error(
+        call_cli(*train_flags(tmp_path / "out", kjv_folder, "--resume", evil)), str(evil), "not a loadable"
+    )
+    assert_one_line_error(
+        call_cli(*train_flags(tmp_path / "out", kjv_folder, "--resume", evil.parent)),
+        str(evil.parent),
+        "holds no complete checkpoint",
+        "not a loadable",
+    )
     assert tree(victim) == before
     finished = call_cli(*train_flags(victim, kjv_folder, "--resume", "auto", "--stop-at", 1))
     assert finished.returncode == 0, finished.stderr
@@ -319,7 +346,9 @@ def test_different_run_is_refused_naming_each_field(tmp_path, kjv_folder, refere
     newest = reference / "checkpoints" / checkpoint_name(8)
     before = tree(victim)
     finished = call_cli(*train_flags(victim, kjv_folder, "--resume", newest, "--steps", 12, "--lr", 0.001))
-    assert_one_line_error(finished, "different run", "train.lr 0.003 in file, 0.001 now", "train.steps 8 in file, 12 now")
+    assert_one_line_error(
+        finished, "different run", "train.lr 0.003 in file, 0.001 now", "train.steps 8 in file, 12 now"
+    )
     assert tree(victim) == before
     (victim / "checkpoints" / checkpoint_name(8)).write_bytes(newest.read_bytes())
     before = tree(victim)
@@ -330,14 +359,28 @@ def test_different_run_is_refused_naming_each_field(tmp_path, kjv_folder, refere
 
 def test_allow_change_extends_steps_on_purpose(tmp_path, kjv_folder, reference):
     newest = reference / "checkpoints" / checkpoint_name(8)
-    finished = call_cli(*train_flags(tmp_path, kjv_folder, "--resume", newest, "--steps", 12, "--allow-change", "steps",
-                                     "--save-every", 4))
+    finished = call_cli(
+        *train_flags(
+            tmp_path, kjv_folder, "--resume", newest, "--steps", 12, "--allow-change", "steps", "--save-every", 4
+        )
+    )
     assert finished.returncode == 0, finished.stderr
-    assert "train.steps 8 in file, 12 now" in finished.stdout and "lr at step 8 was 0.0003 on the old schedule" in finished.stdout
-    assert [line.split(",")[0] for line in (tmp_path / "log.csv").read_text().splitlines()[1:]] == ["9", "10", "11", "12"]
-    assert torch.load(tmp_path / "checkpoints" / checkpoint_name(12), weights_only=True)["config"]["train"]["steps"] == 12
-    assert_one_line_error(call_cli(*train_flags(tmp_path, kjv_folder, "--allow-change", "hidden_size")),
-                          "--allow-change hidden_size")
+    assert (
+        "train.steps 8 in file, 12 now" in finished.stdout
+        and "lr at step 8 was 0.0003 on the old schedule" in finished.stdout
+    )
+    assert [line.split(",")[0] for line in (tmp_path / "log.csv").read_text().splitlines()[1:]] == [
+        "9",
+        "10",
+        "11",
+        "12",
+    ]
+    assert (
+        torch.load(tmp_path / "checkpoints" / checkpoint_name(12), weights_only=True)["config"]["train"]["steps"] == 12
+    )
+    assert_one_line_error(
+        call_cli(*train_flags(tmp_path, kjv_folder, "--allow-change", "hidden_size")), "--allow-change hidden_size"
+    )
 
 
 def test_unwritable_output_folders(tmp_path, kjv_folder):
@@ -350,11 +393,13 @@ def test_unwritable_output_folders(tmp_path, kjv_folder):
     finished = call_cli(*train_flags(tmp_path / "ok", kjv_folder, "--log", blocker / "log.csv"))
     assert_one_line_error(finished, "a-file")
     # /sys is read-only even for root, which chmod would not stop.
-    assert_one_line_error(call_cli(*train_flags(Path("/sys/exactresume-test"), kjv_folder, "--save-every", 2)),
-                          "/sys/exactresume-test")
+    assert_one_line_error(
+        call_cli(*train_flags(Path("/sys/exactresume-test"), kjv_folder, "--save-every", 2)), "/sys/exactresume-test"
+    )
 
 
 # -- the README's library example -----------------------------------------------------------------
+
 
 def readme_library_example() -> str:
     section = README.read_text().split("**In your own loop.**", 1)[1]
@@ -364,11 +409,17 @@ def readme_library_example() -> str:
 def test_readme_library_example_survives_a_kill_mid_save(tmp_path, monkeypatch):
     script = tmp_path / "example.py"
     script.write_text(readme_library_example())
-    killed = subprocess.run([sys.executable, script, tmp_path / "killed"], capture_output=True, text=True,
-                            env=CHILD_ENV | {FAULT_ENV: "write@3"})
+    killed = subprocess.run(
+        [sys.executable, script, tmp_path / "killed"],
+        capture_output=True,
+        text=True,
+        env=CHILD_ENV | {FAULT_ENV: "write@3"},
+    )
     assert killed.returncode == -signal.SIGKILL
     assert (tmp_path / "killed" / "checkpoints" / "step-00000030.pth.tmp").exists()
-    resumed = subprocess.run([sys.executable, script, tmp_path / "killed"], capture_output=True, text=True, env=CHILD_ENV)
+    resumed = subprocess.run(
+        [sys.executable, script, tmp_path / "killed"], capture_output=True, text=True, env=CHILD_ENV
+    )
     assert resumed.returncode == 0 and "trained steps 21 to 40" in resumed.stdout, resumed.stderr
     monkeypatch.setattr(sys, "argv", [str(script), str(tmp_path / "straight")])
     runpy.run_path(str(script), run_name="__main__")  # the uninterrupted run, in this process

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import SMALL, assert_one_line_error, call_cli
-from exactresume.checkpoint import OPTIONAL_PARTS, PART_NAMES
+from exactresume.store.resume import OPTIONAL_PARTS, PART_NAMES
 
 FP32_PARTS = set(PART_NAMES) - set(OPTIONAL_PARTS)  # an fp32 run has no loss scaler
 
@@ -103,7 +103,9 @@ def test_human_view_has_a_row_per_part(small_run):
     assert FP32_PARTS | {"total", "checksum", "size", "tied"} <= rows
 
 
-@pytest.mark.parametrize("damage", ["missing", "empty", "random", "truncated", "flipped", "plain_folder", "bad_metadata"])
+@pytest.mark.parametrize(
+    "damage", ["missing", "empty", "random", "truncated", "flipped", "plain_folder", "bad_metadata"]
+)
 def test_bad_input_is_one_line(tmp_path, small_run, damage):
     good = (small_run / "resume.pth").read_bytes()
     target = tmp_path / "bad.pth"
@@ -113,8 +115,14 @@ def test_bad_input_is_one_line(tmp_path, small_run, damage):
         target.mkdir()
         (target / ".metadata").write_bytes(b"\x80\x04\x95" + os.urandom(64))
     elif damage != "missing":
-        target.write_bytes({"empty": b"", "random": os.urandom(4096), "truncated": good[: len(good) // 2],
-                            "flipped": good[:5000] + bytes([good[5000] ^ 1]) + good[5001:]}[damage])
+        target.write_bytes(
+            {
+                "empty": b"",
+                "random": os.urandom(4096),
+                "truncated": good[: len(good) // 2],
+                "flipped": good[:5000] + bytes([good[5000] ^ 1]) + good[5001:],
+            }[damage]
+        )
     assert_one_line_error(call_cli("inspect", target, "--json"), "bad.pth")
 
 

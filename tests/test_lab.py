@@ -10,16 +10,27 @@ import pytest
 import torch
 
 from conftest import run_cli
-from exactresume.ablate import render_table
-from exactresume.captions import caption_values
-from exactresume.compare import read_loss_log
-from exactresume.divergence import read_divergence
-from exactresume.figures import FIGURES
-from exactresume.report import HEADINGS, render_report
-from exactresume.weights import read_weights
+from exactresume.report.captions import caption_values
+from exactresume.report.figures import FIGURES
+from exactresume.report.report import HEADINGS, render_report
+from exactresume.report.tables import render_table
+from exactresume.store.steplog import read_divergence, read_loss_log
+from exactresume.store.weights import read_weights
 
-LAB_FILES = ["straight.pth", "straight_log.csv", "resume.pth", "resumed.pth", "resumed_log.csv", "noopt.pth",
-             "noskip.pth", "straight_fp16.pth", "fp16.json", "optim.json", "compare.json", "report.md"]
+LAB_FILES = [
+    "straight.pth",
+    "straight_log.csv",
+    "resume.pth",
+    "resumed.pth",
+    "resumed_log.csv",
+    "noopt.pth",
+    "noskip.pth",
+    "straight_fp16.pth",
+    "fp16.json",
+    "optim.json",
+    "compare.json",
+    "report.md",
+]
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +97,16 @@ def numbers_in_every_language(folder) -> list[str]:
     """Numbers the report must show whatever its language, formatted as the report formats them."""
     fp16, optim = json.loads((folder / "fp16.json").read_text()), json.loads((folder / "optim.json").read_text())
     values = caption_values(folder)
-    return [f"{fp16['fp16_bytes']:,}", f"{optim['ratio']:.3f}", f"{values['noopt_max_abs_diff']:.3e}",
-            f"{values['noskip_rel_l2']:.3e}", f"{values['optimizer_moments_bytes']:,}", f"{values['rest_bytes']:,}",
-            f"{values['noskip_max_loss_diff']:.4f}", f"{values['resumed_zero_steps']}"]
+    return [
+        f"{fp16['fp16_bytes']:,}",
+        f"{optim['ratio']:.3f}",
+        f"{values['noopt_max_abs_diff']:.3e}",
+        f"{values['noskip_rel_l2']:.3e}",
+        f"{values['optimizer_moments_bytes']:,}",
+        f"{values['rest_bytes']:,}",
+        f"{values['noskip_max_loss_diff']:.4f}",
+        f"{values['resumed_zero_steps']}",
+    ]
 
 
 @pytest.mark.parametrize("lang", ["ko", "en", "zh"])
@@ -132,8 +150,26 @@ def test_lab_progress_is_plain_lines_in_a_pipe(default_lab):
 
 
 def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
-    run_cli("lab", "--data", kjv_folder, "--out", tmp_path, "--seed", 11, "--steps", 9, "--stop-at", 4,
-            "--batch", 3, "--seq-len", 24, "--lr", 1e-3, check=True)
+    run_cli(
+        "lab",
+        "--data",
+        kjv_folder,
+        "--out",
+        tmp_path,
+        "--seed",
+        11,
+        "--steps",
+        9,
+        "--stop-at",
+        4,
+        "--batch",
+        3,
+        "--seq-len",
+        24,
+        "--lr",
+        1e-3,
+        check=True,
+    )
     compare = json.loads((tmp_path / "compare.json").read_text())
     assert compare["stop_at"] == 4 and compare["steps"] == 9
     assert compare["runs"]["resumed"]["max_abs_diff"] == 0

@@ -6,12 +6,22 @@ import pytest
 import torch
 
 from exactresume.config import PRESETS, ModelConfig
-from exactresume.model import MiniMindLM, infer_config, load_model
-from exactresume.weights import save_weights
+from exactresume.core.model import MiniMindLM, infer_config
+from exactresume.store.weights import load_model, save_weights
 
-LAYER_KEYS = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-              "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-              "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+LAYER_KEYS = [
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+]
 
 
 def minimind_keys(layers: int) -> set[str]:
@@ -39,7 +49,9 @@ def test_minimind_sizes_match_published_parameter_counts():
 
 
 def test_infer_config_reads_shape_off_tensors():
-    config = ModelConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, vocab_size=500)
+    config = ModelConfig(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, vocab_size=500
+    )
     assert infer_config(MiniMindLM(config).state_dict()) == config
 
 
@@ -66,13 +78,16 @@ def test_load_model_reads_plain_unsealed_minimind_files(tmp_path):
 
 
 def test_load_model_reads_resume_file_with_its_config(tmp_path):
-    from exactresume.checkpoint import save_resume
-    from exactresume.parts import RunIdentity
+    from exactresume.store.resume import save_resume
+    from exactresume.training.parts import RunIdentity
 
     config = ModelConfig(hidden_size=64, num_hidden_layers=2, vocab_size=300, rope_theta=1e4)
     model = MiniMindLM(config)
-    parts = {"config": RunIdentity({"model": config.to_dict()}), "model": model,
-             "optimizer": torch.optim.AdamW(model.parameters())}
+    parts = {
+        "config": RunIdentity({"model": config.to_dict()}),
+        "model": model,
+        "optimizer": torch.optim.AdamW(model.parameters()),
+    }
     save_resume(tmp_path / "resume.pth", parts)
     state = torch.load(tmp_path / "resume.pth", weights_only=True)
     state.update(step=0, gen_state=torch.Generator().get_state(), rng={})
@@ -83,12 +98,18 @@ def test_load_model_reads_resume_file_with_its_config(tmp_path):
 def test_fused_norm_and_head_loss_have_exact_gradients():
     from torch.autograd import gradcheck
 
-    from exactresume.model import _HeadCrossEntropy, _RMSNormFunction
+    from exactresume.core.model import _HeadCrossEntropy, _RMSNormFunction
 
-    x, weight = torch.randn(3, 5, 8, dtype=torch.double, requires_grad=True), torch.randn(8, dtype=torch.double, requires_grad=True)
+    x, weight = (
+        torch.randn(3, 5, 8, dtype=torch.double, requires_grad=True),
+        torch.randn(8, dtype=torch.double, requires_grad=True),
+    )
     assert gradcheck(lambda a, b: _RMSNormFunction.apply(a, b, 1e-6), (x, weight))
     # 40 tokens over a 7-token vocabulary: several chunks of rows, the last one short.
-    hidden, head = torch.randn(40, 6, dtype=torch.double, requires_grad=True), torch.randn(7, 6, dtype=torch.double, requires_grad=True)
+    hidden, head = (
+        torch.randn(40, 6, dtype=torch.double, requires_grad=True),
+        torch.randn(7, 6, dtype=torch.double, requires_grad=True),
+    )
     targets = torch.randint(0, 7, (40,))
     assert gradcheck(lambda a, b: _HeadCrossEntropy.apply(a, b, targets), (hidden, head))
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from exactresume.cli import build_parser
-from exactresume.figures import FIGURES
+from exactresume.report.figures import FIGURES
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

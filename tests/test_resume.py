@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import SMALL, run_cli
-from exactresume.compare import read_loss_log, read_samples
-from exactresume.weights import read_weights
+from exactresume.store.steplog import read_loss_log, read_samples
+from exactresume.store.weights import read_weights
 
 
 def train(folder, data, *flags):
@@ -18,15 +18,32 @@ def train(folder, data, *flags):
 def runs(tmp_path_factory, kjv_folder):
     """A straight 8-step run and the same run stopped at step 3, shared by this module's tests."""
     folder = tmp_path_factory.mktemp("runs")
-    train(folder, kjv_folder, "--weights", folder / "straight.pth", "--log", folder / "straight.csv",
-          "--samples", folder / "straight_samples.csv")
+    train(
+        folder,
+        kjv_folder,
+        "--weights",
+        folder / "straight.pth",
+        "--log",
+        folder / "straight.csv",
+        "--samples",
+        folder / "straight_samples.csv",
+    )
     train(folder, kjv_folder, "--stop-at", 3, "--log", folder / "stopped.csv")
     return folder
 
 
 def test_resume_in_new_process_is_bit_identical(tmp_path, kjv_folder, runs):
     resume = runs / "resume.pth"
-    train(tmp_path, kjv_folder, "--resume", resume, "--weights", tmp_path / "resumed.pth", "--log", tmp_path / "resumed.csv")
+    train(
+        tmp_path,
+        kjv_folder,
+        "--resume",
+        resume,
+        "--weights",
+        tmp_path / "resumed.pth",
+        "--log",
+        tmp_path / "resumed.csv",
+    )
     straight, resumed = read_weights(runs / "straight.pth")[0], read_weights(tmp_path / "resumed.pth")[0]
     assert straight.keys() == resumed.keys()
     for name in straight:
@@ -39,12 +56,24 @@ def test_resume_in_new_process_is_bit_identical(tmp_path, kjv_folder, runs):
 
 @pytest.mark.parametrize("name, flag", [("noopt", "--no-optim"), ("noskip", "--no-skip")])
 def test_dropping_a_part_changes_the_result(tmp_path, kjv_folder, runs, name, flag):
-    train(tmp_path, kjv_folder, "--resume", runs / "resume.pth", flag, "--weights", tmp_path / f"{name}.pth",
-          "--samples", tmp_path / f"{name}_samples.csv")
+    train(
+        tmp_path,
+        kjv_folder,
+        "--resume",
+        runs / "resume.pth",
+        flag,
+        "--weights",
+        tmp_path / f"{name}.pth",
+        "--samples",
+        tmp_path / f"{name}_samples.csv",
+    )
     straight, ablated = read_weights(runs / "straight.pth")[0], read_weights(tmp_path / f"{name}.pth")[0]
     worst = max((ablated[k] - straight[k]).abs().max().item() for k in straight)
     assert worst > 1e-4, worst
-    straight_samples, samples = read_samples(runs / "straight_samples.csv"), read_samples(tmp_path / f"{name}_samples.csv")
+    straight_samples, samples = (
+        read_samples(runs / "straight_samples.csv"),
+        read_samples(tmp_path / f"{name}_samples.csv"),
+    )
     if name == "noskip":  # the reseeded generator draws batch 1 again at step 4
         assert samples[4] == straight_samples[1] != straight_samples[4]
     else:

@@ -6,17 +6,21 @@ import pytest
 import torch
 
 from exactresume.errors import UserError
-from exactresume.faults import FAULT_ENV, STAGES, Fault
-from exactresume.parts import GeneratorPart, GlobalRng
-from exactresume.sealed import save_sealed
-from exactresume.store import CheckpointStore, checkpoint_name
+from exactresume.store.faults import FAULT_ENV, STAGES, Fault
+from exactresume.store.folder import CheckpointStore, checkpoint_name
+from exactresume.store.sealed import save_sealed
+from exactresume.training.parts import GeneratorPart, GlobalRng
 
 
 def make_parts(seed: int = 0) -> dict:
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 3)
-    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=0.1),
-            "data": GeneratorPart(torch.Generator().manual_seed(seed)), "rng": GlobalRng()}
+    return {
+        "model": model,
+        "optimizer": torch.optim.AdamW(model.parameters(), lr=0.1),
+        "data": GeneratorPart(torch.Generator().manual_seed(seed)),
+        "rng": GlobalRng(),
+    }
 
 
 def advance(parts: dict) -> None:
@@ -42,7 +46,7 @@ def test_restore_continues_exactly(tmp_path):
 
     first = make_parts()
     store = quiet_store(tmp_path)
-    for step in range(1, 4):
+    for _step in range(1, 4):
         advance(first)
     assert store.save(3, first) == tmp_path / checkpoint_name(3)
     advance(first)  # progress after the checkpoint is lost in the "crash"
@@ -98,7 +102,7 @@ def test_failed_retention_only_warns(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_that_reads_back_damaged_is_removed(tmp_path, monkeypatch):
-    import exactresume.store as store_module
+    import exactresume.store.folder as store_module
 
     parts = make_parts()
     quiet_store(tmp_path).save(1, parts)

@@ -5,22 +5,39 @@ from __future__ import annotations
 import torch
 
 from conftest import SMALL, assert_one_line_error, run_cli
-from exactresume import warm_start
-from exactresume.weights import read_weights
+from exactresume.lab import warm_start
+from exactresume.store.weights import read_weights
 
 
 def test_forked_run_equals_cold_process_run(tmp_path, kjv_folder):
     def flags(name: str) -> list[str]:
-        return [str(a) for a in ["train", "--out", tmp_path / name, "--data", kjv_folder, *SMALL, "--log", tmp_path / f"{name}.csv"]]
+        return [
+            str(a)
+            for a in [
+                "train",
+                "--out",
+                tmp_path / name,
+                "--data",
+                kjv_folder,
+                *SMALL,
+                "--log",
+                tmp_path / f"{name}.csv",
+            ]
+        ]
 
     warm = warm_start.run_cli(flags("warm"))
     assert warm.returncode == 0, warm.stderr
     run_cli(*flags("cold"), check=True)
-    warm_weights, cold_weights = read_weights(tmp_path / "warm" / "final.pth")[0], read_weights(tmp_path / "cold" / "final.pth")[0]
+    warm_weights, cold_weights = (
+        read_weights(tmp_path / "warm" / "final.pth")[0],
+        read_weights(tmp_path / "cold" / "final.pth")[0],
+    )
     assert all(torch.equal(warm_weights[name], cold_weights[name]) for name in cold_weights)
     assert (tmp_path / "warm.csv").read_text() == (tmp_path / "cold.csv").read_text()
 
 
 def test_forked_run_reports_a_refusal_in_one_line(tmp_path, kjv_folder):
-    finished = warm_start.run_cli(["train", "--out", str(tmp_path), "--data", str(kjv_folder), *SMALL, "--stop-at", "99"])
+    finished = warm_start.run_cli(
+        ["train", "--out", str(tmp_path), "--data", str(kjv_folder), *SMALL, "--stop-at", "99"]
+    )
     assert_one_line_error(finished, "--stop-at")

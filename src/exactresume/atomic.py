@@ -6,11 +6,13 @@ The bytes go to `PATH.tmp`, are flushed and fsynced, the temporary file is renam
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
-from .errors import UserError
+from exactresume.errors import UserError
 
 TMP_SUFFIX = ".tmp"
 
@@ -72,3 +74,8 @@ def ensure_writable_folder(folder: Path) -> Path:
     except OSError as error:
         raise UserError(f"output folder {folder} is not writable: {error.strerror}") from None
     return folder
+
+
+def write_json(path: Path, values: dict) -> None:
+    """`values` as indented JSON, written atomically."""
+    atomic_write_bytes(path, (json.dumps(values, indent=2) + "\n").encode())

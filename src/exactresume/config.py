@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
-from .errors import UserError
+from exactresume.errors import UserError
 
 
 def _minimind_intermediate_size(hidden_size: int) -> int:
@@ -37,9 +37,14 @@ class ModelConfig:
         if self.intermediate_size == 0:
             object.__setattr__(self, "intermediate_size", _minimind_intermediate_size(self.hidden_size))
         if self.hidden_size % self.num_attention_heads:
-            raise UserError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}")
+            raise UserError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise UserError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}")
+            raise UserError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
         if (self.hidden_size // self.num_attention_heads) % 2:
             raise UserError("head_dim must be even for RoPE")
         if not 0.0 <= self.dropout < 1.0:
@@ -53,7 +58,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "ModelConfig":
+    def from_dict(cls, values: dict) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 
@@ -63,8 +68,9 @@ class ModelConfig:
 # MLP width followed the older 8/3 rule) and the current 64M default.
 PRESETS: dict[str, ModelConfig] = {
     "default": ModelConfig(),
-    "minimind-26m": ModelConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                                intermediate_size=1408),
+    "minimind-26m": ModelConfig(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1408
+    ),
     "minimind-64m": ModelConfig(hidden_size=768, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
 }
 
@@ -118,7 +124,10 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.batch % self.grad_accum:
-            raise UserError(f"--batch {self.batch} (sequences per optimizer step) is not a multiple of --grad-accum {self.grad_accum}")
+            raise UserError(
+                f"--batch {self.batch} (sequences per optimizer step) is not a multiple of "
+                f"--grad-accum {self.grad_accum}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.workers < 0 or (self.workers and self.loader != "epoch"):
@@ -134,11 +143,11 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "TrainConfig":
+    def from_dict(cls, values: dict) -> TrainConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 
-    def with_changes(self, **changes) -> "TrainConfig":
+    def with_changes(self, **changes) -> TrainConfig:
         return replace(self, **changes)
 
 

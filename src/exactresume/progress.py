@@ -34,8 +34,9 @@ def resolve_mode(requested: str, stream: TextIO | None = None) -> str:
 
 def add_progress_flags(parser: argparse.ArgumentParser) -> None:
     """`--progress MODE` and its shorthand `--quiet`."""
-    parser.add_argument("--progress", choices=MODES, default="auto",
-                        help="auto: a bar on a terminal, plain periodic lines otherwise")
+    parser.add_argument(
+        "--progress", choices=MODES, default="auto", help="auto: a bar on a terminal, plain periodic lines otherwise"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress output (same as --progress none)")
 
 
@@ -46,8 +47,15 @@ def mode_from_args(args: argparse.Namespace) -> str:
 class Progress:
     """One long task counted in `unit`s up to `total`, shown as `mode` says."""
 
-    def __init__(self, total: int, label: str, mode: str, unit: str = "step", stream: TextIO | None = None,
-                 interval: float = LINE_INTERVAL):
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        mode: str,
+        unit: str = "step",
+        stream: TextIO | None = None,
+        interval: float = LINE_INTERVAL,
+    ):
         self.total, self.label, self.mode, self.unit = total, label, mode, unit
         self.stream = stream or sys.stdout
         self.interval = interval

@@ -1,0 +1,2 @@
+"""Many processes: DDP replicas and the torchrun launcher. Imports store, core and the base layer.
+"""

@@ -1,0 +1,105 @@
+"""Many processes: one run as N replicas under torch.distributed (DistributedDataParallel).
+
+    exactresume train ... --nproc 2                                # relaunches itself under torchrun
+    torchrun --nproc-per-node 2 -m exactresume.cli -- train ...   # or launch it yourself (multi-node too)
+
+The global batch stays `--batch`: every rank draws the whole global batch of window starts from
+the same generator state and trains on its own slice, so the samples seen are a function of the
+seed and the global step, never of N. Gradients are averaged by DDP. Only rank 0 writes files.
+What differs per rank (the batch generator, the RNGs) is gathered into the resume file as a list
+with one entry per rank; a resume on another N takes rank r's entry, or rank 0's for a new rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Collection, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from exactresume.core.batches import Batch
+from exactresume.store.resume import capture, load_resume, restore
+from exactresume.core.epochs import EpochLoader
+from exactresume.errors import UserError
+from exactresume.dist.launcher import check_batch_split
+from exactresume.world import launched_by_torchrun
+from exactresume.store.resume import Stateful
+from exactresume.store.sealed import save_sealed
+
+def replicate(run, world: World) -> None:
+    """Make `run` this rank's replica: its slice of each global batch, and DDP (size > 1)."""
+    check_batch_split(run.config.batch, world.size, run.config.grad_accum)
+    if world.size == 1:
+        return
+    if run.device.type != "cpu":
+        raise UserError(f"--device {run.device.type} with --nproc {world.size}: many processes run on the CPU (gloo) only")
+    remainder = len(run.batches.dataset) % run.batches.batch if isinstance(run.batches, EpochLoader) else 0
+    if remainder % world.size:
+        raise UserError(f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not divisible by "
+                        f"{world.size} processes; choose another --batch")
+    run.replicas = Replicas(run.model, world)
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo for CPU tensors, nccl for CUDA tensors."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@contextlib.contextmanager
+def process_group(world: World, device: torch.device = torch.device("cpu")) -> Iterator[World]:
+    """Join the run's process group for the duration (nothing to join for one process)."""
+    if world.size == 1:
+        yield world
+        return
+    dist.init_process_group(backend_for(device))
+    try:
+        yield world
+    finally:
+        dist.destroy_process_group()
+
+
+class _LossOf(torch.nn.Module):
+    """The model's loss as a forward(), so DDP sees the call it must hook."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(inputs, targets)
+
+
+class Replicas:
+    """The run's model under DistributedDataParallel: this rank's slice of a batch, its loss, means over ranks."""
+
+    def __init__(self, model: torch.nn.Module, world: World):
+        self.rank, self.size = world.rank, world.size
+        # find_unused_parameters keeps the gradient buckets as built here: otherwise DDP rebuilds them
+        # after the first step, so the first step after a resume would sum gradients in another layout
+        # than the uninterrupted run does (on 3+ ranks, gloo's ring then adds in another order).
+        # The only buffers are the RoPE tables, derived from the config on every rank: nothing to sync.
+        self.module = DistributedDataParallel(_LossOf(model), find_unused_parameters=True, forward_sync_buffers=False)
+
+    def local(self, batch: Batch) -> Batch:
+        """This rank's contiguous slice of the global batch (`replicate` checked that slices are equal).
+
+        Every rank builds the whole global batch and keeps its slice: the samples of a step are then
+        the same for any N, with either loader. The cost is each rank gathering N times the windows
+        it trains on, small next to the forward and backward.
+        """
+        return Batch(*(rows.tensor_split(self.size)[self.rank] for rows in (batch.starts, batch.inputs, batch.targets)))
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's loss; its backward all-reduces the gradients (their mean over ranks)."""
+        return self.module(inputs, targets)
+
+    def mean(self, value: float) -> float:
+        """The mean of `value` over ranks (the global batch's loss, since each rank has an equal slice)."""
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total)  # gloo has no AVG
+        return total.item() / self.size

@@ -1,0 +1,259 @@
+"""The lab from the user's specification, as one command: eight steps, each writing its files.
+
+1 straight run, 2 stop at K with a resume file, 3 resume in a new process, 4 resume without the
+optimizer (noopt), 5 resume with the batch generator reseeded (noskip) — each training run in its
+own process — then 6 half precision, 7 optimizer vs weight elements, 8 the report and its figures.
+Numbers in the report come only from the files these steps write. noopt and noskip also step a
+fully restored twin alongside (`--divergence`), logging their drift from the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from exactresume.atomic import ensure_writable_folder, write_json
+from exactresume.config import TrainConfig, check_stop_at
+from exactresume.core.compare import loss_differences, repeated_batches, weight_distance
+from exactresume.core.data import ensure_data
+from exactresume.errors import UserError
+from exactresume.lab import warm_start
+from exactresume.store.inspect import resume_size_breakdown
+from exactresume.store.resume import load_resume
+from exactresume.store.steplog import read_loss_log, read_samples
+from exactresume.store.weights import load_model, read_weights, save_weights
+
+DETAILS = "details"  # logs the report needs beyond the files the lab text names
+DIVERGENCE_RUNS = ("noopt", "noskip")  # also step a fully restored twin and log the distance per step
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    stop_at: int = 30
+    data: Path = Path("data/kjv")
+    out: Path = Path("runs/lab")
+    lang: str = "ko"
+    ablate: bool = False  # also run the ablation (ablate.py) into the same folder, for the report
+    nproc: int = 1  # processes of each training run (torchrun, DDP)
+
+    def __post_init__(self) -> None:
+        check_stop_at(self.stop_at, self.train.steps)
+
+
+def _train_flags(config: LabConfig) -> list[str]:
+    t = config.train
+    return [
+        "--data",
+        str(config.data),
+        "--seed",
+        str(t.seed),
+        "--steps",
+        str(t.steps),
+        "--batch",
+        str(t.batch),
+        "--seq-len",
+        str(t.seq_len),
+        "--lr",
+        repr(t.lr),
+        "--preset",
+        t.preset,
+        "--grad-accum",
+        str(t.grad_accum),
+        "--dropout",
+        repr(t.dropout),
+        "--dtype",
+        t.dtype,
+        "--loader",
+        t.loader,
+        "--workers",
+        str(t.workers),
+        "--warmup",
+        str(t.warmup),
+        "--device",
+        t.device,
+        "--threads",
+        str(t.threads),
+        "--nproc",
+        str(config.nproc),
+    ]
+
+
+def training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
+    """Steps 1-5 as `exactresume train` argument lists, in the order they must run."""
+    out, details, resume = config.out, config.out / DETAILS, str(config.out / "resume.pth")
+
+    def files(name: str, log: Path) -> list[str]:
+        return [
+            "--weights",
+            str(out / f"{name}.pth"),
+            "--log",
+            str(log),
+            "--samples",
+            str(details / f"{name}_samples.csv"),
+        ]
+
+    return [
+        ("straight", files("straight", out / "straight_log.csv")),
+        (
+            "stop",
+            [
+                "--stop-at",
+                str(config.stop_at),
+                "--log",
+                str(details / "stopped_log.csv"),
+                "--samples",
+                str(details / "stopped_samples.csv"),
+            ],
+        ),
+        ("resumed", ["--resume", resume] + files("resumed", out / "resumed_log.csv")),
+        ("noopt", ["--resume", resume, "--no-optim"] + files("noopt", details / "noopt_log.csv")),
+        ("noskip", ["--resume", resume, "--no-skip"] + files("noskip", details / "noskip_log.csv")),
+    ]
+
+
+def divergence_flags(name: str, config: LabConfig) -> list[str]:
+    """`--divergence details/NAME_divergence.csv` for the runs the divergence figure draws."""
+    return ["--divergence", str(config.out / DETAILS / f"{name}_divergence.csv")] if name in DIVERGENCE_RUNS else []
+
+
+def run_training_process(
+    name: str, flags: list[str], config: LabConfig, progress_mode: str = "none", label: str = "train"
+) -> float:
+    """Run one `exactresume train` in a new process (forked from a warm server); its wall time in seconds.
+
+    The child's progress lines are passed on to our stdout when it ends; its stderr keeps the error line.
+    """
+    started = time.perf_counter()
+    finished = warm_start.run_cli(
+        [
+            "train",
+            "--out",
+            str(config.out),
+            *_train_flags(config),
+            *flags,
+            "--progress",
+            progress_mode,
+            "--label",
+            label,
+        ]
+    )
+    if progress_mode != "none" and finished.stdout:
+        print(finished.stdout, end="", flush=True)
+    if finished.returncode != 0:
+        lines = finished.stderr.strip().splitlines() or [f"exit code {finished.returncode}"]
+        if finished.returncode == 2:
+            raise UserError(f"lab step {name}: {lines[-1]}")
+        raise RuntimeError(f"lab step {name} failed:\n{finished.stderr}")
+    return time.perf_counter() - started
+
+
+def half_precision(straight: Path, half: Path) -> dict[str, torch.Tensor]:
+    """Every tensor .half(), a tied tensor converted once so both names keep sharing one storage."""
+    state, _ = read_weights(straight)
+    converted: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state.items():
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        out[name] = converted.setdefault(identity, tensor.half())
+    save_weights(half, out)
+    return out
+
+
+def fp16_figures(config: LabConfig) -> dict:
+    """Step 6: write straight_fp16.pth; sizes and the max logit difference on val.npy's first 128 tokens."""
+    straight, half = config.out / "straight.pth", config.out / "straight_fp16.pth"
+    half_precision(straight, half)
+    tokens = torch.from_numpy(np.load(config.data / "val.npy")[:128].astype(np.int64))[None, :]
+    with torch.no_grad():
+        difference = (load_model(straight)(tokens) - load_model(half)(tokens)).abs().max().item()
+    return {
+        "fp32_bytes": straight.stat().st_size,
+        "fp16_bytes": half.stat().st_size,
+        "size_ratio": half.stat().st_size / straight.stat().st_size,
+        "max_logit_diff": difference,
+    }
+
+
+def optimizer_figures(resume_file: Path) -> dict:
+    """Step 7: weight elements (lm_head.weight is the tied embedding) vs optimizer-state elements."""
+    state = load_resume(resume_file)
+    model_numel = sum(t.numel() for name, t in state["model"].items() if name != "lm_head.weight")
+    optimizer_numel = sum(
+        t.numel()
+        for per_param in state["optimizer"]["state"].values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor) and t.dim() >= 1
+    )
+    return {"model_numel": model_numel, "optimizer_numel": optimizer_numel, "ratio": optimizer_numel / model_numel}
+
+
+def comparison_figures(config: LabConfig) -> dict:
+    """resumed / noopt / noskip against straight: weights, losses and batches."""
+    out, details, k = config.out, config.out / DETAILS, config.stop_at
+    straight_weights = read_weights(out / "straight.pth")[0]
+    straight_log = read_loss_log(out / "straight_log.csv")
+    straight_samples = read_samples(details / "straight_samples.csv")
+    logs = {
+        "resumed": out / "resumed_log.csv",
+        "noopt": details / "noopt_log.csv",
+        "noskip": details / "noskip_log.csv",
+    }
+    runs = {}
+    for name, log_path in logs.items():
+        log, samples = read_loss_log(log_path), read_samples(details / f"{name}_samples.csv")
+        diffs = loss_differences(log, straight_log)
+        later = {tuple(starts) for step, starts in straight_samples.items() if step > k}
+        runs[name] = weight_distance(read_weights(out / f"{name}.pth")[0], straight_weights) | {
+            "log_rows_equal": all(straight_log[step] == loss for step, loss in log.items()),
+            "first_resumed_loss_diff": diffs[0]["diff"],
+            "final_loss_diff": diffs[-1]["diff"],
+            "max_abs_loss_diff": max(abs(d["diff"]) for d in diffs),
+            "batches_seen_twice": repeated_batches(samples, straight_samples, before=k),
+            "batches_never_seen": len(later - {tuple(s) for s in samples.values()}),
+            "loss_diffs": diffs,
+        }
+    return {"stop_at": k, "steps": config.train.steps, "runs": runs}
+
+
+def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
+    """All eight steps; returns the timings (seconds) it also writes to details/timings.json.
+
+    `progress_mode` (bar, lines or none) is passed to each training process; none also silences `log`.
+    """
+    log = log if progress_mode != "none" else (lambda message: None)
+    ensure_writable_folder(config.out / DETAILS)
+    warm_start.start_server()
+    torch.set_num_threads(config.train.threads)  # for the lab's own figures (fp16 logits) as for its runs
+    started = time.perf_counter()
+    ensure_data(config.data, log, progress_mode)
+    timings = {"prepare": time.perf_counter() - started}
+    for number, (name, flags) in enumerate(training_runs(config), start=1):
+        label = f"[{number}/8] {name}"
+        timings[name] = run_training_process(name, flags + divergence_flags(name, config), config, progress_mode, label)
+        log(f"{label}: {timings[name]:.1f} s")
+    write_json(config.out / "fp16.json", fp16_figures(config))
+    log("[6/8] fp16.json")
+    write_json(config.out / "optim.json", optimizer_figures(config.out / "resume.pth"))
+    log("[7/8] optim.json")
+    write_json(config.out / "compare.json", comparison_figures(config))
+    write_json(config.out / DETAILS / "resume_sizes.json", resume_size_breakdown(config.out / "resume.pth"))
+    if config.ablate:
+        from exactresume.lab.ablate import AblationConfig, run_ablation
+
+        run_ablation(AblationConfig(train=config.train, stop_at=config.stop_at, data=config.data, out=config.out), log)
+    from exactresume.report.figures import write_figures  # matplotlib loads only here
+    from exactresume.report.report import write_report  # the report and its figures read only the files written above
+
+    figures_started = time.perf_counter()
+    write_figures(config.out)
+    timings["figures"] = time.perf_counter() - figures_started
+    write_report(config.out, lang=config.lang)
+    timings["total"] = time.perf_counter() - started
+    write_json(config.out / DETAILS / "timings.json", timings)
+    log(f"[8/8] report.md ({timings['total']:.1f} s in all)")
+    return timings

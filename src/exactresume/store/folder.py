@@ -1,0 +1,274 @@
+"""A folder of numbered checkpoints that survives kill -9, full disks and damaged files.
+
+    store = CheckpointStore("runs/a/checkpoints", keep=3)
+    step = store.restore(parts)    # newest valid checkpoint into `parts`; 0 when there is none
+    store.save(step, parts)        # FOLDER/step-00000030.pth, durable and verified; older ones pruned
+
+`parts` maps names to objects with `state_dict()` / `load_state_dict()` (a model, an optimizer, a
+batch generator wrapper, `GlobalRng()`, ...). A checkpoint is a resume file (checkpoint.py) plus the
+step it was saved at, sealed with its checksum (sealed.py). `save` is one sequence of stages, each a
+fault-injection point (faults.py):
+
+    snapshot -> write (serialize + checksum) -> fsync -> rename -> folder fsync -> verify -> retention
+
+so a kill at any moment leaves either no new file or a complete one, and older checkpoints are
+deleted only after the new one is durable and reads back with the right checksum. `restore` walks
+from the newest checkpoint down and skips (and reports) any file that is damaged, foreign or from an
+interrupted copy. One process writes a store; that process removes `.tmp` leftovers of a crashed
+save when it restores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import sys
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from exactresume.atomic import TMP_SUFFIX, fsync_folder, tmp_path
+from exactresume.errors import CheckpointError
+from exactresume.store.faults import FaultPoints
+from exactresume.store.resume import RESUME_FORMAT, RESUME_VERSION, Stateful, capture
+from exactresume.store.resume import restore as restore_parts
+from exactresume.store.sealed import load_sealed, verify, write_sealed
+
+STEP_KEY = "checkpoint_step"  # beside the parts in every store checkpoint: the step it was saved at
+RESERVED_NAMES = ("format", "version", STEP_KEY)
+CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})\.pth$")
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint at `step`: zero-padded so names sort like steps."""
+    return f"step-{step:08d}.pth"
+
+
+def print_to_stderr(message: str) -> None:
+    print(f"exactresume: {message}", file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint file of a store and the step its name says it holds."""
+
+    step: int
+    path: Path
+
+
+class CheckpointStore:
+    """Numbered checkpoints in one folder: save, list, restore the newest valid one, keep the newest `keep`."""
+
+    def __init__(self, folder: Path | str, keep: int | None = 3, notify: Callable[[str], None] = print_to_stderr):
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), got {keep}")
+        self.folder, self.keep, self.notify = Path(folder), keep, notify
+        self.faults = FaultPoints.from_environment()
+
+    def path_for(self, step: int) -> Path:
+        return self.folder / checkpoint_name(step)
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The checkpoint files in the folder, oldest step first (names only; nothing is read)."""
+        if not self.folder.is_dir():
+            return []
+        found = (CHECKPOINT_NAME.match(entry.name) for entry in os.scandir(self.folder) if entry.is_file())
+        return sorted((Checkpoint(int(m.group(1)), self.folder / m.group(0)) for m in found if m), key=lambda c: c.step)
+
+    def leftovers(self) -> list[Path]:
+        """`.tmp` files in the folder: saves that a crash interrupted before their rename."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(self.folder / entry.name for entry in os.scandir(self.folder) if entry.name.endswith(TMP_SUFFIX))
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete the `.tmp` leftovers of interrupted saves; returns what was removed."""
+        removed = self.leftovers()
+        for path in removed:
+            path.unlink(missing_ok=True)
+        if removed:
+            fsync_folder(self.folder)
+        return removed
+
+    # -- saving: one sequence of stages, each a fault-injection point ---------------------------
+
+    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
+        """Write `parts` as the checkpoint at `step`, durably and verified, then prune old ones."""
+        self.faults.reached("snapshot")
+        return self.commit(step, snapshot(step, parts))
+
+    def commit(self, step: int, state: dict) -> Path:
+        """The stages after the snapshot: write, fsync, rename, folder fsync, verify, retention.
+
+        `state` must not change while this runs (background.py hands it a private copy).
+        """
+        path = self.path_for(step)
+        self._ensure_folder()
+        self._write(path, state)
+        self._verify_written(path)
+        self._retain(step)
+        return path
+
+    def _ensure_folder(self) -> None:
+        if not self.folder.is_dir():
+            self.folder.mkdir(parents=True)
+            fsync_folder(self.folder.parent)
+
+    def _write(self, path: Path, state: dict) -> None:
+        """serialize + checksum -> fsync -> rename -> folder fsync; on any failure no new file remains."""
+        tmp = tmp_path(path)
+        try:
+            with open(tmp, "wb") as file:
+                _StageWriter(file, self.faults, halfway=_tensor_bytes(state) // 2).write_sealed(state)
+                self.faults.reached("fsync")
+                file.flush()
+                os.fsync(file.fileno())
+            self.faults.reached("rename")
+            os.replace(tmp, path)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        try:
+            self.faults.reached("folder-fsync")
+            fsync_folder(self.folder)
+        except BaseException:
+            _remove_quietly(path)  # a rename we could not make durable is not a checkpoint
+            raise
+
+    def _verify_written(self, path: Path) -> None:
+        """Read the new file back and check its checksum; a file that fails is removed."""
+        try:
+            self.faults.reached("verify")
+            verify(path)
+        except OSError:
+            _remove_quietly(path)
+            raise
+        except CheckpointError as error:
+            _remove_quietly(path)
+            raise OSError(errno.EIO, f"the checkpoint read back damaged ({error})") from None
+
+    def _retain(self, step: int) -> None:
+        """Delete all but the newest `keep` checkpoints up to `step`; a failure here only warns."""
+        if self.keep is None:
+            return
+        older = [c for c in self.checkpoints() if c.step <= step][: -self.keep]
+        try:
+            self.faults.reached("retention")
+            for checkpoint in older:
+                checkpoint.path.unlink(missing_ok=True)
+            if older:
+                fsync_folder(self.folder)
+        except OSError as error:
+            self.notify(f"warning: could not delete old checkpoints in {self.folder}: {error.strerror or error}")
+
+    # -- restoring ---------------------------------------------------------------------------------
+
+    def load_newest(self, names: Collection[str]) -> tuple[Checkpoint, dict] | None:
+        """The newest checkpoint that verifies and holds every part in `names`, with its state."""
+        for checkpoint in reversed(self.checkpoints()):
+            try:
+                return checkpoint, check_checkpoint(checkpoint, load_sealed(checkpoint.path), names)
+            except CheckpointError as error:
+                self.notify(f"skipping damaged checkpoint {error}")
+        return None
+
+    def restore(self, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> int:
+        """Load the newest valid checkpoint into `parts` (except `skip`); its step, or 0 when there is none.
+
+        A run's identity mismatch (a `RunIdentity` part) raises CheckpointError rather than falling
+        back to an older file: an older file of a different run is no better.
+        """
+        self.remove_leftovers()
+        found = self.load_newest([name for name in parts if name not in skip])
+        if found is None:
+            return 0
+        checkpoint, state = found
+        restore_parts(state, parts, skip=skip)
+        return checkpoint.step
+
+
+def snapshot(step: int, parts: Mapping[str, Stateful]) -> dict:
+    """The state to write: every part's state_dict and the step.
+
+    The tensors are references to the live ones, not copies: fine while `save` runs before the next
+    step; a writer in the background works on a copy (background.py).
+    """
+    reserved = [name for name in parts if name in RESERVED_NAMES]
+    if reserved:
+        raise ValueError(f"part names {reserved} are reserved in a checkpoint")
+    return capture(parts) | {STEP_KEY: step}
+
+
+def check_checkpoint(checkpoint: Checkpoint, state: Any, names: Collection[str]) -> dict:
+    """Raise CheckpointError unless `state` is a store checkpoint of `checkpoint.step` holding `names`."""
+    path = checkpoint.path
+    if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
+        raise CheckpointError(f"{path}: not an exactresume checkpoint")
+    if state.get("version") != RESUME_VERSION:
+        raise CheckpointError(
+            f"{path}: resume format version {state.get('version')}, this exactresume reads {RESUME_VERSION}"
+        )
+    if state.get(STEP_KEY) != checkpoint.step:
+        raise CheckpointError(f"{path}: holds step {state.get(STEP_KEY)}, not the step its name says")
+    missing = [name for name in names if name not in state]
+    if missing:
+        raise CheckpointError(f"{path}: lacks the parts {', '.join(missing)}")
+    return state
+
+
+class _StageWriter:
+    """The temporary file as torch.save sees it; reports the 'write' stage once half the bytes are out.
+
+    torch.save turns an OSError from `write` into a RuntimeError about zip positions; the writer
+    keeps the OSError so a full disk is reported as what it is.
+    """
+
+    def __init__(self, file: BinaryIO, faults: FaultPoints, halfway: int):
+        self.file, self.faults, self.halfway, self.written = file, faults, halfway, 0
+        self.error: OSError | None = None
+
+    def write_sealed(self, state: dict) -> None:
+        try:
+            write_sealed(self, state)
+        except Exception:
+            if self.error is not None:
+                raise self.error from None
+            raise
+
+    def write(self, data) -> int:
+        try:
+            count = self.file.write(data)
+            before, self.written = self.written, self.written + count
+            if before < self.halfway <= self.written or before == 0 and self.halfway == 0:
+                self.file.flush()  # a kill here must leave a real half-written file behind
+                self.faults.reached("write")
+        except OSError as error:
+            self.error = self.error or error
+            raise
+        return count
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self.file.seek(offset, whence)
+
+
+def _tensor_bytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in state)
+    return 0
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)

@@ -1,0 +1,121 @@
+"""The resume file: every part a run needs to continue exactly, captured, saved, verified, restored.
+
+Layout (a plain dict of tensors and Python values, so `torch.load(path, weights_only=True)` reads it):
+`{"format", "version", "config", "model", "optimizer", "step", "gen_state", "rng"}`, one key per part,
+and `scaler` (the GradScaler) in fp16 runs only. Weights are stored in fp32 as trained, never
+rounded. `gen_state` is the data position of whichever loader the run uses. A file holds no
+gradients: it is written only between optimizer steps, never inside gradient accumulation.
+`restore(..., skip=...)` leaves parts out on purpose: the lab's `--no-optim` and `--no-skip` are
+this same code with one part skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from exactresume.errors import CheckpointError
+from exactresume.store.sealed import load_sealed, save_sealed
+from exactresume.world import World
+
+RESUME_FORMAT = "exactresume.resume"
+RESUME_VERSION = 1
+# config first: a resume file from a different run is refused before anything is overwritten.
+PART_NAMES = ("config", "model", "optimizer", "scaler", "step", "gen_state", "rng")
+OPTIONAL_PARTS = ("scaler",)  # held only by runs that have one; the config says which
+# Parts whose state may differ between ranks, so each rank's is kept.
+PER_RANK_PARTS = ("gen_state", "rng")
+PER_RANK_KEY = "per_rank"
+
+
+class Stateful(Protocol):
+    """What a part is: PyTorch's own state_dict / load_state_dict protocol."""
+
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+def capture(parts: Mapping[str, Stateful]) -> dict:
+    """The resume state of `parts` as one dict: tensors and plain Python values only."""
+    return {"format": RESUME_FORMAT, "version": RESUME_VERSION} | {
+        name: part.state_dict() for name, part in parts.items()
+    }
+
+
+def restore(state: Mapping, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> None:
+    """Load every part of `state` into `parts`, except those named in `skip`."""
+    unknown = set(skip) - set(PART_NAMES)
+    if unknown:
+        raise ValueError(f"cannot skip unknown parts {sorted(unknown)}")
+    ordered = [name for name in PART_NAMES if name in parts] + [name for name in parts if name not in PART_NAMES]
+    for name in ordered:
+        if name not in skip:
+            if name not in state:
+                raise CheckpointError(f"the resume file lacks the part {name} this run needs")
+            parts[name].load_state_dict(state[name])
+
+
+def save_resume(path: Path, parts: Mapping[str, Stateful]) -> None:
+    """Write the resume file atomically, with its checksum."""
+    save_sealed(path, capture(parts))
+
+
+def check_resume_state(path: Path, state: object) -> dict:
+    """Raise CheckpointError unless `state` is a complete resume file of a version we read."""
+    if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
+        kind = (
+            "a weights file"
+            if isinstance(state, dict) and any(".weight" in str(k) for k in state)
+            else "not an exactresume resume file"
+        )
+        raise CheckpointError(f"{path} is {kind}, not a resume file")
+    if state.get("version") != RESUME_VERSION:
+        raise CheckpointError(
+            f"{path} has resume format version {state.get('version')}; this exactresume reads version {RESUME_VERSION}"
+        )
+    missing = [name for name in PART_NAMES if name not in state and name not in OPTIONAL_PARTS]
+    if missing:
+        raise CheckpointError(f"{path} lacks the parts {', '.join(missing)}")
+    return state
+
+
+def load_resume(path: Path) -> dict:
+    """Verify the checksum, load with weights_only=True, and check it is a complete resume file."""
+    return check_resume_state(path, load_sealed(Path(path)))
+
+
+class PerRank:
+    """A part saved as the list of every rank's state, and restored from this rank's entry.
+
+    One process saves its plain state, so single-process resume files keep their layout. On resume
+    with a different N, rank r takes saved rank r's state, or rank 0's when the run had fewer ranks:
+    the batch generator is the same on every rank, so the samples stay exact; the RNG streams of
+    ranks that did not exist start as rank 0's (they only matter for random draws such as dropout).
+    """
+
+    def __init__(self, part: Stateful, world: World):
+        self.part, self.world = part, world
+
+    def state_dict(self) -> Any:
+        states = self.world.gather(self.part.state_dict())
+        return states[0] if len(states) == 1 else {PER_RANK_KEY: states}
+
+    def load_state_dict(self, state: Any) -> None:
+        states = saved_states(state)
+        self.part.load_state_dict(states[self.world.rank] if self.world.rank < len(states) else states[0])
+
+
+def saved_states(state: Any) -> list:
+    """The per-rank states a part was saved with (one entry for a single-process file)."""
+    return state[PER_RANK_KEY] if isinstance(state, dict) and PER_RANK_KEY in state else [state]
+
+
+def saved_world_size(state: Mapping) -> int:
+    """How many processes wrote a resume state."""
+    return len(saved_states(state["rng"]))
+
+
+def per_rank(parts: Mapping[str, Stateful], world: World) -> dict[str, Stateful]:
+    """`parts` with the per-rank ones wrapped so a resume file keeps every rank's state."""
+    return {name: PerRank(part, world) if name in PER_RANK_PARTS else part for name, part in parts.items()}

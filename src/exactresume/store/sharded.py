@@ -1,0 +1,307 @@
+"""Sharded resume checkpoints through torch.distributed.checkpoint (DCP): every rank writes its shard.
+
+`--sharded` writes the resume state as a folder NAME (`resume.dcp`) holding
+
+    __0_0.distcp, __1_0.distcp, ...   the shards (DCP spreads the replicated tensors over the ranks)
+    .metadata                         DCP's index of every item, written by rank 0 once all shards are in
+    commit.pth                        the commit marker: xxh3-128 of every file above, written last
+
+It is written as NAME.tmp/ and renamed to NAME only once committed, so a rank killed mid-save
+leaves the previous NAME as it was; a folder without its commit marker is never trusted, and every
+file's checksum is checked before DCP reads it. DCP itself reads `.metadata` with `pickle` and
+non-tensor values with `torch.load(weights_only=False)`; here both go through allow-lists, so
+loading never runs code from a file. The model is replicated (DDP), so each rank loads the whole
+checkpoint: any number of processes can resume it, one included, without a process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import os
+import pickle
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from exactresume.atomic import fsync_folder, tmp_path
+from exactresume.errors import CheckpointError
+from exactresume.store.resume import Stateful, capture, check_resume_state
+from exactresume.store.sealed import load_sealed, save_sealed
+from exactresume.world import World
+
+SHARDED_FORMAT = "exactresume.sharded"
+SHARDED_VERSION = 1
+COMMIT = "commit.pth"
+CHUNK = 8 << 20
+
+
+class OptimizerByName:
+    """The optimizer part keyed by parameter names, DCP's layout (torch's own keys are indices)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        # On a fresh optimizer this first takes one step with lr 0 and zero gradients to create its
+        # state (torch's _init_optim_state): AdamW leaves every weight bit-identical, then the
+        # loaded state replaces the one it made.
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class MarkedScaler:
+    """The scaler part with a key that is always there: DCP stores nothing for an empty dict, which is
+    the GradScaler's state in fp32 and bf16, and the part would then be missing when loaded."""
+
+    def __init__(self, scaler: Stateful):
+        self.scaler = scaler
+
+    def state_dict(self) -> dict:
+        return {SCALER_MARK: True} | self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scaler.load_state_dict({key: value for key, value in state.items() if key != SCALER_MARK})
+
+
+SCALER_MARK = "saved"
+
+
+def sharded_parts(parts: Mapping[str, Stateful]) -> dict[str, Stateful]:
+    """`parts` as a sharded checkpoint holds them."""
+    wrapped = {"optimizer": OptimizerByName(parts["model"], parts["optimizer"])}
+    if "scaler" in parts:
+        wrapped["scaler"] = MarkedScaler(parts["scaler"])
+    return dict(parts) | wrapped
+
+
+# ---- saving -----------------------------------------------------------------------------------
+
+
+def save_sharded(folder: Path, parts: Mapping[str, Stateful], world: World) -> None:
+    """Every rank writes its shard into FOLDER.tmp/; rank 0 commits it and puts it at `folder`."""
+    staging = tmp_path(folder)
+    state = capture(sharded_parts(parts))
+    if world.is_main:
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+        staging.mkdir(parents=True)
+    world.barrier()
+    with _quiet_single_process(), _first_failure():
+        # sync_files: each shard and the metadata are fsynced before DCP returns.
+        dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=True), no_dist=world.size == 1)
+    if world.is_main:  # dcp.save returns on rank 0 only after every rank's shard and the metadata are written
+        write_commit(staging, world.size)
+        replace_folder(staging, folder)
+    world.barrier()
+
+
+def file_digest(path: Path) -> str:
+    """xxh3-128 of a file's bytes, in hex."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as file:
+        while chunk := file.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_commit(staging: Path, processes: int) -> None:
+    """The commit marker: the checksum of every file DCP wrote, itself sealed; written last."""
+    files = {p.name: file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    save_sealed(
+        staging / COMMIT, {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes, "files": files}
+    )
+    fsync_folder(staging)
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Put folder `new` at `target` in one rename: a reader sees the old folder or the new one."""
+    if not target.exists():
+        os.rename(new, target)
+    elif _exchange(new, target):
+        shutil.rmtree(new)  # it now holds the old folder
+    else:  # no atomic exchange on this system: move the old folder aside for the instant of the rename
+        old = target.with_name(target.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+        os.rename(new, target)
+        shutil.rmtree(old)
+    fsync_folder(target.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux's renameat2(RENAME_EXCHANGE); False where unsupported."""
+    at_fdcwd, rename_exchange = -100, 2
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+@contextlib.contextmanager
+def _first_failure() -> Iterator[None]:
+    """Raise the exception a DCP call met itself, not its CheckpointException (a BaseException) around it."""
+    try:
+        yield
+    except CheckpointException as error:
+        raise next(iter(error.failures.values()))[0] from None
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # Without a process group DCP warns that it assumes one process: that is what we mean.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def verify_sharded(folder: Path) -> dict:
+    """The commit marker, after checking that every file it lists is present with its checksum."""
+    commit = folder / COMMIT
+    if not commit.is_file():
+        if not any(folder.glob("*.distcp")):
+            raise CheckpointError(f"{folder} is a folder, not a resume file or a sharded checkpoint")
+        raise CheckpointError(
+            f"{folder} has no commit marker ({COMMIT}): its save did not finish, so it is not trusted"
+        )
+    marker = load_sealed(commit)
+    if not isinstance(marker, dict) or marker.get("format") != SHARDED_FORMAT:
+        raise CheckpointError(f"{commit} is not an exactresume commit marker")
+    if marker.get("version") != SHARDED_VERSION:
+        raise CheckpointError(
+            f"{folder} has sharded format version {marker.get('version')}; "
+            f"this exactresume reads version {SHARDED_VERSION}"
+        )
+    for name, digest in marker["files"].items():
+        if not (folder / name).is_file():
+            raise CheckpointError(f"{folder}: shard file {name} is missing")
+        if file_digest(folder / name) != digest:
+            raise CheckpointError(f"{folder}: {name} is damaged (checksum mismatch)")
+    return marker
+
+
+def load_sharded(folder: Path) -> dict:
+    """Verify, then read the whole sharded checkpoint into a resume state dict (as load_resume returns)."""
+    folder = Path(folder)
+    marker = verify_sharded(folder)
+    reader = _VerifiedReader(folder)
+    try:
+        metadata = reader.read_metadata()
+        unlisted = {info.relative_path for info in metadata.storage_data.values()} - set(marker["files"])
+        if unlisted:
+            raise CheckpointError(f"{folder}: its metadata names files its commit marker does not: {sorted(unlisted)}")
+        flat = {key: _placeholder(item) for key, item in metadata.state_dict_metadata.items()}
+        with _quiet_single_process(), _first_failure():
+            dcp.load(flat, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as error:  # DCP's many refusals of an inconsistent folder
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{folder}: not a loadable sharded checkpoint ({reason[:200]})") from None
+    return check_resume_state(folder, unflatten(flat, metadata.planner_data or {}))
+
+
+def _placeholder(item: Any) -> Any:
+    """An empty tensor of the saved shape for DCP to read into; None for a value it will unpickle."""
+    return torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+
+
+def unflatten(flat: Mapping[str, Any], paths: Mapping[str, tuple]) -> dict:
+    """DCP's flat keys back into the nested dict they were saved from (a list where a step is an index)."""
+    nested: dict = {}
+    for key, value in flat.items():
+        path = paths.get(key, (key,))
+        node: Any = nested
+        for step, following in zip(path, path[1:]):
+            node = _slot(node, step, [] if isinstance(following, int) else {})
+        _slot(node, path[-1], value, replace=True)
+    return nested
+
+
+def _slot(node: dict | list, step: str | int, value: Any, replace: bool = False) -> Any:
+    """node[step], set to `value` if missing (or always with `replace`); lists grow as needed."""
+    if isinstance(node, list):
+        node.extend([None] * (step + 1 - len(node)))
+        if replace or node[step] is None:
+            node[step] = value
+        return node[step]
+    if replace or step not in node:
+        node[step] = value
+    return node[step]
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner for a flat dict of every saved key, unpickling values with weights_only=True."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise CheckpointError(
+                f"value {read_item.dest_index.fqn} is not plain data ({str(error).splitlines()[0]})"
+            ) from None
+
+
+# What DCP's .metadata may refer to: its own record types, sizes, dtypes and layouts, and paths.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
+        if not allowed:
+            raise CheckpointError(f"its .metadata refers to {module}.{name}, which a DCP index never holds")
+        return super().find_class(module, name)
+
+
+class _VerifiedReader(FileSystemReader):
+    """DCP's file reader, reading `.metadata` through an allow-list instead of plain pickle."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError("its .metadata is not a DCP index")
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -1,0 +1,57 @@
+"""Weights files (model state dicts for inference or comparison): write them, read any of ours.
+
+`read_weights` accepts a weights file or a resume file, sealed by us or plain (MiniMind's own
+`.pth` files), a safetensors file (`exactresume export`) or a sharded resume folder (`--sharded`), in
+fp32, fp16 or bf16, and returns the state dict with the config when the file records one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from exactresume.config import ModelConfig
+from exactresume.core.model import MiniMindLM, model_from_state_dict
+from exactresume.errors import CheckpointError
+from exactresume.store.resume import RESUME_FORMAT, check_resume_state
+from exactresume.store.safetensors_weights import is_safetensors, read_safetensors
+from exactresume.store.sealed import load_sealed, save_sealed
+
+StateDict = dict[str, torch.Tensor]
+
+
+def save_weights(path: Path, state_dict: StateDict) -> None:
+    """Write a plain state dict atomically, with its checksum (tied tensors stay one storage)."""
+    save_sealed(Path(path), dict(state_dict))
+
+
+def _is_state_dict(obj: object) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def read_weights(path: Path) -> tuple[StateDict, ModelConfig | None]:
+    """The model state dict held by `path`, and its ModelConfig when the file records one."""
+    path = Path(path)
+    if path.is_dir():  # a sharded resume checkpoint (--sharded)
+        from exactresume.store.sharded import load_sharded
+
+        state = load_sharded(path)
+        return state["model"], ModelConfig.from_dict(state["config"]["model"])
+    config = None
+    if path.is_file() and is_safetensors(path):
+        obj, config = read_safetensors(path)
+    else:
+        obj = load_sealed(path, require_seal=False)
+    if isinstance(obj, dict) and obj.get("format") == RESUME_FORMAT:
+        state = check_resume_state(path, obj)
+        return state["model"], ModelConfig.from_dict(state["config"]["model"])
+    if _is_state_dict(obj) and ("model.embed_tokens.weight" in obj or "lm_head.weight" in obj):
+        return obj, config
+    raise CheckpointError(f"{path} holds no MiniMind model weights")
+
+
+def load_model(path: str | Path) -> MiniMindLM:
+    """Load a weights file or a resume file (fp32, fp16 or bf16) as an fp32 model in eval mode."""
+    state_dict, config = read_weights(Path(path))
+    return model_from_state_dict(state_dict, config)

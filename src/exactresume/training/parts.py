@@ -1,0 +1,132 @@
+"""The small stateful parts of a run that are not a model or an optimizer.
+
+Each has `state_dict()` / `load_state_dict()` (the protocol of torch's optimizers, DCP and
+torchdata), so a checkpoint is just a table of named parts.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from exactresume.errors import CheckpointError
+
+
+class StepCounter:
+    """The global optimizer step; the lr schedule is a pure function of it."""
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def state_dict(self) -> int:
+        return self.value
+
+    def load_state_dict(self, state: int) -> None:
+        self.value = int(state)
+
+
+class GeneratorPart:
+    """A torch.Generator as a part: its state is the position of whatever it draws (batches, noise)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def state_dict(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def load_state_dict(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
+class GlobalRng:
+    """torch (CPU and CUDA), numpy and python `random` states: dropout masks and any other draw."""
+
+    def state_dict(self) -> dict:
+        kind, keys, position, has_gauss, cached_gauss = np.random.get_state()
+        version, internal, gauss_next = random.getstate()
+        return {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            # numpy arrays would need an unpickling allow-list; tensors and ints do not.
+            "numpy": {
+                "kind": kind,
+                "keys": torch.from_numpy(keys.astype(np.int64)),
+                "pos": int(position),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached_gauss),
+            },
+            "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        numpy_state = state["numpy"]
+        np.random.set_state(
+            (
+                numpy_state["kind"],
+                numpy_state["keys"].numpy().astype(np.uint32),
+                numpy_state["pos"],
+                numpy_state["has_gauss"],
+                numpy_state["cached_gaussian"],
+            )
+        )
+        python_state = state["python"]
+        random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss_next"]))
+
+
+class RunIdentity:
+    """What makes two runs the same run; restoring it checks, and refuses a different run.
+
+    `allowed` names fields (dotted, e.g. "train.steps") a resume may change on purpose; the
+    differences it let through are in `accepted` after a restore. The identity saved from then on
+    is the current one, so later resumes check against the changed run.
+    `defaults` holds the values of fields added after a file was written: a file without such a
+    field was written by a run that behaved as its default does.
+    """
+
+    def __init__(self, identity: dict, allowed: frozenset[str] = frozenset(), defaults: dict | None = None):
+        self.identity, self.allowed, self.defaults = identity, allowed, defaults or {}
+        self.accepted: list[tuple[str, Any, Any]] = []
+
+    def state_dict(self) -> dict:
+        return self.identity
+
+    def load_state_dict(self, state: dict) -> None:
+        differences = differing_fields(with_defaults(state, self.defaults), self.identity)
+        refused = [difference for difference in differences if difference[0] not in self.allowed]
+        if refused:
+            raise CheckpointError(f"the resume file was made by a different run: {'; '.join(map(describe, refused))}")
+        self.accepted = differences
+
+
+def with_defaults(saved: dict, defaults: dict) -> dict:
+    """`saved` with the fields it lacks in each section taken from `defaults` (saved values win)."""
+    return {key: defaults.get(key, {}) | value if isinstance(value, dict) else value for key, value in saved.items()}
+
+
+def differing_fields(saved: dict, current: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted field, saved value, current value) for every leaf that differs between two nested dicts."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += differing_fields(old, new, f"{prefix}{key}.")
+        elif old != new:
+            out.append((f"{prefix}{key}", old, new))
+    return out
+
+
+def describe(difference: tuple[str, Any, Any]) -> str:
+    """'field saved-value in file, current-value now'."""
+    field, old, new = difference
+    return f"{field} {_short(old)} in file, {_short(new)} now"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 20 else text[:16] + "...'"

@@ -1,0 +1,58 @@
+"""This process's place among the run's processes: rank, size, and the few collectives every layer
+may use (gather, barrier, any). Nothing here wraps a model: DDP and FSDP live in `exactresume.dist`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def launched_by_torchrun() -> bool:
+    """True inside a process that torchrun (torch.distributed.run) started."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the run's processes (rank 0 of 1 when alone)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> World:
+        """The world torchrun describes in RANK / WORLD_SIZE / LOCAL_RANK, or one process."""
+        if not launched_by_torchrun():
+            return cls()
+        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only process that writes files."""
+        return self.rank == 0
+
+    def gather(self, value: Any) -> list:
+        """Every rank's `value`, in rank order, on every rank (picklable values)."""
+        if self.size == 1:
+            return [value]
+        values: list = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any rank (a preemption signal one rank saw)."""
+        if self.size == 1:
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
