@@ -74,6 +74,21 @@ class _LossOf(torch.nn.Module):
         return self.model.loss(inputs, targets)
 
 
+class OneProcess:
+    """The replica of a run on one process: the whole batch, the model's own loss, no reduction."""
+
+    size = 1
+
+    def __init__(self, model: torch.nn.Module):
+        self.loss = model.loss
+
+    def local(self, batch: Batch) -> Batch:
+        return batch
+
+    def mean(self, value: float) -> float:
+        return value
+
+
 class Replicas:
     """The run's model under DistributedDataParallel: this rank's slice of a batch, its loss, means over ranks."""
 

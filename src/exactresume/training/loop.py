@@ -16,7 +16,6 @@ import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,12 +25,10 @@ from exactresume.core.batches import Batch, RandomWindows
 from exactresume.core.data import TokenData
 from exactresume.core.epochs import EpochLoader
 from exactresume.core.model import MiniMindLM
+from exactresume.dist.replicas import OneProcess, Replicas
 from exactresume.store.resume import Stateful
 from exactresume.training.device import loss_scaler, precision_context, training_device
 from exactresume.training.parts import GlobalRng, RunIdentity, StepCounter
-
-if TYPE_CHECKING:
-    from exactresume.dist.replicas import Replicas
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 0) -> float:
@@ -64,9 +61,10 @@ class Run:
     identity: RunIdentity
     scaler: torch.amp.GradScaler
     device: torch.device
-    # Set under many processes (distributed.World.replicate): this rank's slice of each global batch,
-    # the DDP-wrapped loss whose backward averages gradients over ranks, the mean of the logged loss.
-    replicas: Replicas | None = None
+    # How this process takes part: its slice of each global batch, the loss it computes (DDP's under
+    # many processes, whose backward averages gradients over ranks), the mean of the logged loss.
+    # One process is its own replica; dist.replicas.replicate swaps in DDP's.
+    replicas: OneProcess | Replicas
 
     def parts(self) -> dict[str, Stateful]:
         parts = {
@@ -136,6 +134,7 @@ def build_run(config: TrainConfig, data: TokenData) -> Run:
         identity_part(config, data),
         loss_scaler(config, device),
         device,
+        OneProcess(model),
     )
 
 
@@ -153,8 +152,7 @@ def train_step(run: Run) -> StepRecord:
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     batch = run.batches.next_batch()  # the global batch: what the step trains on does not depend on N
-    local, ranks = (run.replicas.local(batch), run.replicas.size) if run.replicas else (batch, 1)
-    forward = run.replicas.loss if run.replicas else run.model.loss
+    local, ranks, forward = run.replicas.local(batch), run.replicas.size, run.replicas.loss
     run.model.train()
     run.optimizer.zero_grad(set_to_none=True)
     loss = 0.0
@@ -170,7 +168,7 @@ def train_step(run: Run) -> StepRecord:
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.step.value += 1
-    return StepRecord(run.step.value, run.replicas.mean(loss) if run.replicas else loss, batch.starts)
+    return StepRecord(run.step.value, run.replicas.mean(loss), batch.starts)
 
 
 def train(run: Run, until: int, on_step: Callable[[StepRecord], None] = lambda record: None) -> None:
