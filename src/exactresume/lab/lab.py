@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from exactresume.atomic import ensure_writable_folder, write_json
@@ -22,10 +21,11 @@ from exactresume.core.compare import loss_differences, repeated_batches, weight_
 from exactresume.core.data import ensure_data
 from exactresume.errors import UserError
 from exactresume.lab import warm_start
+from exactresume.store.export import convert, max_logit_difference
 from exactresume.store.inspect import resume_size_breakdown
 from exactresume.store.resume import load_resume
 from exactresume.store.steplog import read_loss_log, read_samples
-from exactresume.store.weights import load_model, read_weights, save_weights
+from exactresume.store.weights import read_weights, save_weights
 
 DETAILS = "details"  # logs the report needs beyond the files the lab text names
 DIVERGENCE_RUNS = ("noopt", "noskip")  # also step a fully restored twin and log the distance per step
@@ -152,25 +152,13 @@ def run_training_process(
     return time.perf_counter() - started
 
 
-def half_precision(straight: Path, half: Path) -> dict[str, torch.Tensor]:
-    """Every tensor .half(), a tied tensor converted once so both names keep sharing one storage."""
-    state, _ = read_weights(straight)
-    converted: dict[tuple, torch.Tensor] = {}
-    out = {}
-    for name, tensor in state.items():
-        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        out[name] = converted.setdefault(identity, tensor.half())
-    save_weights(half, out)
-    return out
-
-
 def fp16_figures(config: LabConfig) -> dict:
-    """Step 6: write straight_fp16.pth; sizes and the max logit difference on val.npy's first 128 tokens."""
+    """Step 6: write straight_fp16.pth (export's fp16 conversion, a tied tensor stored once); the sizes
+    and the max logit difference on val.npy's first 128 tokens."""
     straight, half = config.out / "straight.pth", config.out / "straight_fp16.pth"
-    half_precision(straight, half)
-    tokens = torch.from_numpy(np.load(config.data / "val.npy")[:128].astype(np.int64))[None, :]
-    with torch.no_grad():
-        difference = (load_model(straight)(tokens) - load_model(half)(tokens)).abs().max().item()
+    state, model_config = read_weights(straight)
+    save_weights(half, convert(state, torch.float16, clamp=False))
+    difference, _ = max_logit_difference(state, model_config, half, config.data)
     return {
         "fp32_bytes": straight.stat().st_size,
         "fp16_bytes": half.stat().st_size,
