@@ -66,6 +66,14 @@ def add_feature_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) ->
         default=defaults.grad_accum,
         help="micro-batches per optimizer step (--batch is split among them)",
     )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=defaults.micro_batch,
+        metavar="B",
+        help="N-independent mode: B sequences per micro-batch, gradients added along one fixed tree, so the "
+        "result is the same on any allowed --nproc (0: off, DDP's average)",
+    )
     parser.add_argument("--dropout", type=float, default=defaults.dropout, help="dropout probability of the model")
     parser.add_argument(
         "--dtype",
@@ -106,6 +114,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr,
         preset=args.preset,
         grad_accum=args.grad_accum,
+        micro_batch=args.micro_batch,
         dropout=args.dropout,
         dtype=args.dtype,
         loader=args.loader,
@@ -130,11 +139,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from exactresume.dist.launcher import check_batch_split, launch
+    from exactresume.dist.launcher import check_split, launch
     from exactresume.world import launched_by_torchrun
 
     if not launched_by_torchrun():
-        check_batch_split(args.batch, args.nproc, args.grad_accum)
+        check_split(args.batch, args.nproc, args.grad_accum, args.micro_batch)
         if args.nproc > 1:  # every process checks the other flags itself
             return launch(args.argv, args.nproc)
     from exactresume.dist.replicas import process_group
@@ -200,13 +209,13 @@ def cmd_lab(args: argparse.Namespace) -> int:
     train = train_config(args)
     if 1 <= args.stop_at < train.steps:  # else LabConfig refuses it below: start nothing for a refusal
         start_server()  # before importing torch here, so the fork server's imports overlap with ours
-    from exactresume.dist.launcher import check_batch_split
+    from exactresume.dist.launcher import check_split
     from exactresume.lab.lab import LabConfig, run_lab
     from exactresume.world import launched_by_torchrun
 
     if launched_by_torchrun():
         raise UserError("run the lab as one process: with --nproc N it starts each training run on N processes")
-    check_batch_split(args.batch, args.nproc, args.grad_accum)
+    check_split(args.batch, args.nproc, args.grad_accum, args.micro_batch)
     run_lab(
         LabConfig(
             train=train,

@@ -100,6 +100,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm
     preset: str = "default"  # the model size, a key of PRESETS
     grad_accum: int = 1  # micro-batches per optimizer step; `batch` is split among them
+    # The N-independent mode: sequences per micro-batch, whose gradients are added along one fixed
+    # tree over the micro-batch index, so the result does not depend on the process count (0: off).
+    micro_batch: int = 0
     dropout: float = 0.0  # the model's dropout (its masks come from the torch RNG, a resume part)
     dtype: str = "fp32"  # compute precision: fp32, or bf16 / fp16 autocast (weights stay fp32)
     loader: str = "random"  # "random": random windows; "epoch": shuffled epochs through a DataLoader
@@ -130,10 +133,17 @@ class TrainConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--dropout must be in [0, 1), got {self.dropout}")
+        self._check_micro_batch()
         if self.workers < 0 or (self.workers and self.loader != "epoch"):
             raise UserError(f"--workers {self.workers}: worker processes need --loader epoch and a count of at least 0")
         if not 0 <= self.warmup < self.steps:
             raise UserError(f"--warmup {self.warmup} must be between 0 and --steps - 1 ({self.steps - 1})")
+
+    def _check_micro_batch(self) -> None:
+        if self.micro_batch < 0 or (self.micro_batch and self.batch % self.micro_batch):
+            raise UserError(f"--micro-batch {self.micro_batch} must be 0 (off) or divide --batch {self.batch}")
+        if self.micro_batch and self.grad_accum != 1:
+            raise UserError("--micro-batch sets the micro-batches of a step itself: leave --grad-accum at 1")
 
     @property
     def model(self) -> ModelConfig:

@@ -7,6 +7,7 @@ drawn, with no fast-forwarding and no batch seen twice.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,3 +61,10 @@ class RandomWindows:
 
     def load_state_dict(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
+
+
+def micro_batches(batch: Batch, rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(inputs, targets, share) of at most `rows` sequences each; the shares of one batch sum to 1."""
+    total = len(batch.starts)
+    for inputs, targets in zip(batch.inputs.split(rows), batch.targets.split(rows)):
+        yield inputs, targets, len(inputs) / total

@@ -50,6 +50,34 @@ def check_batch_split(batch: int, nproc: int, grad_accum: int = 1) -> None:
                         f"not a multiple of --grad-accum {grad_accum}")
 
 
+def allowed_process_counts(micro_batches: int) -> list[int]:
+    """The N a step of `micro_batches` micro-batches can run on: one process, or N blocks of 2^k micro-batches."""
+    return [n for n in range(1, micro_batches + 1) if n == 1 or (micro_batches % n == 0 and _power_of_two(micro_batches // n))]
+
+
+def check_process_count(micro_batch: int, nproc: int, rows: int) -> None:
+    """Refuse an N that would change the order of the tree's additions over a batch of `rows` sequences."""
+    count = rows // micro_batch
+    if nproc not in allowed_process_counts(count):
+        allowed = ", ".join(map(str, allowed_process_counts(count)))
+        raise UserError(
+            f"--micro-batch {micro_batch}: a batch of {rows} sequences makes {count} micro-batches, "
+            f"which {nproc} processes cannot share in power-of-two blocks; use --nproc {allowed}"
+        )
+
+
+def _power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def check_split(batch: int, nproc: int, grad_accum: int = 1, micro_batch: int = 0) -> None:
+    """The launcher's check before it starts N processes: the batch splits as the run's mode needs."""
+    if micro_batch:
+        check_process_count(micro_batch, nproc, batch)
+    else:
+        check_batch_split(batch, nproc, grad_accum)
+
+
 def launch_command(argv: Collection[str], nproc: int) -> list[str]:
     """`exactresume ARGV` under PyTorch's launcher with N processes on this machine."""
     # `--` keeps torchrun's parser off our flags: it takes --log and --nproc for ambiguous prefixes of its own.

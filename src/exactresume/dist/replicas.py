@@ -22,27 +22,58 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from exactresume.core.batches import Batch
+from exactresume.config import TrainConfig
+from exactresume.core.batches import Batch, micro_batches
+from exactresume.dist.exact import ExactReplicas, MicroStep
 from exactresume.store.resume import capture, load_resume, restore
 from exactresume.core.epochs import EpochLoader
 from exactresume.errors import UserError
-from exactresume.dist.launcher import check_batch_split
+from exactresume.dist.launcher import check_batch_split, check_process_count
 from exactresume.world import launched_by_torchrun
 from exactresume.store.resume import Stateful
 from exactresume.store.sealed import save_sealed
 
 def replicate(run, world: World) -> None:
-    """Make `run` this rank's replica: its slice of each global batch, and DDP (size > 1)."""
-    check_batch_split(run.config.batch, world.size, run.config.grad_accum)
+    """Make `run` this rank's replica: its share of each global batch (N-independent with --micro-batch)."""
+    if run.config.micro_batch:
+        check_exact_split(run, world.size)
+    else:
+        check_batch_split(run.config.batch, world.size, run.config.grad_accum)
     if world.size == 1:
         return
     if run.device.type != "cpu":
-        raise UserError(f"--device {run.device.type} with --nproc {world.size}: many processes run on the CPU (gloo) only")
-    remainder = len(run.batches.dataset) % run.batches.batch if isinstance(run.batches, EpochLoader) else 0
+        raise UserError(
+            f"--device {run.device.type} with --nproc {world.size}: many processes run on the CPU (gloo) only"
+        )
+    if run.config.micro_batch:
+        run.replicas = ExactReplicas(run.model, world)
+        return
+    remainder = epoch_remainder(run)
     if remainder % world.size:
-        raise UserError(f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not divisible by "
-                        f"{world.size} processes; choose another --batch")
+        raise UserError(
+            f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not divisible by "
+            f"{world.size} processes; choose another --batch"
+        )
     run.replicas = Replicas(run.model, world)
+
+
+def epoch_remainder(run) -> int:
+    """The sequences of the short batch that ends each epoch (0 for random windows or whole batches)."""
+    return len(run.batches.dataset) % run.batches.batch if isinstance(run.batches, EpochLoader) else 0
+
+
+def check_exact_split(run, nproc: int) -> None:
+    """Every batch the run trains on, the short last batch of an epoch included, splits the same way on N."""
+    config = run.config
+    check_process_count(config.micro_batch, nproc, config.batch)
+    remainder = epoch_remainder(run)
+    if remainder and config.steps * config.batch >= len(run.batches.dataset):  # the run reaches an epoch's end
+        if remainder % config.micro_batch:
+            raise UserError(
+                f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not a multiple of "
+                f"--micro-batch {config.micro_batch}; choose another --batch or --micro-batch"
+            )
+        check_process_count(config.micro_batch, nproc, remainder)
 
 
 def backend_for(device: torch.device) -> str:
@@ -59,6 +90,9 @@ def process_group(world: World, device: torch.device = torch.device("cpu")) -> I
     dist.init_process_group(backend_for(device))
     try:
         yield world
+        # Tear down together: a rank that closes its gloo connections while a peer is still finishing
+        # (rank 0 writing the final files) made that peer abort at exit now and then on 4 processes.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -75,18 +109,24 @@ class _LossOf(torch.nn.Module):
 
 
 class OneProcess:
-    """The replica of a run on one process: the whole batch, the model's own loss, no reduction."""
+    """The replica of a run on one process: the whole batch in `grad_accum` micro-batches, no reduction."""
 
     size = 1
 
     def __init__(self, model: torch.nn.Module):
         self.loss = model.loss
 
-    def local(self, batch: Batch) -> Batch:
-        return batch
+    def gradient(self, batch: Batch, config: TrainConfig, micro_step: MicroStep) -> float:
+        """Accumulate the batch's gradient in .grad; return the batch's loss."""
+        return accumulate(batch, config.batch // config.grad_accum, micro_step)
 
-    def mean(self, value: float) -> float:
-        return value
+
+def accumulate(batch: Batch, rows: int, micro_step: MicroStep) -> float:
+    """Every micro-batch of at most `rows` sequences stepped in order; the share-weighted sum of their losses."""
+    loss = 0.0
+    for index, (inputs, targets, share) in enumerate(micro_batches(batch, rows)):
+        loss += micro_step(inputs, targets, share, index) * share
+    return loss
 
 
 class Replicas:
@@ -112,6 +152,10 @@ class Replicas:
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This rank's loss; its backward all-reduces the gradients (their mean over ranks)."""
         return self.module(inputs, targets)
+
+    def gradient(self, batch: Batch, config: TrainConfig, micro_step: MicroStep) -> float:
+        """This rank's slice in `grad_accum` micro-batches, averaged over ranks by DDP; the global batch's loss."""
+        return self.mean(accumulate(self.local(batch), config.batch // self.size // config.grad_accum, micro_step))
 
     def mean(self, value: float) -> float:
         """The mean of `value` over ranks (the global batch's loss, since each rank has an equal slice)."""

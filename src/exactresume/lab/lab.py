@@ -64,6 +64,8 @@ def _train_flags(config: LabConfig) -> list[str]:
         t.preset,
         "--grad-accum",
         str(t.grad_accum),
+        "--micro-batch",
+        str(t.micro_batch),
         "--dropout",
         repr(t.dropout),
         "--dtype",

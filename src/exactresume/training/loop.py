@@ -12,23 +12,26 @@ without them: resume files are written only there, never inside an accumulation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from exactresume.config import ModelConfig, TrainConfig
-from exactresume.core.batches import Batch, RandomWindows
+from exactresume.core.batches import RandomWindows
 from exactresume.core.data import TokenData
 from exactresume.core.epochs import EpochLoader
 from exactresume.core.model import MiniMindLM
+from exactresume.dist.exact import ExactReplicas, micro_batch_seed
 from exactresume.dist.replicas import OneProcess, Replicas
 from exactresume.store.resume import Stateful
 from exactresume.training.device import loss_scaler, precision_context, training_device
 from exactresume.training.parts import GlobalRng, RunIdentity, StepCounter
+from exactresume.world import World
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 0) -> float:
@@ -64,7 +67,7 @@ class Run:
     # How this process takes part: its slice of each global batch, the loss it computes (DDP's under
     # many processes, whose backward averages gradients over ranks), the mean of the logged loss.
     # One process is its own replica; dist.replicas.replicate swaps in DDP's.
-    replicas: OneProcess | Replicas
+    replicas: OneProcess | Replicas | ExactReplicas
 
     def parts(self) -> dict[str, Stateful]:
         parts = {
@@ -134,41 +137,49 @@ def build_run(config: TrainConfig, data: TokenData) -> Run:
         identity_part(config, data),
         loss_scaler(config, device),
         device,
-        OneProcess(model),
+        ExactReplicas(model, World()) if config.micro_batch else OneProcess(model),
     )
 
 
-def micro_batches(batch: Batch, rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
-    """(inputs, targets, share) of at most `rows` sequences each; the shares of one batch sum to 1."""
-    total = len(batch.starts)
-    for inputs, targets in zip(batch.inputs.split(rows), batch.targets.split(rows)):
-        yield inputs, targets, len(inputs) / total
-
-
 def train_step(run: Run) -> StepRecord:
-    """One optimizer step at the run's current global step, its batch in `grad_accum` micro-batches."""
+    """One optimizer step at the run's current global step: the replica fills the gradient, then one update."""
     config = run.config
     lr = lr_at(run.step.value, config.steps, config.lr, config.warmup)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     batch = run.batches.next_batch()  # the global batch: what the step trains on does not depend on N
-    local, ranks, forward = run.replicas.local(batch), run.replicas.size, run.replicas.loss
     run.model.train()
     run.optimizer.zero_grad(set_to_none=True)
-    loss = 0.0
-    # Micro-batches split this rank's slice; DDP then averages the equal slices' gradients over ranks.
-    for inputs, targets, share in micro_batches(local, config.batch // ranks // config.grad_accum):
-        with precision_context(config, run.device):
-            micro_loss = forward(inputs.to(run.device), targets.to(run.device))
-        # Weighting by share makes the summed gradient that of the mean over the step's sequences.
-        run.scaler.scale(micro_loss * share).backward()
-        loss += micro_loss.item() * share
+    loss = run.replicas.gradient(batch, config, lambda *micro: micro_step(run, *micro))
     run.scaler.unscale_(run.optimizer)
     torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.grad_clip)
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.step.value += 1
-    return StepRecord(run.step.value, run.replicas.mean(loss), batch.starts)
+    return StepRecord(run.step.value, loss, batch.starts)
+
+
+def micro_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, share: float, index: int) -> float:
+    """Forward and backward of one micro-batch; its loss. The gradient lands in .grad, weighted by `share`."""
+    with _micro_batch_randomness(run, index), precision_context(run.config, run.device):
+        micro_loss = run.replicas.loss(inputs.to(run.device), targets.to(run.device))
+    # Weighting by share makes the summed gradient that of the mean over the step's sequences.
+    run.scaler.scale(micro_loss * share).backward()
+    return micro_loss.item()
+
+
+def _micro_batch_randomness(run: Run, index: int) -> contextlib.AbstractContextManager:
+    """In the N-independent mode, dropout draws from a stream keyed by (seed, step, micro-batch), not the rank's."""
+    if not run.config.micro_batch:
+        return contextlib.nullcontext()
+    return _keyed_rng(micro_batch_seed(run.config.seed, run.step.value, index), run.device)
+
+
+@contextlib.contextmanager
+def _keyed_rng(seed: int, device: torch.device):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 def train(run: Run, until: int, on_step: Callable[[StepRecord], None] = lambda record: None) -> None:
