@@ -13,7 +13,7 @@ import torch
 from exactresume import atomic
 from exactresume.errors import CheckpointError
 from exactresume.store.resume import capture, restore
-from exactresume.store.sealed import load_sealed, read_seal, save_sealed
+from exactresume.store.sealed import load_sealed, read_seal, save_sealed, write_sealed
 from exactresume.training.parts import GlobalRng, RunIdentity, StepCounter
 
 
@@ -46,6 +46,29 @@ save_sealed(r"{path}", {{"step": 2, "w": torch.ones(1000)}})
     assert subprocess.run([sys.executable, "-c", script]).returncode == -9
     assert load_sealed(path) == {"step": 1}
     assert (tmp_path / "resume.pth.tmp").exists()  # the crash's leftover; the good file is untouched
+
+
+def test_atomic_write_reports_each_stage_in_order(tmp_path):
+    stages: list[str] = []
+    atomic.atomic_write(tmp_path / "f", lambda file: file.write(b"x" * 100), stage=stages.append, expected_bytes=100)
+    assert stages == ["write", "fsync", "rename", "folder-fsync"]
+    assert (tmp_path / "f").read_bytes() == b"x" * 100
+
+
+def test_a_stage_that_fails_leaves_no_tmp_and_its_os_error_survives_torch_save(tmp_path):
+    def disk_full_halfway(stage: str) -> None:
+        if stage == "write":
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError) as failure:
+        atomic.atomic_write(
+            tmp_path / "f.pth",
+            lambda file: write_sealed(file, {"w": torch.ones(1000)}),
+            stage=disk_full_halfway,
+            expected_bytes=4000,
+        )
+    assert failure.value.errno == 28  # not torch.save's RuntimeError about zip positions
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_sealed_file_is_plain_torch_and_verified(tmp_path):

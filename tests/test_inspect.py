@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +19,10 @@ FP32_PARTS = set(PART_NAMES) - set(OPTIONAL_PARTS)  # an fp32 run has no loss sc
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory, kjv_folder):
-    """A small run stopped at step 3 (resume.pth), its end (final.pth), and fp16 exports of both."""
+    """A small run stopped at step 3 (resume.pth, and resume.dcp sharded), its end (final.pth), and fp16
+    exports of both."""
     folder = tmp_path_factory.mktemp("inspect")
-    for flags in (["--stop-at", 3], []):
+    for flags in (["--stop-at", 3, "--sharded"], ["--stop-at", 3], []):
         assert call_cli("train", "--out", folder, "--data", kjv_folder, *SMALL, "--quiet", *flags).returncode == 0
     for source, out in (("final.pth", "final_fp16.pt"), ("resume.pth", "resume_fp16.safetensors")):
         assert call_cli("export", folder / source, "-o", folder / out, "--data", kjv_folder).returncode == 0
@@ -92,6 +95,46 @@ def test_sharded_folder(tmp_path, small_run):
     assert info["parts"]["model"]["tensors"] == len(model)
     assert info["parts"]["model"]["elements"] == sum(t.numel() for t in model.values())
     assert info["parts"]["step"]["tensors"] == 0 and info["parts"]["step"]["bytes"] > 0
+
+
+def test_sharded_resume_folder_has_its_commit_marker_verified(small_run):
+    info = inspect_json(small_run / "resume.dcp")
+    assert (info["kind"], info["commit"], info["checksum"], info["commit_problem"]) == (
+        "sharded",
+        "verified",
+        "verified",
+        None,
+    )
+    assert (info["format"], info["version"], info["processes"]) == ("exactresume.sharded", 1, 1)
+    assert FP32_PARTS <= set(info["parts"]) and "not trusted" not in info["description"]
+
+
+def flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, commit, checksum, problem",
+    [
+        ("no marker", "missing", "absent", "no commit marker (commit.pth)"),
+        ("damaged shard", "damaged", "mismatch", "__0_0.distcp is damaged (checksum mismatch)"),
+        ("damaged marker", "damaged", "mismatch", "commit.pth: checksum mismatch"),
+    ],
+)
+def test_sharded_folder_without_a_valid_commit_marker_says_so(tmp_path, small_run, damage, commit, checksum, problem):
+    folder = Path(shutil.copytree(small_run / "resume.dcp", tmp_path / "copy.dcp"))
+    if damage == "no marker":
+        (folder / "commit.pth").unlink()
+    else:
+        flip_middle_byte(folder / ("__0_0.distcp" if damage == "damaged shard" else "commit.pth"))
+    info = inspect_json(folder)
+    assert (info["kind"], info["commit"], info["checksum"]) == ("sharded", commit, checksum)
+    assert problem in info["commit_problem"] and info["processes"] is None
+    assert "not trusted" in info["description"] and info["parts"]["model"]["tensors"] > 0
+    human = call_cli("inspect", folder).stdout
+    assert f"  commit     {commit}: " in human and "--resume refuses it" in human
 
 
 def test_human_view_has_a_row_per_part(small_run):

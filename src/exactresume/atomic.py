@@ -6,6 +6,7 @@ The bytes go to `PATH.tmp`, are flushed and fsynced, the temporary file is renam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -31,25 +32,75 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_folder(folder: Path) -> None:
-    """Make a rename or unlink inside `folder` durable."""
-    fsync_path(folder)
+Stage = Callable[[str], None]
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call `write(file)` on `PATH.tmp`, then make it durable and rename it over `path`."""
+def atomic_write(
+    path: Path, write: Callable[[BinaryIO], None], stage: Stage | None = None, expected_bytes: int = 0
+) -> None:
+    """Call `write(file)` on `PATH.tmp`, then make it durable and rename it over `path`.
+
+    `stage(name)`, when given, is called as the write reaches each of its stages, so a fault can be
+    injected there (store/faults.py): "write" once half of `expected_bytes` are out, then "fsync",
+    "rename" and, once renamed, "folder-fsync". Whatever fails before the rename, no `.tmp` remains.
+    """
     path = Path(path)
     tmp = tmp_path(path)
     try:
-        with open(tmp, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
+        with open(tmp, "wb") as raw:
+            _WatchedFile(raw, stage, expected_bytes).run(write)
+            _reach(stage, "fsync")
+            raw.flush()
+            os.fsync(raw.fileno())
+        _reach(stage, "rename")
+        os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, path)
-    fsync_folder(path.parent)
+    _reach(stage, "folder-fsync")
+    fsync_path(path.parent)
+
+
+def _reach(stage: Stage | None, name: str) -> None:
+    if stage is not None:
+        stage(name)
+
+
+class _WatchedFile:
+    """The temporary file as `write` sees it: reports the "write" stage halfway, keeps the first OSError.
+
+    torch.save turns an OSError raised by `write` into a RuntimeError about zip positions; the
+    OSError is raised instead, so a full disk is reported as what it is.
+    """
+
+    def __init__(self, file: BinaryIO, stage: Stage | None, expected_bytes: int):
+        self.file, self.stage, self.written = file, stage, 0
+        self.halfway = expected_bytes // 2 if stage is not None else -1  # -1: never
+        self.error: OSError | None = None
+
+    def run(self, write: Callable[[BinaryIO], None]) -> None:
+        try:
+            write(self)
+        except Exception:
+            if self.error is not None:
+                raise self.error from None
+            raise
+
+    def write(self, data) -> int:
+        try:
+            count = self.file.write(data)
+            before, self.written = self.written, self.written + count
+            if before < self.halfway <= self.written or before == 0 and self.halfway == 0:
+                self.file.flush()  # a kill here must leave a real half-written file behind
+                _reach(self.stage, "write")
+        except OSError as error:
+            self.error = self.error or error
+            raise
+        return count
+
+    def __getattr__(self, name: str):  # seek, flush, tell: the file's own
+        return getattr(self.file, name)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

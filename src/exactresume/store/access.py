@@ -1,54 +1,234 @@
-"""One way in and out of the store for a training job: save every rank's parts as a sealed resume
-file or a sharded DCP folder, and verify and restore either.
+"""One way into the store and one way out, for the training job and for a loop of one's own.
+
+In: `open_resume(source)` takes a resume file, a checkpoint folder (CheckpointStore), a sharded DCP
+folder or "auto" (the newest valid checkpoint in the run's own checkpoint folder), verifies it and
+returns its state and step; `Resumed.restore(parts)` loads it into a run's parts.
+
+    resumed = open_resume("auto", checkpoints="runs/a/checkpoints")   # None: nothing yet, start fresh
+    if resumed is not None:
+        resumed.restore(parts)
+
+Out: a `Saver` is what every writer offers, `save(step, parts)`, `wait()`, `close()`, and
+`make_saver` is the one place that picks one: a CheckpointStore (synchronous), a BackgroundSaver over
+one, a sealed resume file, or a sharded DCP folder. Under many processes every rank calls `save`:
+the per-rank parts gather every rank's state and rank 0 writes, except for DCP, where every rank
+writes its own shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from exactresume.store.resume import Stateful, capture, load_resume, restore, saved_world_size
-from exactresume.store.sealed import save_sealed
+from exactresume.errors import CheckpointError
+from exactresume.store.background import BackgroundSaver
+from exactresume.store.folder import CheckpointStore, print_to_stderr
+from exactresume.store.formats import is_sharded_folder, path_kind
+from exactresume.store.resume import (
+    OPTIONAL_PARTS,
+    PART_NAMES,
+    Stateful,
+    capture,
+    load_resume,
+    restore,
+    save_resume,
+    saved_world_size,
+)
 from exactresume.world import World
 
+__all__ = [
+    "AUTO",
+    "Resumed",
+    "Saver",
+    "is_sharded_folder",
+    "make_saver",
+    "open_resume",
+    "restore_checkpoint",
+    "save_checkpoint",
+]
 
-def is_sharded_folder(path: Path) -> bool:
-    """A folder holding DCP's files (its index, shards or our commit marker): a --sharded checkpoint."""
-    path = Path(path)
-    return path.is_dir() and (
-        (path / ".metadata").exists() or any(path.glob("*.distcp")) or (path / "commit.pth").exists()
-    )
+AUTO = "auto"  # the newest valid checkpoint in the run's checkpoint folder, or a fresh start
+REQUIRED_PARTS = tuple(name for name in PART_NAMES if name not in OPTIONAL_PARTS)
 
 
-def save_checkpoint(path: Path, parts: Mapping[str, Stateful], world: World, sharded: bool) -> None:
-    """Every rank calls this: a sealed resume file written by rank 0, or a DCP folder of every rank's shard."""
-    if sharded:
-        from exactresume.store.sharded import save_sharded  # DCP takes a second to import: only when used
+# ---- in ---------------------------------------------------------------------------------------
 
-        save_sharded(Path(path), parts, world)
-        return
-    state = capture(parts)  # the per-rank parts gather every rank's state here
-    if world.is_main:
-        save_sealed(Path(path), state)
-    world.barrier()
+
+@dataclass(frozen=True)
+class Resumed:
+    """A verified resume state, the step it continues from, and where it was read."""
+
+    state: dict
+    step: int
+    path: Path
+    kind: str  # "file", "sharded" or "store" (a checkpoint of a CheckpointStore folder)
+
+    @property
+    def saved_world_size(self) -> int:
+        """How many processes wrote it."""
+        return saved_world_size(self.state)
+
+    def restore(self, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> None:
+        """Load the state into `parts`, all but `skip` (the config part first: a different run is refused)."""
+        if self.kind == "sharded":
+            from exactresume.store.sharded import sharded_parts  # DCP takes a second to import: only when used
+
+            parts = sharded_parts(parts)
+        restore(self.state, parts, skip=skip)
+
+    def world_change(self, world: World) -> str | None:
+        """A note when it was saved by another number of processes than `world` has."""
+        saved = self.saved_world_size
+        if saved == world.size:
+            return None
+        return (
+            f"resuming a {saved}-process run on {world.size}: the same samples; "
+            "weights equal up to the order of floating-point reduction"
+        )
+
+
+def open_resume(
+    source: Path | str,
+    checkpoints: Path | str | None = None,
+    needs: Collection[str] = REQUIRED_PARTS,
+    notify: Callable[[str], None] = print_to_stderr,
+) -> Resumed | None:
+    """Verify and read `source`: a resume file, a sharded folder, a checkpoint folder, or AUTO.
+
+    A checkpoint folder gives its newest checkpoint that verifies and holds every part in `needs`;
+    the damaged ones skipped on the way are passed to `notify`. AUTO reads the folder `checkpoints`
+    (a run's own) the same way, and gives None when it holds no valid checkpoint: a fresh start.
+    Anything else that is not a complete resume state raises a one-line CheckpointError.
+    """
+    if source == AUTO:
+        if checkpoints is None:
+            raise ValueError("open_resume('auto') needs the run's checkpoint folder")
+        return _newest_in(Path(checkpoints), needs, notify, required=False)
+    path = Path(source)
+    kind = path_kind(path)
+    if kind == "folder":
+        return _newest_in(path, needs, notify, required=True)
+    if kind == "sharded":
+        from exactresume.store.sharded import load_sharded
+
+        state = load_sharded(path)
+        return Resumed(state, int(state["step"]), path, "sharded")
+    state = load_resume(path)  # a missing path, safetensors or any torch file: refused with its reason
+    return Resumed(state, int(state["step"]), path, "file")
+
+
+def _newest_in(folder: Path, needs: Collection[str], notify, required: bool) -> Resumed | None:
+    """The newest valid checkpoint of a store folder; nothing in it is deleted (it may be someone else's)."""
+    skipped: list[str] = []
+    store = CheckpointStore(folder, keep=None, notify=skipped.append)
+    found = store.load_newest(needs)
+    if found is None and required:
+        details = [f"only {len(store.leftovers())} .tmp leftover(s) of interrupted saves"] if store.leftovers() else []
+        details += skipped[:1] + ([f"and {len(skipped) - 1} more damaged"] if len(skipped) > 1 else [])
+        raise CheckpointError("; ".join([f"{folder} holds no complete checkpoint", *details]))
+    for message in skipped:
+        notify(message)
+    if found is None:
+        return None
+    checkpoint, state = found
+    return Resumed(state, checkpoint.step, checkpoint.path, "store")
 
 
 def restore_checkpoint(
     path: Path, parts: Mapping[str, Stateful], skip: Collection[str], world: World, log=print
-) -> dict:
-    """Verify and load a resume file or sharded folder into `parts` (all but `skip`); returns the state."""
-    path = Path(path)
-    if path.is_dir():
-        from exactresume.store.sharded import load_sharded, sharded_parts
+) -> None:
+    """Verify and load a resume file, sharded folder or checkpoint folder into `parts` (all but `skip`)."""
+    resumed = open_resume(path, needs=[name for name in parts if name not in skip])
+    resumed.restore(parts, skip=skip)
+    note = resumed.world_change(world)
+    if note and world.is_main:
+        log(note)
 
-        state, parts = load_sharded(path), sharded_parts(parts)
+
+# ---- out --------------------------------------------------------------------------------------
+
+
+class Saver(Protocol):
+    """What every writer offers. `save` returns the path written (None on a rank that only took part)."""
+
+    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path | None: ...
+    def wait(self) -> None: ...  # the last save is durable, or its error is raised
+    def close(self) -> None: ...  # wait, then let go of what the writer holds
+
+
+class _SavesAtOnce:
+    """A writer whose `save` returns only once what it wrote is durable: nothing to wait for or release."""
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ResumeFileSaver(_SavesAtOnce):
+    """A sealed resume file at one path, replaced by each save; the file holds the step as its `step` part."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+
+    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
+        save_resume(self.path, parts)
+        return self.path
+
+
+class ShardedSaver(_SavesAtOnce):
+    """A DCP folder of every rank's shard, committed by rank 0 (sharded.py); every rank calls `save`."""
+
+    def __init__(self, folder: Path | str, world: World = World()):
+        self.path, self.world = Path(folder), world
+
+    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
+        from exactresume.store.sharded import save_sharded
+
+        save_sharded(self.path, parts, self.world)
+        return self.path
+
+
+class MainRankSaver:
+    """Every rank calls `save` (the per-rank parts gather every rank's state); rank 0's writer writes."""
+
+    def __init__(self, writer: Saver, world: World):
+        self.writer, self.world = writer, world
+
+    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path | None:
+        path = None
+        if self.world.is_main:
+            path = self.writer.save(step, parts)
+        else:
+            capture(parts)  # takes part in gathering the per-rank parts; the state itself is not needed
+        self.world.barrier()
+        return path
+
+    def wait(self) -> None:
+        self.writer.wait()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def make_saver(
+    destination: Path | str | CheckpointStore, world: World = World(), background: bool = False, sharded: bool = False
+) -> Saver:
+    """The writer for `destination`: a CheckpointStore's (in a background thread with `background`),
+    a sharded DCP folder's with `sharded`, else a sealed resume file's."""
+    if sharded:
+        return ShardedSaver(Path(destination), world)
+    if isinstance(destination, CheckpointStore):
+        writer: Saver = BackgroundSaver(destination) if background and world.is_main else destination
     else:
-        state = load_resume(path)
-    restore(state, parts, skip=skip)
-    saved = saved_world_size(state)
-    if saved != world.size and world.is_main:
-        log(
-            f"resuming a {saved}-process run on {world.size}: the same samples; "
-            "weights equal up to the order of floating-point reduction"
-        )
-    return state
+        writer = ResumeFileSaver(destination)
+    return writer if world.size == 1 else MainRankSaver(writer, world)
+
+
+def save_checkpoint(path: Path, parts: Mapping[str, Stateful], world: World, sharded: bool) -> None:
+    """Every rank calls this: a sealed resume file written by rank 0, or a DCP folder of every rank's shard."""
+    step = parts["step"].state_dict() if "step" in parts else 0  # a file holds its step as a part
+    make_saver(path, world, sharded=sharded).save(step, parts)

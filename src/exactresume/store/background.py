@@ -139,6 +139,10 @@ class BackgroundSaver:
         if failure is not None:
             raise failure
 
+    def close(self) -> None:
+        """Wait for the save in flight (the Saver interface; the staging memory is kept for reuse)."""
+        self.wait()
+
     def _hook_optimizers(self, parts: Mapping[str, Stateful]) -> None:
         for part in parts.values():
             optimizer = getattr(part, "part", part)  # a part may wrap its object (distributed.PerRank)

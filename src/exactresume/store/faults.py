@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from exactresume.errors import UserError
 
 FAULT_ENV = "EXACTRESUME_FAULT"
-# The stages of CheckpointStore.save, in order (see store.py).
+# The stages of CheckpointStore.save, in order (see folder.py; atomic.atomic_write reports the middle four).
 STAGES = ("snapshot", "write", "fsync", "rename", "folder-fsync", "verify", "retention")
 ACTIONS = ("kill", "enospc", "eio")
 

@@ -5,9 +5,9 @@
     store.save(step, parts)        # FOLDER/step-00000030.pth, durable and verified; older ones pruned
 
 `parts` maps names to objects with `state_dict()` / `load_state_dict()` (a model, an optimizer, a
-batch generator wrapper, `GlobalRng()`, ...). A checkpoint is a resume file (checkpoint.py) plus the
+batch generator wrapper, `GlobalRng()`, ...). A checkpoint is a resume file (resume.py) plus the
 step it was saved at, sealed with its checksum (sealed.py). `save` is one sequence of stages, each a
-fault-injection point (faults.py):
+fault-injection point (faults.py; the write itself is atomic.atomic_write's):
 
     snapshot -> write (serialize + checksum) -> fsync -> rename -> folder fsync -> verify -> retention
 
@@ -28,14 +28,15 @@ import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
-from exactresume.atomic import TMP_SUFFIX, fsync_folder, tmp_path
+from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
 from exactresume.errors import CheckpointError
 from exactresume.store.faults import FaultPoints
-from exactresume.store.resume import RESUME_FORMAT, RESUME_VERSION, Stateful, capture
+from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, check_format
+from exactresume.store.resume import Stateful, capture
 from exactresume.store.resume import restore as restore_parts
 from exactresume.store.sealed import load_sealed, verify, write_sealed
 
@@ -92,7 +93,7 @@ class CheckpointStore:
         for path in removed:
             path.unlink(missing_ok=True)
         if removed:
-            fsync_folder(self.folder)
+            fsync_path(self.folder)
         return removed
 
     # -- saving: one sequence of stages, each a fault-injection point ---------------------------
@@ -117,27 +118,21 @@ class CheckpointStore:
     def _ensure_folder(self) -> None:
         if not self.folder.is_dir():
             self.folder.mkdir(parents=True)
-            fsync_folder(self.folder.parent)
+            fsync_path(self.folder.parent)
 
     def _write(self, path: Path, state: dict) -> None:
         """serialize + checksum -> fsync -> rename -> folder fsync; on any failure no new file remains."""
-        tmp = tmp_path(path)
+        reached: list[str] = []
+
+        def stage(name: str) -> None:
+            reached.append(name)
+            self.faults.reached(name)
+
         try:
-            with open(tmp, "wb") as file:
-                _StageWriter(file, self.faults, halfway=_tensor_bytes(state) // 2).write_sealed(state)
-                self.faults.reached("fsync")
-                file.flush()
-                os.fsync(file.fileno())
-            self.faults.reached("rename")
-            os.replace(tmp, path)
+            atomic_write(path, lambda file: write_sealed(file, state), stage, expected_bytes=_tensor_bytes(state))
         except BaseException:
-            _remove_quietly(tmp)
-            raise
-        try:
-            self.faults.reached("folder-fsync")
-            fsync_folder(self.folder)
-        except BaseException:
-            _remove_quietly(path)  # a rename we could not make durable is not a checkpoint
+            if "folder-fsync" in reached:
+                _remove_quietly(path)  # a rename we could not make durable is not a checkpoint
             raise
 
     def _verify_written(self, path: Path) -> None:
@@ -162,9 +157,15 @@ class CheckpointStore:
             for checkpoint in older:
                 checkpoint.path.unlink(missing_ok=True)
             if older:
-                fsync_folder(self.folder)
+                fsync_path(self.folder)
         except OSError as error:
             self.notify(f"warning: could not delete old checkpoints in {self.folder}: {error.strerror or error}")
+
+    def wait(self) -> None:
+        """Nothing to wait for: `save` returns once the checkpoint is durable (the Saver interface)."""
+
+    def close(self) -> None:
+        """Nothing to release (the Saver interface)."""
 
     # -- restoring ---------------------------------------------------------------------------------
 
@@ -207,56 +208,13 @@ def snapshot(step: int, parts: Mapping[str, Stateful]) -> dict:
 def check_checkpoint(checkpoint: Checkpoint, state: Any, names: Collection[str]) -> dict:
     """Raise CheckpointError unless `state` is a store checkpoint of `checkpoint.step` holding `names`."""
     path = checkpoint.path
-    if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
-        raise CheckpointError(f"{path}: not an exactresume checkpoint")
-    if state.get("version") != RESUME_VERSION:
-        raise CheckpointError(
-            f"{path}: resume format version {state.get('version')}, this exactresume reads {RESUME_VERSION}"
-        )
+    check_format(path, state, RESUME_FORMAT, RESUME_VERSION, "an exactresume checkpoint")
     if state.get(STEP_KEY) != checkpoint.step:
         raise CheckpointError(f"{path}: holds step {state.get(STEP_KEY)}, not the step its name says")
     missing = [name for name in names if name not in state]
     if missing:
         raise CheckpointError(f"{path}: lacks the parts {', '.join(missing)}")
     return state
-
-
-class _StageWriter:
-    """The temporary file as torch.save sees it; reports the 'write' stage once half the bytes are out.
-
-    torch.save turns an OSError from `write` into a RuntimeError about zip positions; the writer
-    keeps the OSError so a full disk is reported as what it is.
-    """
-
-    def __init__(self, file: BinaryIO, faults: FaultPoints, halfway: int):
-        self.file, self.faults, self.halfway, self.written = file, faults, halfway, 0
-        self.error: OSError | None = None
-
-    def write_sealed(self, state: dict) -> None:
-        try:
-            write_sealed(self, state)
-        except Exception:
-            if self.error is not None:
-                raise self.error from None
-            raise
-
-    def write(self, data) -> int:
-        try:
-            count = self.file.write(data)
-            before, self.written = self.written, self.written + count
-            if before < self.halfway <= self.written or before == 0 and self.halfway == 0:
-                self.file.flush()  # a kill here must leave a real half-written file behind
-                self.faults.reached("write")
-        except OSError as error:
-            self.error = self.error or error
-            raise
-        return count
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return self.file.seek(offset, whence)
 
 
 def _tensor_bytes(state: Any) -> int:

@@ -3,20 +3,21 @@
     exactresume inspect runs/lab/resume.pth           # a table for people
     exactresume inspect runs/lab/resume.pth --json    # the same facts for scripts
 
-Kinds: `resume` (our resume file), `weights` (an fp32 state dict), `export` (inference weights in
-fp16/bf16, or any safetensors file), `sharded` (a torch.distributed.checkpoint folder, recognised
-by its `.metadata` file and read best-effort), `torch` (any other torch file). For each part (a
-resume file's top-level key, a sharded folder's first name component, `model` for weights) it
-counts the tensors and the elements and bytes the file stores: a storage two names share (the tied
-lm_head) is counted once, as the file holds it once. A damaged file is one line and exit code 2.
+Kinds (told apart by formats.py, as --resume and load_model tell them): `resume` (our resume file),
+`weights` (an fp32 state dict), `export` (inference weights in fp16/bf16, or any safetensors file),
+`sharded` (a torch.distributed.checkpoint folder), `torch` (any other torch file). A sharded folder's
+commit marker is verified as --resume verifies it: `commit` says `verified`, `missing` (the save did
+not finish, or DCP wrote it without us) or `damaged` (with `commit_problem`, the reason --resume would
+give); its sizes come from DCP's index, read through sharded.py's allow-list. For each part (a resume
+file's top-level key, a sharded folder's first name component, `model` for weights) it counts the
+tensors and the elements and bytes the file stores: a storage two names share (the tied lm_head) is
+counted once, as the file holds it once. A damaged file is one line and exit code 2.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,31 +25,13 @@ from typing import Any
 import torch
 
 from exactresume.errors import CheckpointError
-from exactresume.store.resume import RESUME_FORMAT, load_resume
-from exactresume.store.safetensors_weights import DIGEST_KEY, is_safetensors, load_verified, tied_names
+from exactresume.store.formats import RESUME_FORMAT, content_kind, path_kind
+from exactresume.store.resume import load_resume
+from exactresume.store.safetensors_weights import DIGEST_KEY, load_verified, tied_names
 from exactresume.store.sealed import load_sealed, read_seal
 
-MODEL_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+SHARDED_KEYS = ("commit", "commit_problem", "processes")  # a sharded folder's report only
 SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-# What a torch.distributed.checkpoint `.metadata` pickle may name; anything else is refused unread.
-DCP_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "TensorProperties",
-        "ChunkStorageMetadata",
-        "BytesStorageMetadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath"},
-    "collections": {"OrderedDict"},
-}
 
 
 def _empty_summary() -> dict:
@@ -108,22 +91,14 @@ def _total(parts: dict[str, dict]) -> dict:
     return total
 
 
-def _is_model_state_dict(obj: Any) -> bool:
-    return (
-        isinstance(obj, dict)
-        and bool(obj)
-        and all(isinstance(v, torch.Tensor) for v in obj.values())
-        and any(key in obj for key in MODEL_KEYS)
-    )
-
-
 def _weights_kind(state_dict: dict) -> str:
     floating = {t.dtype for t in state_dict.values() if t.is_floating_point()}
     return "weights" if floating <= {torch.float32} else "export"
 
 
 def _describe_torch(obj: Any) -> dict:
-    if isinstance(obj, dict) and obj.get("format") == RESUME_FORMAT:
+    kind = content_kind(obj)
+    if kind == "resume":
         parts = {name: summarize(value) for name, value in obj.items() if name not in ("format", "version")}
         model = obj.get("model") if isinstance(obj.get("model"), dict) else {}
         return {
@@ -135,7 +110,7 @@ def _describe_torch(obj: Any) -> dict:
             "parts": parts,
             "tied": tied_names(model),
         }
-    if _is_model_state_dict(obj):
+    if kind == "weights":
         return {"kind": _weights_kind(obj), "parts": {"model": summarize(obj)}, "tied": tied_names(obj)}
     parts = {str(k): summarize(v) for k, v in obj.items()} if isinstance(obj, dict) else {"(root)": summarize(obj)}
     return {"kind": "torch", "parts": parts, "keys": list(parts)}
@@ -167,36 +142,35 @@ def _inspect_safetensors(path: Path) -> dict:
     }
 
 
-class _DcpMetadataUnpickler(pickle.Unpickler):
-    """Reads a `.metadata` pickle naming only DCP's metadata classes, torch dtypes and torch.Size."""
+def _commit(folder: Path) -> dict:
+    """The commit marker verified as --resume verifies it: every file present with its checksum."""
+    from exactresume.store.sharded import COMMIT, SHARDED_FORMAT, verify_sharded
 
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if not (dtype or name in DCP_CLASSES.get(module, ())):
-            raise pickle.UnpicklingError(f"it names {module}.{name}, which is not read")
-        importlib.import_module(module)  # DCP's classes live in modules `import torch` does not load
-        return super().find_class(module, name)
-
-
-def _read_dcp_metadata(folder: Path) -> Any:
     try:
-        with open(folder / ".metadata", "rb") as file:
-            metadata = _DcpMetadataUnpickler(file).load()
-        metadata.state_dict_metadata  # noqa: B018  (a pickle of something else fails here)
-        return metadata
-    except Exception as error:  # unpickling raises many types; all mean the same thing here
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise CheckpointError(
-            f"{folder}/.metadata is not readable torch.distributed.checkpoint metadata ({reason[:160]})"
-        ) from None
+        marker = verify_sharded(folder)
+    except CheckpointError as error:
+        damaged = (folder / COMMIT).is_file()
+        return {"commit": "damaged" if damaged else "missing", "commit_problem": str(error)} | {
+            "checksum": "mismatch" if damaged else "absent"
+        }
+    return {
+        "commit": "verified",
+        "checksum": "verified",
+        "format": SHARDED_FORMAT,
+        "version": marker["version"],
+        "processes": marker["processes"],
+    }
 
 
 def _inspect_sharded(folder: Path) -> dict:
-    """Best effort: sizes from DCP's metadata (tensors by dtype and shape, pickled objects by stored length)."""
-    metadata = _read_dcp_metadata(folder)
+    """Sizes from DCP's index (tensors by dtype and shape, pickled objects by stored length), and the commit."""
+    from exactresume.store.sharded import read_metadata
+
+    commit = _commit(folder)
+    metadata = read_metadata(folder)
     stored: dict[str, int] = {}
-    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-        stored[index.fqn] = stored.get(index.fqn, 0) + int(getattr(info, "length", 0))
+    for index, info in metadata.storage_data.items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + int(info.length)
     parts: dict[str, dict] = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         part = parts.setdefault(fqn.split(".")[0], _empty_summary())
@@ -206,23 +180,18 @@ def _inspect_sharded(folder: Path) -> dict:
             continue
         part["tensors"] += 1
         elements = math.prod(entry.size)
-        _add(
-            part,
-            str(properties.dtype).removeprefix("torch."),
-            elements,
-            elements * torch.empty(0, dtype=properties.dtype).element_size(),
-        )
+        nbytes = elements * torch.empty(0, dtype=properties.dtype).element_size()
+        _add(part, str(properties.dtype).removeprefix("torch."), elements, nbytes)
     files = [p for p in folder.rglob("*") if p.is_file()]
     return {
         "kind": "sharded",
         "container": "torch.distributed.checkpoint",
         "format": "torch.distributed.checkpoint",
-        "version": getattr(metadata, "version", None),
+        "version": metadata.version,
         "parts": parts,
-        "checksum": "absent",
         "files": len(files),
         "file_bytes": sum(p.stat().st_size for p in files),
-    }
+    } | commit
 
 
 def _description(info: dict) -> str:
@@ -234,39 +203,34 @@ def _description(info: dict) -> str:
         return "fp32 weights file"
     if info["kind"] == "export":
         return f"{'/'.join(dtypes) or 'non-float'} inference weights ({info['container']} export)"
+    if info["kind"] == "sharded" and info["commit"] == "verified":
+        processes = f"{info['processes']} process" + ("es" if info["processes"] != 1 else "")
+        return f"sharded resume folder ({info['format']} version {info['version']}, {processes})"
     if info["kind"] == "sharded":
-        return f"sharded checkpoint folder (torch.distributed.checkpoint, {info['files']} files; best-effort)"
+        return f"sharded checkpoint folder (torch.distributed.checkpoint), {info['commit']} commit marker: not trusted"
     return f"torch file, not an exactresume layout (keys: {', '.join(info['keys'][:8])})"
 
 
 def inspect_checkpoint(path: Path) -> dict:
     """Everything `inspect` reports about `path`, as plain JSON-ready values."""
     path = Path(path)
-    if path.is_dir():
-        if not (path / ".metadata").is_file():
-            raise CheckpointError(f"{path} is a folder without a .metadata file, not a sharded checkpoint")
-        info = _inspect_sharded(path)
-    elif not path.exists():
+    kind = path_kind(path)
+    if kind == "missing":
         raise CheckpointError(f"cannot read {path}: No such file or directory")
+    if kind == "folder":
+        raise CheckpointError(f"{path} is a folder holding no sharded checkpoint (inspect one of its files)")
+    if kind == "sharded":
+        info = _inspect_sharded(path)
     else:
-        info = _inspect_safetensors(path) if is_safetensors(path) else _inspect_torch_file(path)
+        info = _inspect_safetensors(path) if kind == "safetensors" else _inspect_torch_file(path)
         info |= {"files": 1, "file_bytes": path.stat().st_size}
     info["total"] = _total(info["parts"])
     ordered = {"path": str(path), "kind": info["kind"], "description": ""}
-    for key in (
-        "container",
-        "format",
-        "version",
-        "step",
-        "config",
-        "checksum",
-        "files",
-        "file_bytes",
-        "parts",
-        "total",
-    ):
+    for key in ("container", "format", "version", "step", "config", "checksum", "files", "file_bytes"):
         ordered[key] = info.get(key)
-    ordered["tied"] = info.get("tied", {})
+    for key in SHARDED_KEYS if kind == "sharded" else ():
+        ordered[key] = info.get(key)
+    ordered |= {"parts": info["parts"], "total": info["total"], "tied": info.get("tied", {})}
     ordered["description"] = _description(info)
     return ordered
 
@@ -288,6 +252,12 @@ def resume_size_breakdown(path: Path) -> dict:
 CHECKSUM_TEXT = {
     "verified": "xxh3-128 recorded in the file, bytes match",
     "absent": "none recorded (nothing to verify)",
+    "mismatch": "recorded, but the files do not match it",
+}
+COMMIT_TEXT = {
+    "verified": "commit.pth lists every file with its checksum, all match",
+    "missing": "no commit.pth: the save did not finish (or was not made by exactresume); --resume refuses it",
+    "damaged": "{commit_problem}; --resume refuses it",
 }
 
 
@@ -312,6 +282,8 @@ def _config_lines(config: dict | None) -> list[str]:
 def format_inspection(info: dict) -> str:
     """The human view of `inspect_checkpoint`'s result: header lines, then one row per part."""
     lines = [f"{info['path']}: {info['description']}", f"  checksum   {CHECKSUM_TEXT[info['checksum']]}"]
+    if info.get("commit"):
+        lines.append(f"  commit     {info['commit']}: {COMMIT_TEXT[info['commit']].format(**info)}")
     lines += _config_lines(info["config"])
     files = f" in {info['files']} files" if info["files"] != 1 else ""
     lines.append(f"  size       {info['file_bytes']:,} bytes{files}")

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from exactresume.errors import CheckpointError
+from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, check_format
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.world import World
 
-RESUME_FORMAT = "exactresume.resume"
-RESUME_VERSION = 1
 # config first: a resume file from a different run is refused before anything is overwritten.
 PART_NAMES = ("config", "model", "optimizer", "scaler", "step", "gen_state", "rng")
 OPTIONAL_PARTS = ("scaler",)  # held only by runs that have one; the config says which
@@ -63,17 +62,7 @@ def save_resume(path: Path, parts: Mapping[str, Stateful]) -> None:
 
 def check_resume_state(path: Path, state: object) -> dict:
     """Raise CheckpointError unless `state` is a complete resume file of a version we read."""
-    if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
-        kind = (
-            "a weights file"
-            if isinstance(state, dict) and any(".weight" in str(k) for k in state)
-            else "not an exactresume resume file"
-        )
-        raise CheckpointError(f"{path} is {kind}, not a resume file")
-    if state.get("version") != RESUME_VERSION:
-        raise CheckpointError(
-            f"{path} has resume format version {state.get('version')}; this exactresume reads version {RESUME_VERSION}"
-        )
+    check_format(path, state, RESUME_FORMAT, RESUME_VERSION, "a resume file")
     missing = [name for name in PART_NAMES if name not in state and name not in OPTIONAL_PARTS]
     if missing:
         raise CheckpointError(f"{path} lacks the parts {', '.join(missing)}")

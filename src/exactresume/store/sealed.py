@@ -115,12 +115,6 @@ def read_seal(path: Path) -> str | None:
         return _read_seal(file)
 
 
-def compute_digest(path: Path) -> str:
-    """xxh3-128 of the bytes torch.save wrote: the file without its seal, comment length as 0."""
-    with open(path, "rb") as file:
-        return _digest(file)
-
-
 def verify(path: Path) -> None:
     """Raise CheckpointError unless `path` is sealed and its bytes match the seal."""
     with open(path, "rb") as file:

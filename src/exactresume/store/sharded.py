@@ -35,8 +35,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from exactresume.atomic import fsync_folder, tmp_path
+from exactresume.atomic import fsync_path, tmp_path
 from exactresume.errors import CheckpointError
+from exactresume.store.formats import check_format
 from exactresume.store.resume import Stateful, capture, check_resume_state
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.world import World
@@ -123,7 +124,7 @@ def write_commit(staging: Path, processes: int) -> None:
     save_sealed(
         staging / COMMIT, {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes, "files": files}
     )
-    fsync_folder(staging)
+    fsync_path(staging)
 
 
 def replace_folder(new: Path, target: Path) -> None:
@@ -138,7 +139,7 @@ def replace_folder(new: Path, target: Path) -> None:
         os.rename(target, old)
         os.rename(new, target)
         shutil.rmtree(old)
-    fsync_folder(target.parent)
+    fsync_path(target.parent)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -181,14 +182,7 @@ def verify_sharded(folder: Path) -> dict:
         raise CheckpointError(
             f"{folder} has no commit marker ({COMMIT}): its save did not finish, so it is not trusted"
         )
-    marker = load_sealed(commit)
-    if not isinstance(marker, dict) or marker.get("format") != SHARDED_FORMAT:
-        raise CheckpointError(f"{commit} is not an exactresume commit marker")
-    if marker.get("version") != SHARDED_VERSION:
-        raise CheckpointError(
-            f"{folder} has sharded format version {marker.get('version')}; "
-            f"this exactresume reads version {SHARDED_VERSION}"
-        )
+    marker = check_format(commit, load_sealed(commit), SHARDED_FORMAT, SHARDED_VERSION, "an exactresume commit marker")
     for name, digest in marker["files"].items():
         if not (folder / name).is_file():
             raise CheckpointError(f"{folder}: shard file {name} is missing")
@@ -202,11 +196,11 @@ def load_sharded(folder: Path) -> dict:
     folder = Path(folder)
     marker = verify_sharded(folder)
     reader = _VerifiedReader(folder)
+    metadata = reader.read_metadata()
+    unlisted = {info.relative_path for info in metadata.storage_data.values()} - set(marker["files"])
+    if unlisted:
+        raise CheckpointError(f"{folder}: its metadata names files its commit marker does not: {sorted(unlisted)}")
     try:
-        metadata = reader.read_metadata()
-        unlisted = {info.relative_path for info in metadata.storage_data.values()} - set(marker["files"])
-        if unlisted:
-            raise CheckpointError(f"{folder}: its metadata names files its commit marker does not: {sorted(unlisted)}")
         flat = {key: _placeholder(item) for key, item in metadata.state_dict_metadata.items()}
         with _quiet_single_process(), _first_failure():
             dcp.load(flat, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
@@ -290,18 +284,28 @@ class _MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         )
         if not allowed:
-            raise CheckpointError(f"its .metadata refers to {module}.{name}, which a DCP index never holds")
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a DCP index never holds")
         return super().find_class(module, name)
+
+
+def read_metadata(folder: Path) -> Metadata:
+    """DCP's index of a sharded folder, unpickled through an allow-list (so reading it runs no code)."""
+    try:
+        with open(Path(folder) / ".metadata", "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+    except Exception as error:  # unpickling raises many types; all mean the same thing here
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{folder}/.metadata is not a readable DCP index ({reason[:160]})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{folder}/.metadata is not a DCP index")
+    return metadata
 
 
 class _VerifiedReader(FileSystemReader):
     """DCP's file reader, reading `.metadata` through an allow-list instead of plain pickle."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(Path(self.path) / ".metadata", "rb") as file:
-            metadata = _MetadataUnpickler(file).load()
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError("its .metadata is not a DCP index")
+        metadata = read_metadata(Path(self.path))
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from exactresume.atomic import fsync_folder
+from exactresume.atomic import fsync_path
 from exactresume.errors import UserError
 
 LOSS_HEADER = "step,train_loss"
@@ -36,7 +36,7 @@ class StepLog:
         if self.keep_bytes is None or self.keep_bytes == 0:
             with open(self.path, "wb") as file:
                 file.write(f"{self.header}\n".encode())
-            fsync_folder(self.path.parent)
+            fsync_path(self.path.parent)
         else:
             os.truncate(self.path, self.keep_bytes)
         self.file = open(self.path, "ab")

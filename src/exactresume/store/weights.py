@@ -14,8 +14,9 @@ import torch
 from exactresume.config import ModelConfig
 from exactresume.core.model import MiniMindLM, model_from_state_dict
 from exactresume.errors import CheckpointError
-from exactresume.store.resume import RESUME_FORMAT, check_resume_state
-from exactresume.store.safetensors_weights import is_safetensors, read_safetensors
+from exactresume.store.formats import content_kind, path_kind
+from exactresume.store.resume import check_resume_state
+from exactresume.store.safetensors_weights import read_safetensors
 from exactresume.store.sealed import load_sealed, save_sealed
 
 StateDict = dict[str, torch.Tensor]
@@ -26,27 +27,23 @@ def save_weights(path: Path, state_dict: StateDict) -> None:
     save_sealed(Path(path), dict(state_dict))
 
 
-def _is_state_dict(obj: object) -> bool:
-    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
-
-
 def read_weights(path: Path) -> tuple[StateDict, ModelConfig | None]:
     """The model state dict held by `path`, and its ModelConfig when the file records one."""
     path = Path(path)
-    if path.is_dir():  # a sharded resume checkpoint (--sharded)
+    kind, config = path_kind(path), None
+    if kind == "sharded":  # a sharded resume checkpoint (--sharded)
         from exactresume.store.sharded import load_sharded
 
         state = load_sharded(path)
         return state["model"], ModelConfig.from_dict(state["config"]["model"])
-    config = None
-    if path.is_file() and is_safetensors(path):
+    if kind == "safetensors":
         obj, config = read_safetensors(path)
     else:
         obj = load_sealed(path, require_seal=False)
-    if isinstance(obj, dict) and obj.get("format") == RESUME_FORMAT:
+    if content_kind(obj) == "resume":
         state = check_resume_state(path, obj)
         return state["model"], ModelConfig.from_dict(state["config"]["model"])
-    if _is_state_dict(obj) and ("model.embed_tokens.weight" in obj or "lm_head.weight" in obj):
+    if content_kind(obj) == "weights":
         return obj, config
     raise CheckpointError(f"{path} holds no MiniMind model weights")
 

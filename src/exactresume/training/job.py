@@ -5,9 +5,11 @@ folder, or with `--resume auto` from the newest valid checkpoint in OUT/checkpoi
 `--stop-at` or `--steps` while appending each step's log rows, saves a checkpoint every
 `--save-every` steps and when preempted, and writes the resume file or the weights file at the end.
 
-Under many processes (distributed.py) every rank runs the job: every rank builds and restores its
-replica and takes part in each save (the per-rank parts are gathered from all), only rank 0 writes
-the files and the logs; with `sharded` every rank writes its shard of OUT/resume.dcp.
+The source is opened by the store's one way in (store/access.py `open_resume`); the saves go out
+through its one save interface (saving.py); the logs and the job's lines are joblog.py's. Under many
+processes (dist/) every rank runs the job: every rank builds and restores its replica and takes
+part in each save (the per-rank parts are gathered from all), only rank 0 writes the files and the
+logs; with `sharded` every rank writes its shard of OUT/resume.dcp.
 
 Exit paths: done (0); a user's mistake (UserError, 2); a disk that refuses a write (StorageError,
 74: the previous checkpoint is intact and nothing half-written is left); SIGTERM/SIGINT (Preempted,
@@ -16,9 +18,6 @@ Exit paths: done (0); a user's mistake (UserError, 2); a disk that refuses a wri
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,19 +25,18 @@ from exactresume.atomic import ensure_writable_folder, tmp_path
 from exactresume.config import TrainConfig, check_stop_at
 from exactresume.core.data import load_tokens
 from exactresume.dist.replicas import replicate
-from exactresume.errors import CheckpointError, StorageError, UserError
-from exactresume.store.access import is_sharded_folder, restore_checkpoint, save_checkpoint
-from exactresume.store.background import BackgroundSaveFailed, BackgroundSaver
-from exactresume.store.folder import CheckpointStore, snapshot
-from exactresume.store.resume import PART_NAMES, per_rank, restore
-from exactresume.store.steplog import LOSS_HEADER, SAMPLES_HEADER, StepLog
-from exactresume.store.weights import save_weights
+from exactresume.errors import UserError
+from exactresume.store.access import AUTO, open_resume
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.resume import per_rank
+from exactresume.training.joblog import RunLogs, ignore, note, warn
 from exactresume.training.loop import Run, StepRecord, build_run, lr_at, train
 from exactresume.training.parts import describe
 from exactresume.training.preemption import Preempted, PreemptionGuard
+from exactresume.training.saving import Checkpointer, write_outputs
 from exactresume.world import World
 
-AUTO_RESUME = "auto"  # --resume auto: the newest valid checkpoint in OUT/checkpoints, or a fresh start
+AUTO_RESUME = AUTO  # --resume auto: the newest valid checkpoint in OUT/checkpoints, or a fresh start
 # --allow-change names -> the run-identity fields they let a resume change. Model shape and seed are
 # not here: a different shape cannot load, and the seed only matters before step 1.
 ALLOWED_CHANGES = {
@@ -103,124 +101,6 @@ class TrainJob:
         return self.log or self.out / "log.csv"
 
 
-def note(message: str) -> None:
-    """A line on stdout about what the job did (where it resumed from)."""
-    print(f"exactresume train: {message}", flush=True)
-
-
-def warn(message: str) -> None:
-    """A line on stderr about something the user should know (a damaged checkpoint skipped)."""
-    print(f"exactresume train: {message}", file=sys.stderr, flush=True)
-
-
-def storage_error(what: str, error: OSError, after: str = "") -> StorageError:
-    """A one-line StorageError: what could not be written, why (with the errno name), what is intact."""
-    code = errno.errorcode.get(error.errno or 0)
-    reason = f"{error.strerror or error}" + (f" ({code})" if code and code not in str(error.strerror) else "")
-    return StorageError(f"could not write {what}: {reason}{after}")
-
-
-class RunLogs:
-    """This process's loss log and optional samples log, trimmed to the resumed step, one row per step."""
-
-    def __init__(self, job: TrainJob, resumed_step: int, world: World = World()):
-        self.logs: list[StepLog] = []
-        if not world.is_main:  # rank 0 logs the global batch and the loss averaged over ranks
-            return
-        # Both files are checked before either is touched: a refusal changes nothing.
-        self.logs = [StepLog(job.log_file, LOSS_HEADER, resumed_step)]
-        if job.samples:
-            self.logs.append(StepLog(job.samples, SAMPLES_HEADER, resumed_step))
-
-    def __enter__(self) -> RunLogs:
-        for log in self.logs:
-            with self._writing(log):
-                log.open()
-        return self
-
-    def __exit__(self, kind, error, traceback) -> None:
-        for log in self.logs:
-            with contextlib.suppress(OSError) if kind else self._writing(log):
-                log.close()
-
-    def record(self, record: StepRecord) -> None:
-        rows = (f"{record.loss:.6f}", " ".join(str(int(s)) for s in record.starts))
-        for log, row in zip(self.logs, rows):
-            with self._writing(log):
-                log.append(record.step, row)
-
-    def sync(self) -> None:
-        for log in self.logs:
-            with self._writing(log):
-                log.sync()
-
-    @contextlib.contextmanager
-    def _writing(self, log: StepLog):
-        try:
-            yield
-        except OSError as error:
-            raise storage_error(f"the log {log.path}", error, "; training stopped (rerun with --resume auto)") from None
-
-
-class Checkpointer:
-    """The job's saves into its store: log rows made durable first, each step saved at most once.
-
-    Every rank calls `save` (the per-rank parts gather every rank's state); rank 0 writes. With a
-    BackgroundSaver a save returns at once (its copy is made during the next step); `wait` is the
-    point where the last one is durable (the end of the run and a preemption call it before exiting).
-    """
-
-    def __init__(
-        self,
-        store: CheckpointStore,
-        logs: RunLogs,
-        saved_step: int | None,
-        world: World = World(),
-        background: bool = False,
-    ):
-        self.store, self.logs, self.saved_step, self.world = store, logs, saved_step, world
-        self.background = BackgroundSaver(store) if background and world.is_main else None
-
-    def save(self, run: Run) -> Path:
-        step = run.step.value
-        if step != self.saved_step:
-            self.logs.sync()
-            parts = per_rank(run.parts(), self.world)
-            with self._stopping_on_error(step):
-                if self.world.is_main:
-                    (self.background or self.store).save(step, parts)
-                else:
-                    snapshot(step, parts)  # takes part in gathering the per-rank parts; rank 0 writes
-            self.world.barrier()
-            self.saved_step = step
-        return self.store.path_for(step)
-
-    def wait(self) -> None:
-        if self.background is not None:
-            with self._stopping_on_error(self.saved_step):
-                self.background.wait()
-
-    @contextlib.contextmanager
-    def _stopping_on_error(self, step: int | None):
-        try:
-            yield
-        except BackgroundSaveFailed as failed:  # an earlier step's save, found out now
-            if not isinstance(failed.error, OSError):
-                raise failed.error from None
-            raise storage_error(
-                f"the checkpoint at step {failed.step} in {self.store.folder}", failed.error, self._intact()
-            ) from None
-        except OSError as error:
-            raise storage_error(
-                f"the checkpoint at step {step} in {self.store.folder}", error, self._intact()
-            ) from None
-
-    def _intact(self) -> str:
-        existing = self.store.checkpoints()
-        newest = f"{existing[-1].path} is intact" if existing else "no earlier checkpoint exists"
-        return f"; training stopped, {newest} (free space, then rerun with --resume auto)"
-
-
 def _check_outputs(job: TrainJob) -> None:
     folders = [job.out, job.weights_file.parent, job.log_file.parent] + ([job.samples.parent] if job.samples else [])
     if job.save_every is not None:
@@ -239,56 +119,37 @@ def _remove_leftovers(job: TrainJob, store: CheckpointStore) -> None:
             tmp_path(path).unlink(missing_ok=True)
 
 
-def _restore_from_folder(folder: Path, parts: dict, skip: frozenset[str], world: World) -> int:
-    """--resume FOLDER: the newest valid checkpoint in someone's checkpoint folder (nothing is deleted there)."""
-    skipped: list[str] = []
-    store = CheckpointStore(folder, keep=None, notify=skipped.append)
-    found = store.load_newest([name for name in PART_NAMES if name not in skip])
-    if found is None:
-        details = [f"only {len(store.leftovers())} .tmp leftover(s) of interrupted saves"] if store.leftovers() else []
-        details += skipped[:1] + ([f"and {len(skipped) - 1} more damaged"] if len(skipped) > 1 else [])
-        raise CheckpointError("; ".join([f"{folder} holds no complete checkpoint", *details]))
-    checkpoint, state = found
-    restore(state, parts, skip=skip)
-    if world.is_main:
-        for message in skipped:
-            warn(message)
-        note(f"resumed from {checkpoint.path} at step {checkpoint.step}")
-    return checkpoint.step
-
-
-def resume_run(job: TrainJob, run: Run, store: CheckpointStore, world: World = World()) -> int:
+def resume_run(job: TrainJob, run: Run, world: World = World()) -> int:
     """Restore the run as --resume says (config checked first); the step it continues from.
 
-    Every rank restores its replica, through `world.parts` (each rank's entry of the per-rank parts).
-    A folder holding DCP's files is a sharded checkpoint (--sharded); any other folder a checkpoint store.
+    Every rank restores its replica, through the per-rank parts (each rank's entry of them). The
+    source is opened by the store's one way in: a resume file, a sharded folder, a checkpoint folder
+    or, with --resume auto, the newest valid checkpoint in OUT/checkpoints.
     """
     if job.resume is None:
         return 0
     parts = per_rank(run.parts(), world)
-    if job.resume == AUTO_RESUME:
-        step = store.restore(parts, skip=job.skip_parts)
+    needs = [name for name in parts if name not in job.skip_parts]
+    resumed = open_resume(job.resume, job.checkpoint_folder, needs, notify=warn if world.is_main else ignore)
+    if resumed is None:
         if world.is_main:
-            note(
-                f"resumed from {store.path_for(step)} at step {step}"
-                if step
-                else f"no checkpoint in {store.folder}; starting at step 0"
-            )
-        return step
-    path = Path(job.resume)
-    if path.is_dir() and not is_sharded_folder(path):
-        return _restore_from_folder(path, parts, job.skip_parts, world)
-    restore_checkpoint(path, parts, job.skip_parts, world)
+            note(f"no checkpoint in {job.checkpoint_folder}; starting at step 0")
+        return 0
+    resumed.restore(parts, skip=job.skip_parts)
+    change = resumed.world_change(world)
+    if world.is_main and resumed.kind == "store":
+        note(f"resumed from {resumed.path} at step {resumed.step}")
+    if world.is_main and change:
+        print(change)
     return run.step.value
 
 
-def prepare_run(job: TrainJob, store: CheckpointStore | None = None, world: World = World()) -> Run:
+def prepare_run(job: TrainJob, world: World = World()) -> Run:
     """The run, built fresh as this rank's replica and restored as --resume says (config checked first)."""
-    store = store or CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn)
     run = build_run(job.config, load_tokens(job.data))
     replicate(run, world)
     run.identity.allowed = frozenset(ALLOWED_CHANGES[name] for name in job.allow_change)
-    resume_run(job, run, store, world)
+    resume_run(job, run, world)
     return run
 
 
@@ -315,22 +176,6 @@ def _target(job: TrainJob, start: int) -> int:
     return until
 
 
-def _write_outputs(job: TrainJob, run: Run, world: World) -> None:
-    """The resume file or folder (every rank takes part), or the weights file (rank 0)."""
-    path = job.resume_file if job.stop_at is not None else job.weights_file
-    try:
-        if job.stop_at is not None:
-            save_checkpoint(path, per_rank(run.parts(), world), world, job.sharded)
-        elif world.is_main:
-            save_weights(path, run.model.state_dict())
-    except OSError as error:
-        raise storage_error(str(path), error, "; nothing half-written was left") from None
-
-
-def _ignore(message: str) -> None:
-    pass
-
-
 def run_job(job: TrainJob, on_step=lambda record: None, on_start=lambda run: None, world: World = World()) -> Run:
     """Train as the job says and write its files; returns the finished run. Raises Preempted after saving.
 
@@ -338,17 +183,17 @@ def run_job(job: TrainJob, on_step=lambda record: None, on_start=lambda run: Non
     Under many processes every rank calls this with its `world`; rank 0 writes the files.
     """
     _check_outputs(job)
-    store = CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn if world.is_main else _ignore)
+    store = CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn if world.is_main else ignore)
     if world.is_main:
         _remove_leftovers(job, store)
     world.barrier()  # no rank reads the store while rank 0 clears it
-    run = prepare_run(job, store, world)
+    run = prepare_run(job, world)
     start = run.step.value
     if world.is_main:
         _note_allowed_changes(run, start)
     until = _target(job, start)
     on_start(run)
-    with RunLogs(job, start, world) as logs:
+    with RunLogs(job.log_file, job.samples, start, world) as logs:
         saver = Checkpointer(
             store,
             logs,
@@ -376,5 +221,5 @@ def run_job(job: TrainJob, on_step=lambda record: None, on_start=lambda run: Non
         if job.save_every:
             saver.save(run)
             saver.wait()
-        _write_outputs(job, run, world)
+        write_outputs(run, job.resume_file if job.stop_at is not None else None, job.weights_file, job.sharded, world)
     return run

@@ -34,7 +34,7 @@ class Preempted(Exception):
 
 
 class PreemptionGuard:
-    """`with PreemptionGuard() as guard:` ... `guard.check(step)` after each step raises Preempted."""
+    """`with PreemptionGuard() as guard:` ... after each step, `guard.requested` says whether to stop and save."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -60,8 +60,3 @@ class PreemptionGuard:
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
-
-    def check(self, step: int) -> None:
-        """Raise Preempted if a signal arrived; call it only between steps."""
-        if self.signal_name is not None:
-            raise Preempted(self.signal_name, step)

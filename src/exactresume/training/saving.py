@@ -1,0 +1,86 @@
+"""When and how a training job saves: its periodic checkpoints (Checkpointer) and its final file.
+
+Both go through the store's one save interface (store/access.py `make_saver`): the checkpoints into
+OUT/checkpoints, synchronously or by a background thread (`--async-save`); the final resume state as
+a sealed file or, with `--sharded`, a DCP folder every rank writes its shard of. A disk that refuses
+a write becomes one StorageError line saying what is intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from exactresume.store.access import make_saver
+from exactresume.store.background import BackgroundSaveFailed
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.resume import per_rank
+from exactresume.store.weights import save_weights
+from exactresume.training.joblog import RunLogs, storage_error
+from exactresume.training.loop import Run
+from exactresume.world import World
+
+
+class Checkpointer:
+    """The job's saves into its store: log rows made durable first, each step saved at most once.
+
+    Every rank calls `save` (the per-rank parts gather every rank's state); rank 0 writes. In the
+    background a save returns at once (its copy is made during the next step); `wait` is the point
+    where the last one is durable (the end of the run and a preemption call it before exiting).
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        logs: RunLogs,
+        saved_step: int | None,
+        world: World = World(),
+        background: bool = False,
+    ):
+        self.store, self.logs, self.saved_step, self.world = store, logs, saved_step, world
+        self.saver = make_saver(store, world, background=background)
+
+    def save(self, run: Run) -> Path:
+        step = run.step.value
+        if step != self.saved_step:
+            self.logs.sync()
+            with self._stopping_on_error(step):
+                self.saver.save(step, per_rank(run.parts(), self.world))
+            self.saved_step = step
+        return self.store.path_for(step)
+
+    def wait(self) -> None:
+        with self._stopping_on_error(self.saved_step):
+            self.saver.wait()
+
+    @contextlib.contextmanager
+    def _stopping_on_error(self, step: int | None):
+        try:
+            yield
+        except BackgroundSaveFailed as failed:  # an earlier step's save, found out now
+            if not isinstance(failed.error, OSError):
+                raise failed.error from None
+            raise storage_error(
+                f"the checkpoint at step {failed.step} in {self.store.folder}", failed.error, self._intact()
+            ) from None
+        except OSError as error:
+            raise storage_error(
+                f"the checkpoint at step {step} in {self.store.folder}", error, self._intact()
+            ) from None
+
+    def _intact(self) -> str:
+        existing = self.store.checkpoints()
+        newest = f"{existing[-1].path} is intact" if existing else "no earlier checkpoint exists"
+        return f"; training stopped, {newest} (free space, then rerun with --resume auto)"
+
+
+def write_outputs(run: Run, resume_file: Path | None, weights_file: Path, sharded: bool, world: World) -> None:
+    """The resume file or folder when given (every rank takes part), else the weights file (rank 0)."""
+    path = resume_file or weights_file
+    try:
+        if resume_file is not None:
+            make_saver(resume_file, world, sharded=sharded).save(run.step.value, per_rank(run.parts(), world))
+        elif world.is_main:
+            save_weights(weights_file, run.model.state_dict())
+    except OSError as error:
+        raise storage_error(str(path), error, "; nothing half-written was left") from None

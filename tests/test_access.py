@@ -1,0 +1,156 @@
+"""The store's one way in (`open_resume`) and one way out (`make_saver`): every source kind, every writer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMALL, call_cli
+from exactresume.config import TrainConfig
+from exactresume.core.data import load_tokens
+from exactresume.errors import CheckpointError
+from exactresume.store.access import (
+    AUTO,
+    MainRankSaver,
+    ResumeFileSaver,
+    ShardedSaver,
+    make_saver,
+    open_resume,
+)
+from exactresume.store.background import BackgroundSaver
+from exactresume.store.folder import CheckpointStore, checkpoint_name
+from exactresume.store.weights import save_weights
+from exactresume.training.loop import build_run, train
+from exactresume.world import World
+
+CONFIG = TrainConfig(steps=8, batch=2, seq_len=16)  # the run SMALL's flags describe
+
+
+def refuse(message: str) -> None:
+    raise AssertionError(f"nothing should be skipped: {message}")
+
+
+@pytest.fixture(scope="module")
+def run(kjv_folder):
+    """A run trained to step 3, on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    run = build_run(CONFIG, load_tokens(kjv_folder))
+    train(run, until=3)
+    yield run
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def saved(run, tmp_path_factory) -> dict[str, Path]:
+    """The run's state at step 3 written by each writer, named by the source it gives open_resume."""
+    folder = tmp_path_factory.mktemp("access")
+    store, background = CheckpointStore(folder / "store"), CheckpointStore(folder / "background")
+    writers = {
+        "file": (make_saver(folder / "resume.pth"), folder / "resume.pth"),
+        "store": (make_saver(store), store.folder),
+        "background": (make_saver(background, background=True), background.folder),
+        "sharded": (make_saver(folder / "resume.dcp", sharded=True), folder / "resume.dcp"),
+    }
+    for saver, _ in writers.values():
+        saver.save(3, run.parts())
+        saver.close()
+    return {name: source for name, (_, source) in writers.items()}
+
+
+def test_one_place_picks_the_writer(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    assert make_saver(store) is store
+    assert isinstance(make_saver(store, background=True), BackgroundSaver)
+    assert isinstance(make_saver(tmp_path / "resume.pth"), ResumeFileSaver)
+    assert isinstance(make_saver(tmp_path / "resume.dcp", sharded=True), ShardedSaver)
+    # Under many processes every rank calls save and rank 0 writes; only rank 0 runs a writer thread.
+    assert isinstance(make_saver(store, World(0, 2), background=True).writer, BackgroundSaver)
+    other_rank = make_saver(store, World(1, 2), background=True)
+    assert isinstance(other_rank, MainRankSaver) and other_rank.writer is store
+
+
+@pytest.mark.parametrize(
+    "writer, kind", [("file", "file"), ("store", "store"), ("background", "store"), ("sharded", "sharded")]
+)
+def test_every_source_gives_back_the_state_it_was_saved_with(run, saved, kjv_folder, writer, kind):
+    resumed = open_resume(saved[writer], notify=refuse)
+    assert (resumed.kind, resumed.step, resumed.saved_world_size) == (kind, 3, 1)
+    assert resumed.path == (saved[writer] / checkpoint_name(3) if kind == "store" else saved[writer])
+    fresh = build_run(CONFIG, load_tokens(kjv_folder))
+    resumed.restore(fresh.parts())
+    assert fresh.step.value == 3
+    for name, tensor in run.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[name], tensor), name
+    for index, moments in run.optimizer.state_dict()["state"].items():
+        assert torch.equal(fresh.optimizer.state_dict()["state"][index]["exp_avg"], moments["exp_avg"])
+    assert torch.equal(fresh.batches.state_dict(), run.batches.state_dict())
+
+
+def test_auto_opens_the_runs_own_folder_or_starts_fresh(saved, tmp_path):
+    assert open_resume(AUTO, checkpoints=saved["store"], notify=refuse).path == saved["store"] / checkpoint_name(3)
+    assert open_resume(AUTO, checkpoints=tmp_path / "never-made", notify=refuse) is None
+    (tmp_path / "empty").mkdir()
+    assert open_resume(AUTO, checkpoints=tmp_path / "empty", notify=refuse) is None
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / checkpoint_name(5)).write_bytes(b"the first bytes of a checkpoint")
+    messages: list[str] = []
+    assert open_resume(AUTO, checkpoints=tmp_path / "damaged", notify=messages.append) is None
+    assert len(messages) == 1 and "skipping damaged checkpoint" in messages[0] and checkpoint_name(5) in messages[0]
+    with pytest.raises(ValueError, match="checkpoint folder"):
+        open_resume(AUTO)
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def damaged_source(saved: dict[str, Path], run, folder: Path, damage: str) -> Path:
+    if damage in ("flipped file", "damaged store"):
+        source = Path(shutil.copytree(saved["store"], folder / "store"))
+        flip_a_byte(source / checkpoint_name(3))
+        return source / checkpoint_name(3) if damage == "flipped file" else source
+    if damage == "weights file":
+        save_weights(folder / "final.pth", run.model.state_dict())
+        return folder / "final.pth"
+    if damage == "empty folder":
+        (folder / "runs").mkdir()
+        return folder / "runs"
+    source = Path(shutil.copytree(saved["sharded"], folder / "copy.dcp"))
+    if damage == "uncommitted sharded":
+        (source / "commit.pth").unlink()
+    else:
+        flip_a_byte(source / "__0_0.distcp")
+    return source
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("flipped file", "checksum mismatch"),
+        ("weights file", "a weights file, not a resume file"),
+        ("empty folder", "holds no complete checkpoint"),
+        ("damaged store", "holds no complete checkpoint; skipping damaged checkpoint"),
+        ("uncommitted sharded", "no commit marker"),
+        ("damaged shard", "__0_0.distcp is damaged (checksum mismatch)"),
+    ],
+)
+def test_a_damaged_source_is_refused_in_one_line(saved, run, tmp_path, damage, reason):
+    source = damaged_source(saved, run, tmp_path, damage)
+    with pytest.raises(CheckpointError) as refused:
+        open_resume(source, notify=refuse)
+    message = str(refused.value)
+    assert reason in message and str(source) in message and "\n" not in message
+
+
+def test_train_resumes_from_a_checkpoint_folder(saved, tmp_path, kjv_folder):
+    finished = call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--resume", saved["store"])
+    assert finished.returncode == 0, finished.stderr
+    assert f"resumed from {saved['store'] / checkpoint_name(3)} at step 3" in finished.stdout
+    steps = [line.split(",")[0] for line in (tmp_path / "log.csv").read_text().splitlines()[1:]]
+    assert steps == ["4", "5", "6", "7", "8"]
