@@ -48,7 +48,8 @@ def test_cli_reference_names_every_command_and_only_real_flags():
         assert f"`exactresume {name}" in reference, name
     for row in re.findall(r"^\| `exactresume (\w+)[^|]*\|.*$", reference, re.MULTILINE):
         assert row in commands
-    known = {option for command in commands.values() for action in command._actions for option in action.option_strings}
+    parsers = [build_parser(), *commands.values()]  # the top parser holds --version
+    known = {option for parser in parsers for action in parser._actions for option in action.option_strings}
     for flag in set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", reference)):
         assert flag in known, flag
 
