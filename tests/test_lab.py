@@ -16,6 +16,7 @@ from exactresume.report.report import HEADINGS, render_report
 from exactresume.report.tables import render_table
 from exactresume.store.steplog import read_divergence, read_loss_log
 from exactresume.store.weights import read_weights
+from exactresume.summaries import lab_summary, render_lab
 
 LAB_FILES = [
     "straight.pth",
@@ -147,6 +148,15 @@ def test_lab_progress_is_plain_lines_in_a_pipe(default_lab):
     assert "\r" not in output
     assert re.search(r"^\[3/8\] resumed: step 60/60 loss \d+\.\d{4} [\d.]+ steps/s$", output, re.MULTILINE)
     assert re.search(r"^\[8/8\] report\.md", output, re.MULTILINE)
+
+
+def test_lab_ends_with_its_summary_read_from_its_files(default_lab):
+    output = (default_lab.parent / "lab_stdout.txt").read_text()
+    compare = json.loads((default_lab / "compare.json").read_text())
+    assert f"resumed = straight: {compare['runs']['resumed']['tensors']} tensors bit-identical" in output
+    assert output.endswith("\n\n" + "\n".join(render_lab(lab_summary(default_lab))) + "\n")
+    assert f"report             {default_lab / 'report.md'}" in output
+    assert "step 8/8" not in output.split("[8/8]")[1]  # no training run's own summary in between
 
 
 def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
