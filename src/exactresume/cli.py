@@ -20,7 +20,17 @@ import io
 import sys
 from pathlib import Path
 
-from exactresume import __version__, commands
+from exactresume import __version__
+from exactresume.commands import (
+    cmd_ablate,
+    cmd_diff,
+    cmd_export,
+    cmd_inspect,
+    cmd_lab,
+    cmd_prepare,
+    cmd_train,
+    resume_source,
+)
 from exactresume.errors import UserError
 from exactresume.flags import (
     ABLATION_GROUP,
@@ -92,7 +102,7 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
     checkpoints.add_argument("--stop-at", type=int, help="stop after this step and write OUT/resume.pth")
     checkpoints.add_argument(
         "--resume",
-        type=commands.resume_source,
+        type=resume_source,
         metavar="FILE|FOLDER|auto",
         help="continue from a resume file, the newest valid checkpoint in a folder, or with 'auto' "
         "from the newest valid one in OUT/checkpoints (a fresh start when there is none)",
@@ -220,13 +230,13 @@ def help_parser(parser: argparse.ArgumentParser) -> None:
 
 
 PARSERS = {
-    "prepare": (prepare_parser, commands.cmd_prepare),
-    "train": (train_parser, commands.cmd_train),
-    "lab": (lab_parser, commands.cmd_lab),
-    "ablate": (ablate_parser, commands.cmd_ablate),
-    "diff": (diff_parser, commands.cmd_diff),
-    "inspect": (inspect_parser, commands.cmd_inspect),
-    "export": (export_parser, commands.cmd_export),
+    "prepare": (prepare_parser, cmd_prepare),
+    "train": (train_parser, cmd_train),
+    "lab": (lab_parser, cmd_lab),
+    "ablate": (ablate_parser, cmd_ablate),
+    "diff": (diff_parser, cmd_diff),
+    "inspect": (inspect_parser, cmd_inspect),
+    "export": (export_parser, cmd_export),
     "help": (help_parser, None),
 }
 

@@ -76,18 +76,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     from exactresume.dist.launcher import check_batch_split, launch
     from exactresume.world import World, launched_by_torchrun
 
+    argv = getattr(args, "argv", sys.argv[1:])  # main sets it; a caller of its own may not
     if not launched_by_torchrun():
         check_batch_split(args.batch, args.nproc, args.grad_accum)
         if args.nproc > 1:  # every process checks the other flags itself; this one sums up
             job = train_job(args)
-            code = launch([*args.argv, "--no-summary"], args.nproc)
+            code = launch([*argv, "--no-summary"], args.nproc)
             if code == 0:
-                emit(args, summaries.train_summary(job, args.argv), summaries.render_train)
+                emit(args, summaries.train_summary(job, argv), summaries.render_train)
             return code
     job, world = train_job(args), World.from_env()
     code = train_here(args, job, world)
     if code == 0 and world.is_main:
-        emit(args, summaries.train_summary(job, args.argv), summaries.render_train)
+        emit(args, summaries.train_summary(job, argv), summaries.render_train)
     return code
 
 
