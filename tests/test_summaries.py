@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL, TINY_TEXT, call_cli
-from exactresume.summaries import aligned, lab_summary, number, render_lab, table
+from exactresume.report.figures import FIGURES
+from exactresume.summaries import FIGURE_NAMES, aligned, continue_command, lab_summary, number, render_lab, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,6 +85,7 @@ def test_diff_and_export_json_and_quiet(stopped, kjv_folder, tmp_path):
 
 
 def test_lab_summary_reads_the_labs_json_files():
+    assert sorted(FIGURE_NAMES) == sorted(FIGURES)  # the summary names them without loading matplotlib
     summary = lab_summary(ROOT / "docs" / "lab", shown=Path("runs/lab"))
     json.dumps(summary)  # --json prints it as is
     compare = json.loads((ROOT / "docs" / "lab" / "compare.json").read_text())
@@ -101,3 +103,11 @@ def test_layout_aligns_labels_and_columns():
         "resumed          0",
         "noopt    1.000e-02",
     ]
+
+
+def test_the_continue_command_drops_the_stop_however_it_was_spelled():
+    typed = ["train", "--out", "a b", "--stop=4", "--resum", "auto", "--sharded", "--steps", "8", "--sto", "3"]
+    assert (
+        continue_command(typed, Path("a b/resume.dcp"))
+        == "exactresume train --out 'a b' --steps 8 --resume 'a b/resume.dcp'"
+    )

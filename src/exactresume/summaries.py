@@ -67,15 +67,21 @@ def read_json(path: Path) -> dict | None:
 # --- train --------------------------------------------------------------------------------------
 
 
+def names(token: str, flag: str) -> bool:
+    """Whether a command-line token is `flag`, as argparse reads it: whole, with `=VALUE`, or abbreviated."""
+    name = token.split("=", 1)[0]
+    return len(name) > 2 and flag.startswith(name)
+
+
 def continue_command(argv: list[str], resume: Path) -> str:
     """The user's own command without its stop (and --sharded, which only writes a stop), resuming from `resume`."""
     kept, skip_value = [], False
     for token in argv:
         if skip_value:
             skip_value = False
-        elif token in ("--stop-at", "--resume"):
-            skip_value = True
-        elif not token.startswith(("--stop-at=", "--resume=")) and token != "--sharded":
+        elif names(token, "--stop-at") or names(token, "--resume"):
+            skip_value = "=" not in token
+        elif not names(token, "--sharded"):
             kept.append(token)
     return shlex.join(["exactresume", *kept, "--resume", str(resume)])
 
