@@ -114,7 +114,10 @@ class TrainConfig:
     # The model's dropout masks come from the torch RNG, a resume part.
     dropout: float = flag_field(0.0, "dropout probability of the model", FEATURES_GROUP)
     dtype: str = flag_field(
-        "fp32", "compute precision: autocast; weights stay fp32 (fp16 adds a loss scaler)", FEATURES_GROUP, DTYPES
+        "fp32",
+        "compute precision: fp32, or bf16/fp16 autocast (weights stay fp32; fp16 adds a loss scaler)",
+        FEATURES_GROUP,
+        DTYPES,
     )
     loader: str = flag_field(
         "random", "random windows, or shuffled epochs through a DataLoader", FEATURES_GROUP, LOADERS
