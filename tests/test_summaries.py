@@ -45,14 +45,14 @@ def test_a_stopped_run_names_its_resume_file_and_the_command_that_continues_it(s
 def test_json_is_the_only_thing_on_stdout_and_matches_the_files(stopped, kjv_folder, tmp_path):
     out, _ = stopped
     # a resume prints a note ("resumed from ..."): under --json it goes to stderr
-    finished = call_cli(
-        "train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--resume", out / "resume.pth", "--json"
-    )
+    resume, divergence = ("--resume", out / "resume.pth"), ("--divergence", tmp_path / "d.csv")
+    finished = call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, *resume, *divergence, "--json")
     assert finished.returncode == 0, finished.stderr
     summary = json.loads(finished.stdout)
     assert summary["command"] == "train" and summary["step"] == 8 and summary["continue"] is None
     log_rows = (tmp_path / "log.csv").read_text().splitlines()[1:]
     assert summary["loss"] == float(log_rows[-1].split(",")[1]) and summary["files"]["log"]["rows"] == len(log_rows)
+    assert summary["files"]["divergence"]["bytes"] == (tmp_path / "d.csv").stat().st_size
     assert summary["files"]["weights"] == {
         "path": str(tmp_path / "final.pth"),
         "bytes": (tmp_path / "final.pth").stat().st_size,

@@ -35,6 +35,7 @@ from exactresume.errors import UserError
 from exactresume.flags import (
     ABLATION_GROUP,
     CHECKPOINTS_GROUP,
+    FEATURES_GROUP,
     OUTPUTS_GROUP,
     PROCESSES_GROUP,
     RUN_GROUP,
@@ -182,7 +183,7 @@ def lab_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def ablate_parser(parser: argparse.ArgumentParser) -> None:
-    groups = add_groups(parser, names=(RUN_GROUP, "training features", ABLATION_GROUP, OUTPUTS_GROUP))
+    groups = add_groups(parser, names=(RUN_GROUP, FEATURES_GROUP, ABLATION_GROUP, OUTPUTS_GROUP))
     add_data_flag(groups[RUN_GROUP])
     add_config_flags(groups)
     groups[RUN_GROUP].add_argument("--stop-at", type=int, default=30, help="where every ablated run resumes")

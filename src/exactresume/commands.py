@@ -83,12 +83,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             job = train_job(args)
             code = launch([*argv, "--no-summary"], args.nproc)
             if code == 0:
-                emit(args, summaries.train_summary(job, argv), summaries.render_train)
+                emit(args, summaries.train_summary(job, argv, args.divergence), summaries.render_train)
             return code
     job, world = train_job(args), World.from_env()
     code = train_here(args, job, world)
     if code == 0 and world.is_main:
-        emit(args, summaries.train_summary(job, argv), summaries.render_train)
+        emit(args, summaries.train_summary(job, argv, args.divergence), summaries.render_train)
     return code
 
 
