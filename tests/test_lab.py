@@ -160,7 +160,7 @@ def test_lab_ends_with_its_summary_read_from_its_files(default_lab):
 
 
 def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
-    run_cli(
+    finished = run_cli(
         "lab",
         "--data",
         kjv_folder,
@@ -178,8 +178,12 @@ def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
         24,
         "--lr",
         1e-3,
+        "--weight-decay",  # a field no hand-written flag list of the lab ever passed on
+        0.02,
+        "--json",
         check=True,
     )
+    assert json.loads(finished.stdout) == lab_summary(tmp_path)  # stdout is the summary alone
     compare = json.loads((tmp_path / "compare.json").read_text())
     assert compare["stop_at"] == 4 and compare["steps"] == 9
     assert compare["runs"]["resumed"]["max_abs_diff"] == 0
@@ -188,6 +192,7 @@ def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     state = torch.load(tmp_path / "resume.pth", weights_only=True)
     assert state["step"] == 4 and state["config"]["train"]["seed"] == 11
+    assert state["config"]["train"]["weight_decay"] == 0.02
 
 
 def test_report_carries_the_ablation_table_when_the_lab_ran_one(default_lab, tmp_path):
