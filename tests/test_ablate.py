@@ -14,6 +14,7 @@ from exactresume.config import TrainConfig
 from exactresume.lab.ablate import VARIANTS
 from exactresume.report.tables import readme_block, render_markdown
 from exactresume.store.steplog import read_samples
+from exactresume.summaries import number
 
 ROOT = Path(__file__).resolve().parents[1]
 README, DOCS_JSON = ROOT / "README.md", ROOT / "docs" / "ablation.json"
@@ -36,6 +37,7 @@ def ablation_folder(tmp_path_factory, kjv_folder):
     out = tmp_path_factory.mktemp("ablate")
     finished = call_cli("ablate", "--data", kjv_folder, "--out", out, *ABLATE_FLAGS)
     assert finished.returncode == 0, finished.stderr
+    (out.parent / f"{out.name}_stdout.txt").write_text(finished.stdout)  # beside the folder, not in it
     return out
 
 
@@ -93,3 +95,15 @@ def test_ablate_without_out_or_markdown_is_a_one_line_error(tmp_path):
     assert_one_line_error(call_cli("ablate"), "--out")
     (tmp_path / "other.json").write_text('{"rows": []}')
     assert_one_line_error(call_cli("ablate", "--markdown", tmp_path / "other.json"), "not an ablation.json")
+
+
+def test_ablate_ends_with_a_summary_of_ablation_json(ablation_folder, rows):
+    output = (ablation_folder.parent / f"{ablation_folder.name}_stdout.txt").read_text()
+    summary = output.split("\n\n", 1)[1]
+    for (setup, name), row in rows.items():
+        line = next(line for line in summary.splitlines() if line.startswith(f"{setup}/{name} "))
+        assert number(row["max_abs_diff"]) in line.split() and f"{row['samples_seen_twice']}/" in line
+    assert (
+        f"{ablation_folder / 'ablation.json'}  ({(ablation_folder / 'ablation.json').stat().st_size:,} bytes)"
+        in summary
+    )

@@ -16,6 +16,7 @@ from exactresume.report.report import HEADINGS, render_report
 from exactresume.report.tables import render_table
 from exactresume.store.steplog import read_divergence, read_loss_log
 from exactresume.store.weights import read_weights
+from exactresume.summaries import lab_summary, render_lab
 
 LAB_FILES = [
     "straight.pth",
@@ -149,8 +150,17 @@ def test_lab_progress_is_plain_lines_in_a_pipe(default_lab):
     assert re.search(r"^\[8/8\] report\.md", output, re.MULTILINE)
 
 
+def test_lab_ends_with_its_summary_read_from_its_files(default_lab):
+    output = (default_lab.parent / "lab_stdout.txt").read_text()
+    compare = json.loads((default_lab / "compare.json").read_text())
+    assert f"resumed = straight: {compare['runs']['resumed']['tensors']} tensors bit-identical" in output
+    assert output.endswith("\n\n" + "\n".join(render_lab(lab_summary(default_lab))) + "\n")
+    assert f"report             {default_lab / 'report.md'}" in output
+    assert "step 8/8" not in output.split("[8/8]")[1]  # no training run's own summary in between
+
+
 def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
-    run_cli(
+    finished = run_cli(
         "lab",
         "--data",
         kjv_folder,
@@ -168,8 +178,12 @@ def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
         24,
         "--lr",
         1e-3,
+        "--weight-decay",  # a field no hand-written flag list of the lab ever passed on
+        0.02,
+        "--json",
         check=True,
     )
+    assert json.loads(finished.stdout) == lab_summary(tmp_path)  # stdout is the summary alone
     compare = json.loads((tmp_path / "compare.json").read_text())
     assert compare["stop_at"] == 4 and compare["steps"] == 9
     assert compare["runs"]["resumed"]["max_abs_diff"] == 0
@@ -178,6 +192,7 @@ def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     state = torch.load(tmp_path / "resume.pth", weights_only=True)
     assert state["step"] == 4 and state["config"]["train"]["seed"] == 11
+    assert state["config"]["train"]["weight_decay"] == 0.02
 
 
 def test_report_carries_the_ablation_table_when_the_lab_ran_one(default_lab, tmp_path):

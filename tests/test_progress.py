@@ -50,7 +50,8 @@ def test_bar_mode_redraws_one_line_and_ends_it():
 def test_training_output_is_plain_lines_when_not_a_terminal(tmp_path, kjv_folder):
     finished = run_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, check=True)  # stdout is a pipe
     assert "\r" not in finished.stdout
-    steps = [int(LINE.fullmatch(line).group(1)) for line in finished.stdout.splitlines()]
+    progress = finished.stdout.split("\n\n", 1)[0]  # the closing summary follows after a blank line
+    steps = [int(LINE.fullmatch(line).group(1)) for line in progress.splitlines()]
     assert steps[0] == 1 and steps[-1] == 8
 
 

@@ -35,6 +35,14 @@ def test_lab_block_is_what_the_renderer_makes_of_the_committed_json():
         assert (builder.DOCS_LAB / f"{name}.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_first_screen_shows_the_labs_closing_summary_made_from_the_committed_json():
+    builder = load_builder()
+    block = README.split(builder.SUMMARY_BEGIN, 1)[1].split(builder.SUMMARY_END, 1)[0]
+    assert block == "\n" + builder.render_summary_block(builder.DOCS_LAB)
+    assert README.index(builder.SUMMARY_BEGIN) < README.index("\n## ", README.index("# exactresume") + 1)
+    assert "resumed = straight: " in block
+
+
 def subcommands() -> dict:
     parser = build_parser()
     action = next(a for a in parser._actions if a.dest == "command")
@@ -48,7 +56,8 @@ def test_cli_reference_names_every_command_and_only_real_flags():
         assert f"`exactresume {name}" in reference, name
     for row in re.findall(r"^\| `exactresume (\w+)[^|]*\|.*$", reference, re.MULTILINE):
         assert row in commands
-    known = {option for command in commands.values() for action in command._actions for option in action.option_strings}
+    parsers = [build_parser(), *commands.values()]  # the top parser holds --version
+    known = {option for parser in parsers for action in parser._actions for option in action.option_strings}
     for flag in set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", reference)):
         assert flag in known, flag
 

@@ -6,12 +6,13 @@ The public API, one import away (loaded on first use, so `import exactresume` st
 
 The house, top to bottom (each layer imports only the ones below it; `lint-imports` checks it):
 
-    cli                      the command line
+    cli, commands, summaries the command line: its flags, what each command does, how each ends
     lab, doctor              the lab of the specification; a user's own script stopped and resumed
     report | training        markdown and figures from a run's files | the loop, its parts, one job
     dist                     many processes: DDP replicas, the torchrun launcher
     store                    the resume file, sealed writes, the checkpoint folder, weights, DCP
     core                     what a run computes: the model, the data, the batch generators
+    flags                    the run's flags, made from TrainConfig's fields
     config, errors, world, progress   configuration, the one error type, rank and size, progress lines
 """
 

@@ -8,7 +8,7 @@ continuing the same run.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from exactresume.errors import UserError
 
@@ -87,31 +87,56 @@ LOADERS = ("random", "epoch")
 DEVICES = ("cpu", "cuda")
 
 
+# The groups of a command's --help. TrainConfig's fields name theirs in their metadata, so the
+# flags made from them (exactresume.flags) and their --help cannot drift from the config.
+RUN_GROUP = "the run"
+FEATURES_GROUP = "training features"
+
+
+def flag_field(default, help: str, group: str = RUN_GROUP, choices: tuple | None = None):
+    """A TrainConfig field and its command-line flag: --NAME (in kebab case), its help, group and choices."""
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything that decides a training run's result (the lab's defaults)."""
+    """Everything that decides a training run's result (the lab's defaults); one flag per field."""
 
-    seed: int = 7  # seeds model init, the batch generator and the global RNGs
-    steps: int = 60  # total optimizer steps; the lr schedule is computed against this
-    batch: int = 8  # sequences per optimizer step (all micro-batches together)
-    seq_len: int = 128  # tokens per sequence
-    lr: float = 3e-3  # peak learning rate of MiniMind's cosine schedule
-    weight_decay: float = 0.01  # AdamW's decoupled weight decay (torch's default)
-    grad_clip: float = 1.0  # max global gradient norm
-    preset: str = "default"  # the model size, a key of PRESETS
-    grad_accum: int = 1  # micro-batches per optimizer step; `batch` is split among them
-    # The N-independent mode: sequences per micro-batch, whose gradients are added along one fixed
-    # tree over the micro-batch index, so the result does not depend on the process count (0: off).
-    micro_batch: int = 0
-    dropout: float = 0.0  # the model's dropout (its masks come from the torch RNG, a resume part)
-    dtype: str = "fp32"  # compute precision: fp32, or bf16 / fp16 autocast (weights stay fp32)
-    loader: str = "random"  # "random": random windows; "epoch": shuffled epochs through a DataLoader
-    workers: int = 0  # DataLoader worker processes (--loader epoch); they never change the result
-    warmup: int = 0  # linear lr warmup steps before the cosine schedule
-    device: str = "cpu"  # "cpu" or "cuda"
-    # CPU threads per operation. The result depends on it (parallel sums split by thread), so it
-    # is part of the run; one thread is also the fastest for these small models on a shared machine.
-    threads: int = 1
+    seed: int = flag_field(7, "seed of the model init, the batch generator and the global RNGs")
+    steps: int = flag_field(60, "total optimizer steps; the lr schedule is computed against this")
+    batch: int = flag_field(8, "sequences per optimizer step (all micro-batches together)")
+    seq_len: int = flag_field(128, "tokens per sequence")
+    lr: float = flag_field(3e-3, "peak learning rate of MiniMind's cosine schedule")
+    weight_decay: float = flag_field(0.01, "AdamW's decoupled weight decay (torch's default)")
+    grad_clip: float = flag_field(1.0, "max global gradient norm")
+    preset: str = flag_field("default", "model size", choices=tuple(PRESETS))
+    grad_accum: int = flag_field(1, "micro-batches per optimizer step (--batch is split among them)", FEATURES_GROUP)
+    # The N-independent mode: its micro-batches' gradients are added along one fixed tree over their
+    # index, so the result does not depend on the process count (dist/exact.py).
+    micro_batch: int = flag_field(
+        0,
+        "N-independent mode: sequences per micro-batch, gradients added along one fixed tree, so the result is "
+        "the same on any allowed --nproc (0: off, DDP's average)",
+        FEATURES_GROUP,
+    )
+    # The model's dropout masks come from the torch RNG, a resume part.
+    dropout: float = flag_field(0.0, "dropout probability of the model", FEATURES_GROUP)
+    dtype: str = flag_field(
+        "fp32",
+        "compute precision: fp32, or bf16/fp16 autocast (weights stay fp32; fp16 adds a loss scaler)",
+        FEATURES_GROUP,
+        DTYPES,
+    )
+    loader: str = flag_field(
+        "random", "random windows, or shuffled epochs through a DataLoader", FEATURES_GROUP, LOADERS
+    )
+    # Workers never change the result: the order is drawn in the main process.
+    workers: int = flag_field(0, "DataLoader worker processes (--loader epoch)", FEATURES_GROUP)
+    warmup: int = flag_field(0, "linear lr warmup steps before the cosine schedule", FEATURES_GROUP)
+    device: str = flag_field("cpu", "cpu, or cuda with deterministic kernels", FEATURES_GROUP, DEVICES)
+    # The result depends on the thread count (parallel sums split by thread), so it is part of the
+    # run; one thread is also the fastest for these small models on a shared machine.
+    threads: int = flag_field(1, "CPU threads per operation (part of the result)")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "seq_len", "grad_accum", "threads"):
@@ -119,6 +144,10 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
+        if not (self.weight_decay >= 0 and self.grad_clip > 0):
+            raise UserError(
+                f"--weight-decay must be at least 0 and --grad-clip positive, got {self.weight_decay}, {self.grad_clip}"
+            )
         preset(self.preset)
         self._check_features()
 

@@ -37,11 +37,12 @@ def add_progress_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--progress", choices=MODES, default="auto", help="auto: a bar on a terminal, plain periodic lines otherwise"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress output (same as --progress none)")
+    parser.add_argument("--quiet", action="store_true", help="print only errors: no progress, no summary")
 
 
 def mode_from_args(args: argparse.Namespace) -> str:
-    return "none" if args.quiet else resolve_mode(args.progress)
+    """`none` with --quiet, and with --json, whose stdout holds only the summary."""
+    return "none" if args.quiet or getattr(args, "json", False) else resolve_mode(args.progress)
 
 
 class Progress:

@@ -20,6 +20,7 @@ from exactresume.config import TrainConfig, check_stop_at
 from exactresume.core.compare import loss_differences, repeated_batches, weight_distance
 from exactresume.core.data import ensure_data
 from exactresume.errors import UserError
+from exactresume.flags import config_flags
 from exactresume.lab import warm_start
 from exactresume.store.export import convert, max_logit_difference
 from exactresume.store.inspect import resume_size_breakdown
@@ -46,43 +47,8 @@ class LabConfig:
 
 
 def _train_flags(config: LabConfig) -> list[str]:
-    t = config.train
-    return [
-        "--data",
-        str(config.data),
-        "--seed",
-        str(t.seed),
-        "--steps",
-        str(t.steps),
-        "--batch",
-        str(t.batch),
-        "--seq-len",
-        str(t.seq_len),
-        "--lr",
-        repr(t.lr),
-        "--preset",
-        t.preset,
-        "--grad-accum",
-        str(t.grad_accum),
-        "--micro-batch",
-        str(t.micro_batch),
-        "--dropout",
-        repr(t.dropout),
-        "--dtype",
-        t.dtype,
-        "--loader",
-        t.loader,
-        "--workers",
-        str(t.workers),
-        "--warmup",
-        str(t.warmup),
-        "--device",
-        t.device,
-        "--threads",
-        str(t.threads),
-        "--nproc",
-        str(config.nproc),
-    ]
+    """The flags that give every training run the lab's data, config and process count."""
+    return ["--data", str(config.data), *config_flags(config.train), "--nproc", str(config.nproc)]
 
 
 def training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
@@ -142,6 +108,7 @@ def run_training_process(
             progress_mode,
             "--label",
             label,
+            "--no-summary",  # the lab ends with its own summary
         ]
     )
     if progress_mode != "none" and finished.stdout:
@@ -198,7 +165,9 @@ def comparison_figures(config: LabConfig) -> dict:
         log, samples = read_loss_log(log_path), read_samples(details / f"{name}_samples.csv")
         diffs = loss_differences(log, straight_log)
         later = {tuple(starts) for step, starts in straight_samples.items() if step > k}
-        runs[name] = weight_distance(read_weights(out / f"{name}.pth")[0], straight_weights) | {
+        weights = read_weights(out / f"{name}.pth")[0]
+        runs[name] = weight_distance(weights, straight_weights) | {
+            "tensors": len(weights),
             "log_rows_equal": all(straight_log[step] == loss for step, loss in log.items()),
             "first_resumed_loss_diff": diffs[0]["diff"],
             "final_loss_diff": diffs[-1]["diff"],

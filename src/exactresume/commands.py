@@ -1,0 +1,244 @@
+"""What each `exactresume` command does with its parsed flags (cli.py defines the flags).
+
+Every command ends with `emit`: its closing summary (summaries.py) as aligned text, or with `--json`
+as one JSON object on stdout. The heavy imports (torch) happen inside the commands, so `--help`
+and a refused flag stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from exactresume import summaries
+from exactresume.errors import UserError
+from exactresume.flags import config_from_args
+from exactresume.progress import mode_from_args
+
+
+def emit(args: argparse.Namespace, summary: dict, render: Callable[[dict], list[str]], gap: bool = True) -> None:
+    """The command's closing summary on the real stdout (main sends everything else elsewhere under --json)."""
+    if getattr(args, "quiet", False) or getattr(args, "no_summary", False):
+        return
+    stream = getattr(args, "summary_stream", None) or sys.stdout
+    if getattr(args, "json", False):
+        print(json.dumps(summary, indent=2), file=stream, flush=True)
+        return
+    text = "\n".join(render(summary))
+    print(("\n" if gap else "") + text, file=stream, flush=True)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from exactresume.core.data import PrepareConfig, prepare
+
+    mode = mode_from_args(args)
+    manifest = args.out / "manifest.json"
+    before = manifest.stat() if manifest.exists() else None
+    prepare(
+        PrepareConfig(corpus=args.corpus, tokenizer=args.tokenizer, vocab_size=args.vocab_size),
+        args.out,
+        log=print if mode != "none" else lambda message: None,
+        progress_mode=mode,
+    )
+    after = manifest.stat()
+    # A reused folder's manifest is the file that was there; a new one was renamed into place.
+    reused = before is not None and (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+    emit(args, summaries.prepare_summary(args.out, reused), summaries.render_prepare)
+    return 0
+
+
+def train_job(args: argparse.Namespace):
+    from exactresume.training.job import TrainJob
+
+    skip = frozenset(name for flag, name in ((args.no_optim, "optimizer"), (args.no_skip, "gen_state")) if flag)
+    return TrainJob(
+        config_from_args(args),
+        args.data,
+        args.out,
+        stop_at=args.stop_at,
+        resume=args.resume,
+        skip_parts=skip,
+        weights=args.weights,
+        log=args.log,
+        samples=args.samples,
+        save_every=args.save_every,
+        keep=args.keep or None,
+        allow_change=frozenset(args.allow_change),
+        async_save=args.async_save,
+        sharded=args.sharded,
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from exactresume.dist.launcher import check_split, launch
+    from exactresume.world import World, launched_by_torchrun
+
+    argv = getattr(args, "argv", sys.argv[1:])  # main sets it; a caller of its own may not
+    if not launched_by_torchrun():
+        check_split(args.batch, args.nproc, args.grad_accum, args.micro_batch)
+        if args.nproc > 1:  # every process checks the other flags itself; this one sums up
+            job = train_job(args)
+            code = launch([*argv, "--no-summary"], args.nproc)
+            if code == 0:
+                emit(args, summaries.train_summary(job, argv, args.divergence), summaries.render_train)
+            return code
+    job, world = train_job(args), World.from_env()
+    code = train_here(args, job, world)
+    if code == 0 and world.is_main:
+        emit(args, summaries.train_summary(job, argv, args.divergence), summaries.render_train)
+    return code
+
+
+def train_here(args: argparse.Namespace, job, world) -> int:
+    """The run in this process (one rank of many under torchrun)."""
+    from exactresume.dist.replicas import process_group
+    from exactresume.progress import Progress
+    from exactresume.training.divergence import DivergenceLog
+    from exactresume.training.job import run_job
+    from exactresume.training.preemption import PREEMPTED_EXIT, Preempted
+
+    progress = Progress(job.stop_at or job.config.steps, args.label, mode_from_args(args) if world.is_main else "none")
+    # Rank 0 steps the twin (one process on the whole global batch) and writes the log.
+    divergence = DivergenceLog(job, args.divergence) if args.divergence and world.is_main else None
+
+    def on_start(run) -> None:
+        if divergence:
+            divergence.attach(run)
+        progress.begin(run.step.value)
+
+    def on_step(record) -> None:
+        if divergence:
+            divergence.record(record)
+        progress.update(record.step, loss=record.loss)
+
+    try:
+        with process_group(world):
+            run_job(job, on_step=on_step, on_start=on_start, world=world)
+    except Preempted as stop:
+        print(f"exactresume train: {stop}", file=sys.stderr)
+        return PREEMPTED_EXIT
+    finally:
+        progress.close()
+    if divergence:
+        divergence.write()
+    return 0
+
+
+def resume_source(text: str) -> Path | str:
+    """--resume's value: 'auto', or a resume file or checkpoint folder."""
+    return text if text == "auto" else Path(text)
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    from exactresume.lab.warm_start import start_server
+
+    train = config_from_args(args)
+    if 1 <= args.stop_at < train.steps:  # else LabConfig refuses it below: start nothing for a refusal
+        start_server()  # before importing torch here, so the fork server's imports overlap with ours
+    from exactresume.dist.launcher import check_split
+    from exactresume.lab.lab import LabConfig, run_lab
+    from exactresume.world import launched_by_torchrun
+
+    if launched_by_torchrun():
+        raise UserError("run the lab as one process: with --nproc N it starts each training run on N processes")
+    check_split(args.batch, args.nproc, args.grad_accum, args.micro_batch)
+    config = LabConfig(
+        train=train,
+        stop_at=args.stop_at,
+        data=args.data,
+        out=args.out,
+        lang=args.lang,
+        ablate=args.ablate,
+        nproc=args.nproc,
+    )
+    run_lab(config, progress_mode=mode_from_args(args))
+    emit(args, summaries.lab_summary(args.out), summaries.render_lab)
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from exactresume.lab.ablate import ABLATION_VERSION, AblationConfig, run_ablation
+    from exactresume.report.tables import render_markdown, write_readme_block
+
+    if args.markdown is None:
+        if args.out is None or args.readme is not None:
+            raise UserError(
+                "give --out DIR to run the ablation, or --markdown ablation.json [--readme FILE] to render one"
+            )
+        config = AblationConfig(
+            train=config_from_args(args),
+            stop_at=args.stop_at,
+            data=args.data,
+            out=args.out,
+            dropout=args.ablation_dropout,
+        )
+        run_ablation(config)
+        emit(args, summaries.ablate_summary(args.out), summaries.render_ablate)
+        return 0
+    try:
+        ablation = json.loads(args.markdown.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot read the ablation {args.markdown}: {error}") from None
+    if not isinstance(ablation, dict) or ablation.get("version") != ABLATION_VERSION:
+        raise UserError(f"{args.markdown} is not an ablation.json of version {ABLATION_VERSION}")
+    if args.readme is None:
+        print(render_markdown(ablation))
+    else:
+        write_readme_block(args.readme, ablation)
+        emit(args, {"command": "ablate", "readme": str(args.readme)}, lambda s: [f"wrote the table into {s['readme']}"])
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from exactresume.core.compare import tensor_differences
+    from exactresume.store.weights import read_weights
+
+    differences = tensor_differences(read_weights(args.a)[0], read_weights(args.b)[0])
+    worst = max(differences.values())
+    summary = {
+        "command": "diff",
+        "a": str(args.a),
+        "b": str(args.b),
+        "tensors": len(differences),
+        "max_abs_diff": worst,
+        "atol": args.atol,
+        "equal": worst <= args.atol,
+        "over_atol": {name: value for name, value in differences.items() if value > args.atol},
+    }
+    emit(args, summary, render_diff, gap=False)
+    return 0 if summary["equal"] else 1
+
+
+def render_diff(summary: dict) -> list[str]:
+    lines = [f"{value:.3e}  {name}" for name, value in summary["over_atol"].items()]
+    verdict = "equal" if summary["equal"] else "different"
+    tensors, worst, atol = summary["tensors"], summary["max_abs_diff"], summary["atol"]
+    return lines + [f"{tensors} tensors, max abs difference {worst:.3e}: {verdict} (atol {atol:g})"]
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from exactresume.store.inspect import format_inspection, inspect_checkpoint
+
+    emit(args, inspect_checkpoint(args.path), lambda info: [format_inspection(info)], gap=False)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from exactresume.store.export import ExportConfig, describe_export, export_weights, format_for
+
+    config = ExportConfig(
+        args.source,
+        args.out,
+        dtype=args.dtype,
+        format=args.format or format_for(args.out),
+        clamp=args.clamp,
+        data=args.data,
+    )
+    result = export_weights(config)
+    summary = {"command": "export", "source": str(config.source), "out": str(config.out), "dtype": config.dtype}
+    summary |= {"format": config.format} | result
+    emit(args, summary, lambda s: describe_export(config, result), gap=False)
+    return 0
