@@ -83,6 +83,8 @@ class Resumed:
         saved = self.saved_world_size
         if saved == world.size:
             return None
+        if self.state["config"]["train"].get("micro_batch"):
+            return f"resuming a {saved}-process run on {world.size}: the N-independent mode, the same bits"
         return (
             f"resuming a {saved}-process run on {world.size}: the same samples; "
             "weights equal up to the order of floating-point reduction"
