@@ -237,6 +237,7 @@ def test_io_error_at_each_save_stage_stops_cleanly(tmp_path, kjv_folder, monkeyp
     assert_storage_error(
         finished, "checkpoint at step 4", "ENOSPC" if error == "enospc" else "EIO", "step-00000002.pth is intact"
     )
+    assert ("free space" in finished.stderr) == (error == "enospc")  # the advice follows the cause
     assert checkpoint_files(tmp_path) == ([2], [])
     assert not (tmp_path / "final.pth").exists()
 

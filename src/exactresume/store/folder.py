@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 import torch
 
 from exactresume.atomic import TMP_SUFFIX, fsync_folder, tmp_path
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, ReadBackError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.resume import RESUME_FORMAT, RESUME_VERSION, Stateful, capture
 from exactresume.store.resume import restore as restore_parts
@@ -150,7 +150,7 @@ class CheckpointStore:
             raise
         except CheckpointError as error:
             _remove_quietly(path)
-            raise OSError(errno.EIO, f"the checkpoint read back damaged ({error})") from None
+            raise ReadBackError(errno.EIO, f"the checkpoint read back damaged ({error})") from None
 
     def _retain(self, step: int) -> None:
         """Delete all but the newest `keep` checkpoints up to `step`; a failure here only warns."""

@@ -33,6 +33,7 @@ from exactresume.store.folder import CheckpointStore, snapshot
 from exactresume.store.resume import PART_NAMES, per_rank, restore
 from exactresume.store.steplog import LOSS_HEADER, SAMPLES_HEADER, StepLog
 from exactresume.store.weights import save_weights
+from exactresume.training.advice import advice
 from exactresume.training.loop import Run, StepRecord, build_run, lr_at, train
 from exactresume.training.parts import describe
 from exactresume.training.preemption import Preempted, PreemptionGuard
@@ -208,17 +209,17 @@ class Checkpointer:
             if not isinstance(failed.error, OSError):
                 raise failed.error from None
             raise storage_error(
-                f"the checkpoint at step {failed.step} in {self.store.folder}", failed.error, self._intact()
+                f"the checkpoint at step {failed.step} in {self.store.folder}", failed.error, self._intact(failed.error)
             ) from None
         except OSError as error:
             raise storage_error(
-                f"the checkpoint at step {step} in {self.store.folder}", error, self._intact()
+                f"the checkpoint at step {step} in {self.store.folder}", error, self._intact(error)
             ) from None
 
-    def _intact(self) -> str:
+    def _intact(self, error: BaseException) -> str:
         existing = self.store.checkpoints()
         newest = f"{existing[-1].path} is intact" if existing else "no earlier checkpoint exists"
-        return f"; training stopped, {newest} (free space, then rerun with --resume auto)"
+        return f"; training stopped, {newest} ({advice(error)})"
 
 
 def _check_outputs(job: TrainJob) -> None:
