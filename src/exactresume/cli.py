@@ -116,6 +116,31 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+def add_writer_flags(parser: argparse.ArgumentParser) -> None:
+    """--wait-lock for every command that writes a run folder."""
+    parser.add_argument(
+        "--wait-lock",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="if another process is writing --out, wait up to this long for it to finish (default: refuse at once)",
+    )
+
+
+def lock_out(args: argparse.Namespace, rank: int = 0):
+    """The lock on --out for the process that writes it (rank 0); other ranks hold none."""
+    from contextlib import nullcontext
+
+    from exactresume.store.lock import FolderLock
+
+    if rank != 0:
+        return nullcontext()
+    if args.wait_lock < 0:
+        raise UserError(f"--wait-lock must be at least 0 seconds, got {args.wait_lock:g}")
+    notify = lambda message: print(f"exactresume {args.command}: {message}", file=sys.stderr, flush=True)
+    return FolderLock.acquire(args.out, wait=args.wait_lock, notify=notify)
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from exactresume.core.data import PrepareConfig, prepare
 
@@ -177,7 +202,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress.update(record.step, loss=record.loss)
 
     try:
-        with process_group(world):
+        with lock_out(args, world.rank), process_group(world):
             run_job(job, on_step=on_step, on_start=on_start, world=world)
     except Preempted as stop:
         print(f"exactresume train: {stop}", file=sys.stderr)
@@ -207,6 +232,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         raise UserError("run the lab as one process: with --nproc N it starts each training run on N processes")
     check_batch_split(args.batch, args.nproc, args.grad_accum)
+    lock = lock_out(args)  # released below; on an error, when it is collected or the process ends
+    lock.share_with_children()  # the lab's training processes write --out under this lock
     run_lab(
         LabConfig(
             train=train,
@@ -219,6 +246,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
         ),
         progress_mode=mode_from_args(args),
     )
+    lock.release()
     return 0
 
 
@@ -233,6 +261,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
             raise UserError(
                 "give --out DIR to run the ablation, or --markdown ablation.json [--readme FILE] to render one"
             )
+        lock = lock_out(args)
         run_ablation(
             AblationConfig(
                 train=train_config(args),
@@ -242,6 +271,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
                 dropout=args.ablation_dropout,
             )
         )
+        lock.release()
         return 0
     try:
         ablation = json.loads(args.markdown.read_text())
@@ -359,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write the resume state as OUT/resume.dcp, a torch.distributed.checkpoint folder",
     )
+    add_writer_flags(train)
     train.set_defaults(func=cmd_train)
 
     lab = commands.add_parser("lab", help="the whole lab: straight, stop, resume, ablations, fp16, report")
@@ -373,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_progress_flags(lab)
     add_process_flag(lab)
+    add_writer_flags(lab)
     lab.set_defaults(func=cmd_lab)
 
     ablate = commands.add_parser(
@@ -390,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument(
         "--readme", type=Path, help="with --markdown: write the table between the ablation markers of this file"
     )
+    add_writer_flags(ablate)
     ablate.set_defaults(func=cmd_ablate)
 
     diff = commands.add_parser("diff", help="per-tensor max abs difference of two weights or resume files")

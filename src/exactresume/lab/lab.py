@@ -23,6 +23,7 @@ from exactresume.core.data import ensure_data
 from exactresume.errors import UserError
 from exactresume.lab import warm_start
 from exactresume.store.inspect import resume_size_breakdown
+from exactresume.store.lock import held_lock_env
 from exactresume.store.resume import load_resume
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.store.weights import load_model, read_weights, save_weights
@@ -140,7 +141,8 @@ def run_training_process(
             progress_mode,
             "--label",
             label,
-        ]
+        ],
+        env=held_lock_env(),  # the lab holds the lock on --out for its training processes (cli.cmd_lab)
     )
     if progress_mode != "none" and finished.stdout:
         print(finished.stdout, end="", flush=True)
