@@ -18,6 +18,7 @@ with 74, a run stopped by SIGTERM/SIGINT after saving a checkpoint with 75 (see 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -116,8 +117,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def add_writer_flags(parser: argparse.ArgumentParser) -> None:
-    """--wait-lock for every command that writes a run folder."""
+def add_writer_flags(parser: argparse.ArgumentParser, plan: bool = False) -> None:
+    """--wait-lock for every command that writes a run folder; --force and --dry-run for train's plan."""
     parser.add_argument(
         "--wait-lock",
         type=float,
@@ -125,6 +126,13 @@ def add_writer_flags(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="if another process is writing --out, wait up to this long for it to finish (default: refuse at once)",
     )
+    if plan:
+        parser.add_argument(
+            "--force", action="store_true", help="start even when the memory or disk estimate says it will not fit"
+        )
+        parser.add_argument(
+            "--dry-run", action="store_true", help="print the run's plan (parameters, memory, disk) and exit"
+        )
 
 
 def lock_out(args: argparse.Namespace, rank: int = 0):
@@ -139,6 +147,18 @@ def lock_out(args: argparse.Namespace, rank: int = 0):
         raise UserError(f"--wait-lock must be at least 0 seconds, got {args.wait_lock:g}")
     notify = lambda message: print(f"exactresume {args.command}: {message}", file=sys.stderr, flush=True)
     return FolderLock.acquire(args.out, wait=args.wait_lock, notify=notify)
+
+
+def check_plan(args: argparse.Namespace) -> bool:
+    """Refuse a run that cannot fit, before any tensor exists; True when --dry-run printed the plan."""
+    from exactresume.training.plan import plan_run, preflight
+
+    plan = plan_run(train_config(args), args.nproc, args.save_every, args.keep or None, args.async_save, args.stop_at)
+    folder = args.out / "checkpoints" if args.save_every else args.out
+    if args.dry_run:
+        print("\n".join(plan.lines()))
+    preflight(plan, folder, force=args.force, retained=args.keep != 0, report=print if args.dry_run else None)
+    return args.dry_run
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -156,6 +176,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from exactresume.dist.launcher import check_batch_split, launch
+
+    # The plan before torch is imported: a run that cannot fit is refused at once. (torchrun's ranks
+    # skip it: their launching process checked the whole machine.)
+    if "RANK" not in os.environ and check_plan(args):
+        return 0
     from exactresume.world import launched_by_torchrun
 
     if not launched_by_torchrun():
@@ -389,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write the resume state as OUT/resume.dcp, a torch.distributed.checkpoint folder",
     )
-    add_writer_flags(train)
+    add_writer_flags(train, plan=True)
     train.set_defaults(func=cmd_train)
 
     lab = commands.add_parser("lab", help="the whole lab: straight, stop, resume, ablations, fp16, report")
