@@ -41,6 +41,7 @@ class FolderLock:
 
     def __init__(self, folder: Path, fd: int | None, token: str):
         self.folder, self.fd, self.token, self.shared = folder, fd, token, False
+        self.pid = os.getpid()  # a forked child (a DataLoader worker) shares the lock but must not delete it
 
     @property
     def path(self) -> Path:
@@ -112,7 +113,7 @@ class FolderLock:
             return
         fd, self.fd = self.fd, None
         with contextlib.suppress(OSError):
-            if _same_file(fd, self.path):
+            if os.getpid() == self.pid and _same_file(fd, self.path):
                 self.path.unlink()
         os.close(fd)
 
