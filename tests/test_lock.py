@@ -183,3 +183,16 @@ def test_readers_take_no_lock(tmp_path, kjv_folder, reference):
     with FolderLock.acquire(reference):
         assert call_cli("inspect", reference / "checkpoints" / "step-00000008.pth").returncode == 0
         assert call_cli("diff", reference / "final.pth", reference / "final.pth").returncode == 0
+
+
+def test_under_many_processes_rank_0_takes_the_lock(tmp_path, kjv_folder):
+    """--nproc 2 into a folder being written: rank 0 is refused, and the launcher says so in one line."""
+    with FolderLock.acquire(tmp_path):
+        finished = subprocess.run(
+            [sys.executable, "-m", "exactresume.cli", *flags(tmp_path, kjv_folder, "--nproc", 2, "--quiet")],
+            capture_output=True,
+            text=True,
+            env=CHILD_ENV,
+        )
+    assert_one_line_error(finished, f"{tmp_path} is being written by pid {os.getpid()}")
+    assert not (tmp_path / "checkpoints").exists()
