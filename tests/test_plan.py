@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -129,3 +130,9 @@ def test_disk_check_counts_the_checkpoints_retention_will_delete(tmp_path, monke
     with pytest.raises(plan_module.UserError, match="needs about 21 MB free"):
         check_disk(plan, tmp_path, existing)
     assert os.path.getsize(tmp_path / "step-00000002.pth") == plan.checkpoint_bytes
+
+
+def test_the_plan_takes_the_tokenizers_vocabulary(tmp_path, tiny_folder):
+    params = parameter_count(replace(PRESETS["default"], vocab_size=270))  # tiny_folder's tokenizer
+    finished = call_cli("train", "--out", tmp_path, "--data", tiny_folder, "--dry-run")
+    assert finished.returncode == 0 and f"{params:,} parameters" in finished.stdout, finished.stdout

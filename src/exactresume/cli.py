@@ -151,9 +151,17 @@ def lock_out(args: argparse.Namespace, rank: int = 0):
 
 def check_plan(args: argparse.Namespace) -> bool:
     """Refuse a run that cannot fit, before any tensor exists; True when --dry-run printed the plan."""
-    from exactresume.training.plan import plan_run, preflight
+    from exactresume.training.plan import data_vocab_size, plan_run, preflight
 
-    plan = plan_run(train_config(args), args.nproc, args.save_every, args.keep or None, args.async_save, args.stop_at)
+    plan = plan_run(
+        train_config(args),
+        args.nproc,
+        args.save_every,
+        args.keep or None,
+        args.async_save,
+        args.stop_at,
+        vocab_size=data_vocab_size(args.data),
+    )
     folder = args.out / "checkpoints" if args.save_every else args.out
     if args.dry_run:
         print("\n".join(plan.lines()))

@@ -21,9 +21,10 @@ against runs that are many times too big, not an allocator.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from exactresume.config import ModelConfig, TrainConfig
@@ -83,16 +84,20 @@ def plan_run(
     keep: int | None = 3,
     async_save: bool = False,
     stop_at: int | None = None,
+    vocab_size: int | None = None,
 ) -> RunPlan:
-    """The plan of a run of `config` on `processes` processes, checkpointing as the flags say."""
-    model = config.model
+    """The plan of a run of `config` on `processes` processes, checkpointing as the flags say.
+
+    `vocab_size`: the tokenizer's (data_vocab_size), which the model takes over the preset's.
+    """
+    model = replace(config.model, vocab_size=vocab_size or config.model.vocab_size)
     params = parameter_count(model)
     checkpoint = 3 * params * FP32 + CHECKPOINT_OVERHEAD  # weights, exp_avg, exp_avg_sq
     memory = {
         "weights": params * FP32 + (params * 2 if config.dtype != "fp32" else 0),
         "gradients": params * FP32,
         "adamw": 2 * params * FP32,
-        **step_memory(config, processes),
+        **step_memory(config, model, processes),
     }
     if async_save:
         memory["staging"] = checkpoint
@@ -100,9 +105,8 @@ def plan_run(
     return RunPlan(config, processes, params, memory, checkpoint, disk, what)
 
 
-def step_memory(config: TrainConfig, processes: int) -> dict[str, int]:
+def step_memory(config: TrainConfig, model: ModelConfig, processes: int) -> dict[str, int]:
     """The activations, attention working set and loss head of one micro-batch's forward and backward."""
-    model = config.model
     h, kv, inner = model.hidden_size, model.num_key_value_heads * model.head_dim, model.intermediate_size
     micro = max(1, config.batch // (processes * config.grad_accum))
     tokens = micro * config.seq_len
@@ -130,6 +134,15 @@ def disk_need(
         )
         return saves * checkpoint + final, f"all {saves} checkpoints kept, and {final_what}"
     return (keep + 1) * checkpoint, f"{keep} checkpoints kept by --keep and 1 being written"
+
+
+def data_vocab_size(folder: Path) -> int | None:
+    """The vocabulary of a prepared data folder, from its manifest (None when it cannot be read)."""
+    try:
+        size = json.loads((Path(folder) / "manifest.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def check_seq_len(config: TrainConfig) -> None:
