@@ -196,3 +196,9 @@ def test_under_many_processes_rank_0_takes_the_lock(tmp_path, kjv_folder):
         )
     assert_one_line_error(finished, f"{tmp_path} is being written by pid {os.getpid()}")
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_wait_lock_without_auto_resume_is_refused(tmp_path, kjv_folder):
+    finished = call_cli("train", "--out", tmp_path / "run", "--data", kjv_folder, *SMALL, "--wait-lock", 5)
+    assert_one_line_error(finished, "--wait-lock needs --resume auto")
+    assert not (tmp_path / "run").exists()

@@ -145,6 +145,9 @@ def lock_out(args: argparse.Namespace, rank: int = 0):
         return nullcontext()
     if args.wait_lock < 0:
         raise UserError(f"--wait-lock must be at least 0 seconds, got {args.wait_lock:g}")
+    if args.wait_lock and args.command == "train" and args.resume != "auto":
+        # Waiting is for a requeued job: it must continue from what the other left, not start over its log.
+        raise UserError("--wait-lock needs --resume auto: after the wait the run continues from the newest checkpoint")
     notify = lambda message: print(f"exactresume {args.command}: {message}", file=sys.stderr, flush=True)
     return FolderLock.acquire(args.out, wait=args.wait_lock, notify=notify)
 
