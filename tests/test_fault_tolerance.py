@@ -219,8 +219,9 @@ def small_disk(tmp_path):
 
 def test_full_disk_stops_with_previous_checkpoint_intact_then_resumes(small_disk, kjv_folder, reference):
     folder = small_disk / "run"
-    finished = call_cli(*chaos_flags(folder, kjv_folder))  # a refusal: in this process, on one thread
-    assert_storage_error(finished, "No space left on device", "step 4", "step-00000002.pth is intact")
+    # --force past the disk check before the first checkpoint (test_plan.py): the disk fills mid-run.
+    finished = call_cli(*chaos_flags(folder, kjv_folder), "--force")  # a refusal: in this process, on one thread
+    assert_storage_error(finished, "No space left on device", "step 4", "step-00000002.pth is intact", "free space")
     assert checkpoint_files(folder) == ([2], [])
     assert not (folder / "final.pth").exists()
     subprocess.run(["mount", "-o", "remount,size=100m", str(small_disk)], check=True)  # space freed
@@ -237,6 +238,7 @@ def test_io_error_at_each_save_stage_stops_cleanly(tmp_path, kjv_folder, monkeyp
     assert_storage_error(
         finished, "checkpoint at step 4", "ENOSPC" if error == "enospc" else "EIO", "step-00000002.pth is intact"
     )
+    assert ("free space" in finished.stderr) == (error == "enospc")  # the advice follows the cause
     assert checkpoint_files(tmp_path) == ([2], [])
     assert not (tmp_path / "final.pth").exists()
 

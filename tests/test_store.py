@@ -8,6 +8,7 @@ import torch
 from exactresume.errors import UserError
 from exactresume.store.faults import FAULT_ENV, STAGES, Fault
 from exactresume.store.folder import CheckpointStore, checkpoint_name
+from exactresume.store.lock import LOCK_NAME
 from exactresume.store.sealed import save_sealed
 from exactresume.training.parts import GeneratorPart, GlobalRng
 
@@ -36,7 +37,8 @@ def quiet_store(folder, keep=3, messages=None) -> CheckpointStore:
 
 
 def names(folder) -> list[str]:
-    return sorted(p.name for p in folder.iterdir())
+    """The folder's files, less the lock a live store holds on it."""
+    return sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
 
 
 def test_restore_continues_exactly(tmp_path):
@@ -50,6 +52,7 @@ def test_restore_continues_exactly(tmp_path):
         advance(first)
     assert store.save(3, first) == tmp_path / checkpoint_name(3)
     advance(first)  # progress after the checkpoint is lost in the "crash"
+    store.close()  # the crashed writer's lock is gone
 
     second = make_parts(seed=99)  # a different start, overwritten by the restore
     assert quiet_store(tmp_path).restore(second) == 3
@@ -70,6 +73,7 @@ def test_retention_keeps_newest_and_only_after_the_new_one_is_verified(tmp_path)
         store.save(step, parts)
     assert names(tmp_path) == [checkpoint_name(30), checkpoint_name(40)]
     assert [c.step for c in store.checkpoints()] == [30, 40]
+    store.close()  # one writer per folder: the next store writes once this one is done
     keep_all = quiet_store(tmp_path, keep=None)
     keep_all.save(50, parts)
     assert len(keep_all.checkpoints()) == 3
@@ -83,8 +87,10 @@ def test_failed_save_leaves_previous_checkpoint_and_no_partial_file(tmp_path, mo
     before = (tmp_path / checkpoint_name(1)).read_bytes()
     advance(parts)
     monkeypatch.setenv(FAULT_ENV, f"{stage}:{action}")
+    failing = quiet_store(tmp_path, keep=1)
     with pytest.raises(OSError) as failure:
-        quiet_store(tmp_path, keep=1).save(2, parts)
+        failing.save(2, parts)
+    failing.close()  # the failed writer stops; the next one may restore
     assert failure.value.errno == (28 if action == "enospc" else 5)
     assert names(tmp_path) == [checkpoint_name(1)]  # no .tmp, no new file, the old one not pruned
     assert (tmp_path / checkpoint_name(1)).read_bytes() == before
@@ -127,6 +133,7 @@ def test_restore_skips_a_damaged_newest_checkpoint_and_says_so(tmp_path, damage)
     store.save(1, parts)
     advance(parts)
     store.save(2, parts)
+    store.close()  # the writer is done; the damage comes from outside
     newest = tmp_path / checkpoint_name(2)
     data = newest.read_bytes()
     if damage == "truncated":

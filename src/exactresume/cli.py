@@ -42,6 +42,7 @@ from exactresume.flags import (
     add_config_flags,
     add_groups,
 )
+from exactresume.guards import add_writer_flags
 from exactresume.progress import add_progress_flags
 
 DEFAULT_DATA = Path("data/kjv")
@@ -101,6 +102,7 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
     add_config_flags(groups)
     checkpoints = groups[CHECKPOINTS_GROUP]
     checkpoints.add_argument("--stop-at", type=int, help="stop after this step and write OUT/resume.pth")
+    add_writer_flags(checkpoints, plan=True)
     checkpoints.add_argument(
         "--resume",
         type=resume_source,
@@ -179,6 +181,7 @@ def lab_parser(parser: argparse.ArgumentParser) -> None:
     outputs.add_argument("--out", type=Path, required=True, help="output folder")
     outputs.add_argument("--lang", choices=("ko", "en", "zh"), default="ko", help="language of the report's body")
     add_output_flags(outputs)
+    add_writer_flags(outputs)
     add_process_flag(groups[PROCESSES_GROUP])
 
 
@@ -199,6 +202,7 @@ def ablate_parser(parser: argparse.ArgumentParser) -> None:
     )
     groups[OUTPUTS_GROUP].add_argument("--out", type=Path, help="output folder")
     add_output_flags(groups[OUTPUTS_GROUP], progress=False)
+    add_writer_flags(groups[OUTPUTS_GROUP])
 
 
 def diff_parser(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from exactresume import summaries
 from exactresume.errors import UserError
 from exactresume.flags import config_from_args
+from exactresume.guards import check_plan, lock_out
 from exactresume.progress import mode_from_args
 
 
@@ -77,6 +78,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from exactresume.world import World, launched_by_torchrun
 
     argv = getattr(args, "argv", sys.argv[1:])  # main sets it; a caller of its own may not
+    # The plan before the run is built: a run that cannot fit is refused at once. (torchrun's ranks
+    # skip it: their launching process checked the whole machine.)
+    if not launched_by_torchrun() and check_plan(args):
+        return 0
     if not launched_by_torchrun():
         check_split(args.batch, args.nproc, args.grad_accum, args.micro_batch)
         if args.nproc > 1:  # every process checks the other flags itself; this one sums up
@@ -115,7 +120,7 @@ def train_here(args: argparse.Namespace, job, world) -> int:
         progress.update(record.step, loss=record.loss)
 
     try:
-        with process_group(world):
+        with lock_out(args, world.rank), process_group(world):
             run_job(job, on_step=on_step, on_start=on_start, world=world)
     except Preempted as stop:
         print(f"exactresume train: {stop}", file=sys.stderr)
@@ -154,7 +159,10 @@ def cmd_lab(args: argparse.Namespace) -> int:
         ablate=args.ablate,
         nproc=args.nproc,
     )
+    lock = lock_out(args)  # released below; on an error, when the process ends
+    lock.share_with_children()  # the lab's training processes write --out under this lock
     run_lab(config, progress_mode=mode_from_args(args))
+    lock.release()
     emit(args, summaries.lab_summary(args.out), summaries.render_lab)
     return 0
 
@@ -175,7 +183,9 @@ def cmd_ablate(args: argparse.Namespace) -> int:
             out=args.out,
             dropout=args.ablation_dropout,
         )
+        lock = lock_out(args)
         run_ablation(config)
+        lock.release()
         emit(args, summaries.ablate_summary(args.out), summaries.render_ablate)
         return 0
     try:

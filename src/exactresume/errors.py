@@ -19,3 +19,7 @@ class StorageError(UserError):
     """A write failed (disk full, I/O error); what was written before it is intact."""
 
     exit_code = 74  # sysexits.h EX_IOERR: a scheduler can tell "free space and retry" from bad input
+
+
+class ReadBackError(OSError):
+    """A file that was written and fsynced but did not read back as written (errno EIO)."""

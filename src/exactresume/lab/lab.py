@@ -24,6 +24,7 @@ from exactresume.flags import config_flags
 from exactresume.lab import warm_start
 from exactresume.store.export import convert, max_logit_difference
 from exactresume.store.inspect import resume_size_breakdown
+from exactresume.store.lock import held_lock_env
 from exactresume.store.resume import load_resume
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.store.weights import read_weights, save_weights
@@ -109,7 +110,8 @@ def run_training_process(
             "--label",
             label,
             "--no-summary",  # the lab ends with its own summary
-        ]
+        ],
+        env=held_lock_env(),  # the lab holds the lock on --out for its training processes (cli.cmd_lab)
     )
     if progress_mode != "none" and finished.stdout:
         print(finished.stdout, end="", flush=True)

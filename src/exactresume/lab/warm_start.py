@@ -59,14 +59,19 @@ def stop_server() -> None:
         _server = None
 
 
-def run_cli(argv: list[str]) -> subprocess.CompletedProcess:
-    """`exactresume ARGV` in a new process: its exit code (negative: killed by that signal) and output."""
+def run_cli(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`exactresume ARGV` in a new process: its exit code (negative: killed by that signal) and output.
+
+    `env`: variables the new process sees beside the environment the server was started with.
+    """
     start_server()
     if _server is None:
-        return subprocess.run([sys.executable, "-m", CLI_MODULE, *argv], capture_output=True, text=True)
+        command = [sys.executable, "-m", CLI_MODULE, *argv]
+        return subprocess.run(command, capture_output=True, text=True, env=os.environ | (env or {}))
     with tempfile.TemporaryDirectory(prefix="exactresume-run-") as folder:
         stdout, stderr = Path(folder, "stdout"), Path(folder, "stderr")
-        _server.stdin.write(json.dumps({"argv": list(argv), "stdout": str(stdout), "stderr": str(stderr)}) + "\n")
+        request = {"argv": list(argv), "stdout": str(stdout), "stderr": str(stderr), "env": env or {}}
+        _server.stdin.write(json.dumps(request) + "\n")
         reply = _server.stdout.readline()
         if not reply:
             raise RuntimeError(f"the warm-start server exited (status {_server.wait()})")
@@ -79,6 +84,7 @@ def _run_child(request: dict) -> None:
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.update(request.get("env", {}))
         # The request pipe is the server's, not ours; output goes to the files at the descriptor
         # level, so that C++ output is captured too.
         for fd, path, flags in (

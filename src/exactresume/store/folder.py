@@ -16,6 +16,11 @@ deleted only after the new one is durable and reads back with the right checksum
 from the newest checkpoint down and skips (and reports) any file that is damaged, foreign or from an
 interrupted copy. One process writes a store; that process removes `.tmp` leftovers of a crashed
 save when it restores.
+
+One writer per folder is enforced: the first save, or a restore that cleans up, locks the folder
+(lock.py) until `close()` (or the end of a `with` block, or of the process); a second store writing
+the same folder, in this process or another, is refused with a UserError naming the holder.
+Listing and `load_newest` take no lock.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from typing import Any
 import torch
 
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, ReadBackError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, check_format
+from exactresume.store.lock import FolderLock
 from exactresume.store.resume import Stateful, capture
 from exactresume.store.resume import restore as restore_parts
 from exactresume.store.sealed import load_sealed, verify, write_sealed
@@ -70,6 +76,24 @@ class CheckpointStore:
             raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), got {keep}")
         self.folder, self.keep, self.notify = Path(folder), keep, notify
         self.faults = FaultPoints.from_environment()
+        self.lock: FolderLock | None = None
+
+    def hold_lock(self) -> None:
+        """Lock the folder for this store's writes (at once if it is free, else UserError)."""
+        if self.lock is None:
+            self.lock = FolderLock.acquire(self.folder)
+
+    def close(self) -> None:
+        """Let another store write the folder (the Saver interface's end)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def path_for(self, step: int) -> Path:
         return self.folder / checkpoint_name(step)
@@ -89,6 +113,8 @@ class CheckpointStore:
 
     def remove_leftovers(self) -> list[Path]:
         """Delete the `.tmp` leftovers of interrupted saves; returns what was removed."""
+        if self.folder.is_dir():
+            self.hold_lock()
         removed = self.leftovers()
         for path in removed:
             path.unlink(missing_ok=True)
@@ -110,6 +136,7 @@ class CheckpointStore:
         """
         path = self.path_for(step)
         self._ensure_folder()
+        self.hold_lock()
         self._write(path, state)
         self._verify_written(path)
         self._retain(step)
@@ -145,7 +172,7 @@ class CheckpointStore:
             raise
         except CheckpointError as error:
             _remove_quietly(path)
-            raise OSError(errno.EIO, f"the checkpoint read back damaged ({error})") from None
+            raise ReadBackError(errno.EIO, f"the checkpoint read back damaged ({error})") from None
 
     def _retain(self, step: int) -> None:
         """Delete all but the newest `keep` checkpoints up to `step`; a failure here only warns."""
@@ -164,9 +191,6 @@ class CheckpointStore:
     def wait(self) -> None:
         """Nothing to wait for: `save` returns once the checkpoint is durable (the Saver interface)."""
 
-    def close(self) -> None:
-        """Nothing to release (the Saver interface)."""
-
     # -- restoring ---------------------------------------------------------------------------------
 
     def load_newest(self, names: Collection[str]) -> tuple[Checkpoint, dict] | None:
@@ -178,13 +202,17 @@ class CheckpointStore:
                 self.notify(f"skipping damaged checkpoint {error}")
         return None
 
-    def restore(self, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> int:
+    def restore(self, parts: Mapping[str, Stateful], skip: Collection[str] = (), clean: bool = True) -> int:
         """Load the newest valid checkpoint into `parts` (except `skip`); its step, or 0 when there is none.
+
+        With `clean` (the writer) it first locks the folder and removes `.tmp` leftovers; without (a
+        reader, such as another rank of a run whose rank 0 writes) it takes no lock.
 
         A run's identity mismatch (a `RunIdentity` part) raises CheckpointError rather than falling
         back to an older file: an older file of a different run is no better.
         """
-        self.remove_leftovers()
+        if clean:
+            self.remove_leftovers()
         found = self.load_newest([name for name in parts if name not in skip])
         if found is None:
             return 0

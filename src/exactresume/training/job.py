@@ -183,7 +183,12 @@ def run_job(job: TrainJob, on_step=lambda record: None, on_start=lambda run: Non
     Under many processes every rank calls this with its `world`; rank 0 writes the files.
     """
     _check_outputs(job)
-    store = CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn if world.is_main else ignore)
+    # The store locks OUT/checkpoints from its first write (rank 0 only) until the run ends.
+    with CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=warn if world.is_main else ignore) as store:
+        return _run_with_store(job, store, on_step, on_start, world)
+
+
+def _run_with_store(job: TrainJob, store: CheckpointStore, on_step, on_start, world: World) -> Run:
     if world.is_main:
         _remove_leftovers(job, store)
     world.barrier()  # no rank reads the store while rank 0 clears it

@@ -16,6 +16,7 @@ from exactresume.store.background import BackgroundSaveFailed
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.resume import per_rank
 from exactresume.store.weights import save_weights
+from exactresume.training.advice import advice
 from exactresume.training.joblog import RunLogs, storage_error
 from exactresume.training.loop import Run
 from exactresume.world import World
@@ -61,17 +62,17 @@ class Checkpointer:
             if not isinstance(failed.error, OSError):
                 raise failed.error from None
             raise storage_error(
-                f"the checkpoint at step {failed.step} in {self.store.folder}", failed.error, self._intact()
+                f"the checkpoint at step {failed.step} in {self.store.folder}", failed.error, self._intact(failed.error)
             ) from None
         except OSError as error:
             raise storage_error(
-                f"the checkpoint at step {step} in {self.store.folder}", error, self._intact()
+                f"the checkpoint at step {step} in {self.store.folder}", error, self._intact(error)
             ) from None
 
-    def _intact(self) -> str:
+    def _intact(self, error: BaseException) -> str:
         existing = self.store.checkpoints()
         newest = f"{existing[-1].path} is intact" if existing else "no earlier checkpoint exists"
-        return f"; training stopped, {newest} (free space, then rerun with --resume auto)"
+        return f"; training stopped, {newest} ({advice(error)})"
 
 
 def write_outputs(run: Run, resume_file: Path | None, weights_file: Path, sharded: bool, world: World) -> None:

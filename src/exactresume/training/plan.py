@@ -1,0 +1,261 @@
+"""What a run will need, from its shapes alone, and the refusal of a run that cannot fit.
+
+    plan = plan_run(config, save_every=10, keep=3)   # arithmetic only: no tensor, no torch import
+    print("\\n".join(plan.lines()))                    # exactresume train --dry-run
+    check_fits(plan, available_memory())             # UserError: "needs about 48 GB, 21 GB available; ..."
+
+The memory estimate of one process is the sum of its largest residents during a step:
+
+    weights      fp32 parameters (the tied lm_head counted once), plus a half-precision copy under autocast
+    gradients    one per parameter, fp32
+    adamw        exp_avg and exp_avg_sq, fp32
+    activations  what backward keeps per layer, for micro-batch x seq-len tokens x layers
+    attention    one layer's score matrix and its softmax, micro-batch x heads x seq-len^2
+    head         the chunked cross-entropy's saved gradients and one chunk of logits
+    staging      --async-save's copy of the state (weights and AdamW), kept between saves
+
+Under --nproc N each of N processes holds all of it for its 1/N of the batch. The estimate errs on
+the high side (what backward keeps is counted as if nothing were freed early); it is a guard
+against runs that are many times too big, not an allocator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from exactresume.config import ModelConfig, TrainConfig
+from exactresume.errors import UserError
+
+FP32 = 4
+CHECKPOINT_OVERHEAD = 256 << 10  # RNG states, the batch generator, config, zip records
+LOGIT_CHUNK_BYTES = 4 << 20  # model.LOGIT_CHUNK_BYTES (not imported: that module imports torch)
+CHECKPOINT_FILE = re.compile(r"^step-\d{8,}\.pth$")  # folder.CHECKPOINT_NAME (that module imports torch)
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """The model's parameters, the tied embedding counted once (what `model.parameters()` yields)."""
+    h, kv = model.hidden_size, model.num_key_value_heads * model.head_dim
+    attention = 2 * h * h + 2 * h * kv + 2 * model.head_dim  # q, o; k, v; q_norm, k_norm
+    block = attention + 3 * h * model.intermediate_size + 2 * h  # SwiGLU; two RMSNorms
+    return model.vocab_size * h + model.num_hidden_layers * block + h  # embedding (= lm_head); final norm
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run's size: its parameters, each process's memory by part, its files on disk."""
+
+    config: TrainConfig
+    processes: int
+    parameters: int
+    memory: dict[str, int]  # part -> bytes, one process
+    checkpoint_bytes: int
+    disk_bytes: int  # free space the run's writes need at their peak
+    disk_what: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def memory_bytes(self) -> int:
+        """All processes on this machine together."""
+        return sum(self.memory.values()) * self.processes
+
+    def lines(self) -> list[str]:
+        c = self.config
+        micro = c.batch // (self.processes * c.grad_accum)
+        per = f" per process, x{self.processes}" if self.processes > 1 else ""
+        parts = ", ".join(f"{name} {human(size)}" for name, size in self.memory.items())
+        return [
+            f"model: {c.preset}, {self.parameters:,} parameters",
+            f"shape: batch {c.batch} (micro-batch {micro} x {c.grad_accum} accumulated{per}), seq-len {c.seq_len}",
+            f"memory: about {human(self.memory_bytes)} ({parts}{per})",
+            f"checkpoint: about {human(self.checkpoint_bytes)} each",
+            f"disk: about {human(self.disk_bytes)} free needed ({self.disk_what})",
+            *self.notes,
+        ]
+
+
+def plan_run(
+    config: TrainConfig,
+    processes: int = 1,
+    save_every: int | None = None,
+    keep: int | None = 3,
+    async_save: bool = False,
+    stop_at: int | None = None,
+    vocab_size: int | None = None,
+) -> RunPlan:
+    """The plan of a run of `config` on `processes` processes, checkpointing as the flags say.
+
+    `vocab_size`: the tokenizer's (data_vocab_size), which the model takes over the preset's.
+    """
+    model = replace(config.model, vocab_size=vocab_size or config.model.vocab_size)
+    params = parameter_count(model)
+    checkpoint = 3 * params * FP32 + CHECKPOINT_OVERHEAD  # weights, exp_avg, exp_avg_sq
+    memory = {
+        "weights": params * FP32 + (params * 2 if config.dtype != "fp32" else 0),
+        "gradients": params * FP32,
+        "adamw": 2 * params * FP32,
+        **step_memory(config, model, processes),
+    }
+    if async_save:
+        memory["staging"] = checkpoint
+    disk, what = disk_need(config, checkpoint, params, save_every, keep, stop_at)
+    return RunPlan(config, processes, params, memory, checkpoint, disk, what)
+
+
+def step_memory(config: TrainConfig, model: ModelConfig, processes: int) -> dict[str, int]:
+    """The activations, attention working set and loss head of one micro-batch's forward and backward."""
+    h, kv, inner = model.hidden_size, model.num_key_value_heads * model.head_dim, model.intermediate_size
+    micro = max(1, config.batch // (processes * config.grad_accum))
+    tokens = micro * config.seq_len
+    width = FP32 if config.dtype == "fp32" else 2
+    per_token = (8 * h + 4 * kv + 4 * inner) * width + (3 * h if config.dropout else 0)  # + dropout masks
+    scores = micro * model.num_attention_heads * config.seq_len * config.seq_len * width
+    return {
+        "activations": tokens * per_token * model.num_hidden_layers,
+        "attention": 2 * scores,
+        "head": 2 * tokens * h * FP32 + model.vocab_size * h * FP32 + LOGIT_CHUNK_BYTES,
+    }
+
+
+def disk_need(
+    config: TrainConfig, checkpoint: int, params: int, save_every: int | None, keep: int | None, stop_at: int | None
+) -> tuple[int, str]:
+    """Free bytes the run's files need at their peak, and what they are."""
+    final = checkpoint if stop_at is not None else params * FP32
+    final_what = "resume.pth" if stop_at is not None else "final.pth"
+    if save_every is None:
+        return final, f"{final_what}"
+    if keep is None:
+        saves = len(
+            {s for s in range(save_every, (stop_at or config.steps) + 1, save_every)} | {stop_at or config.steps}
+        )
+        return saves * checkpoint + final, f"all {saves} checkpoints kept, and {final_what}"
+    return (keep + 1) * checkpoint, f"{keep} checkpoints kept by --keep and 1 being written"
+
+
+def data_vocab_size(folder: Path) -> int | None:
+    """The vocabulary of a prepared data folder, from its manifest (None when it cannot be read)."""
+    try:
+        size = json.loads((Path(folder) / "manifest.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def check_seq_len(config: TrainConfig) -> None:
+    """Refuse a sequence longer than the model's position table (RoPE's max_position_embeddings)."""
+    longest = config.model.max_position_embeddings
+    if config.seq_len > longest:
+        raise UserError(
+            f"--seq-len {config.seq_len} is beyond the model's max_position_embeddings ({longest}) "
+            f"of --preset {config.preset}; use at most {longest}"
+        )
+
+
+def memory_budget(plan: RunPlan) -> tuple[int, int | None, str]:
+    """(bytes needed, bytes available or None when unknown, where): host memory, or one GPU's under cuda."""
+    if plan.config.device != "cuda":
+        return plan.memory_bytes, available_memory(), "memory"
+    import torch  # only for a cuda run, which imports it anyway
+
+    on_gpu = sum(size for name, size in plan.memory.items() if name != "staging")  # one process per GPU
+    free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    return on_gpu, free, "GPU memory"
+
+
+def check_memory(plan: RunPlan) -> None:
+    """Refuse a plan that needs more memory than is available (nothing is refused where that is unknown)."""
+    need, available, where = memory_budget(plan)
+    if available is None or need <= available:
+        return
+    more = "a larger --grad-accum" if plan.config.grad_accum > 1 else "--grad-accum"
+    raise UserError(
+        f"this run needs about {human(need)} of {where}, {human(available)} available; "
+        f"lower --batch or --seq-len, or use {more} (--force to start anyway)"
+    )
+
+
+def preflight(plan: RunPlan, folder: Path, force: bool = False, retained: bool = True, report=None) -> None:
+    """Refuse, before any tensor exists, a run that cannot fit its memory or its disk (--force: only note it).
+
+    A sequence longer than the model's position table is refused even with `force`. `retained`: the
+    checkpoints already in `folder` are deleted by retention as new ones come (--keep K, not 0).
+    `report`, when given, receives what is available and the verdict (--dry-run).
+    """
+    check_seq_len(plan.config)
+    existing = existing_checkpoints(folder) if retained else 0
+    problems = []
+    for check in (lambda: check_memory(plan), lambda: check_disk(plan, folder, existing)):
+        try:
+            check()
+        except UserError as error:
+            if not force:
+                raise
+            problems.append(str(error).removesuffix(" (--force to start anyway)").split("; ")[0])
+    if report is not None:
+        need, available, where = memory_budget(plan)
+        free = free_space(folder)
+        report(f"available: {where} {human(available) if available else 'unknown'}, disk {human(free or 0)} free")
+    for problem in problems:
+        print(f"exactresume train: --force: starting although {problem}", flush=True)
+    if report is not None:
+        report("verdict: fits" if not problems else "verdict: does not fit (started anyway with --force)")
+
+
+def check_disk(plan: RunPlan, folder: Path, existing: int = 0) -> None:
+    """Refuse a plan whose files do not fit the free space of the file system holding `folder`.
+
+    `existing` is the bytes of checkpoints already in the folder that retention will delete.
+    """
+    free = free_space(folder)
+    need = max(plan.checkpoint_bytes, plan.disk_bytes - existing) if existing else plan.disk_bytes
+    if free is None or need <= free:
+        return
+    raise UserError(
+        f"{folder} needs about {human(need)} free for {plan.disk_what}, {human(free)} free; "
+        "free space, lower --keep (--force to start anyway)"
+    )
+
+
+def free_space(folder: Path) -> int | None:
+    """Bytes an unprivileged write may still use on the file system of `folder` (or its nearest parent)."""
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def existing_checkpoints(folder: Path) -> int:
+    """Bytes of the checkpoint files (step-N.pth) already in `folder`."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    return sum(e.stat().st_size for e in entries if CHECKPOINT_FILE.match(e.name) and e.is_file())
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), in bytes; None where there is no such file."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def human(size: float) -> str:
+    """Bytes in decimal units, two or three significant digits: '48 GB', '3.2 MB'."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000:
+            return f"{size:.0f} {unit}" if unit == "B" or size >= 10 else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.0f} TB" if size >= 10 else f"{size:.1f} TB"

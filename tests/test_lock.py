@@ -1,0 +1,204 @@
+"""One writer per run folder: a second writer is refused naming the holder, waits with --wait-lock,
+and a kill -9'd holder leaves no stale lock. The writer that runs ends bit-identical to an
+uninterrupted run; readers take no lock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMALL, assert_one_line_error, call_cli
+from exactresume.errors import UserError
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.lock import HELD_ENV, LOCK_NAME, FolderLock, read_holder
+from exactresume.store.weights import read_weights
+from exactresume.training.parts import GlobalRng
+
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def flags(folder: Path, data: Path, *extra: object) -> list[str]:
+    return [
+        str(arg)
+        for arg in ("train", "--out", folder, "--data", data, *SMALL, "--save-every", 2, "--resume", "auto", *extra)
+    ]
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    command = [sys.executable, "-m", "exactresume.cli", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CHILD_ENV)
+
+
+def holding(folder: Path, process: subprocess.Popen) -> subprocess.Popen:
+    """Wait until `process` holds the lock on `folder`, then freeze it there (SIGSTOP)."""
+    deadline = time.monotonic() + 60
+    while read_holder(folder / LOCK_NAME).get("pid") != process.pid:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.02)
+    process.send_signal(signal.SIGSTOP)
+    return process
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, kjv_folder) -> Path:
+    """The uninterrupted run, in this process on one thread (as the other exactness tests make it)."""
+    folder = tmp_path_factory.mktemp("reference")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        finished = call_cli(*flags(folder, kjv_folder))
+    finally:
+        torch.set_num_threads(threads)
+    assert finished.returncode == 0, finished.stderr
+    return folder
+
+
+def assert_same_as_reference(folder: Path, reference: Path) -> None:
+    ours, theirs = read_weights(folder / "final.pth")[0], read_weights(reference / "final.pth")[0]
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert (folder / "log.csv").read_bytes() == (reference / "log.csv").read_bytes()
+    assert not (folder / LOCK_NAME).exists() and not (folder / "checkpoints" / LOCK_NAME).exists()
+
+
+def test_second_writer_is_refused_naming_the_holder_and_the_first_ends_exact(tmp_path, kjv_folder, reference):
+    folder = tmp_path / "run"
+    first = holding(folder, start(flags(folder, kjv_folder)))
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "exactresume.cli", *flags(folder, kjv_folder)],
+            capture_output=True,
+            text=True,
+            env=CHILD_ENV,
+        )
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert_one_line_error(second, f"{folder} is being written by pid {first.pid} on host", "wait for it or stop it")
+    assert first.wait(timeout=120) == 0, first.communicate()
+    assert_same_as_reference(folder, reference)
+
+
+def test_wait_lock_takes_over_when_the_first_writer_stops(tmp_path, kjv_folder, reference):
+    """The requeue case: the old job is stopped (SIGTERM) and the new one, waiting, resumes from its checkpoint."""
+    folder = tmp_path / "run"
+    first = holding(folder, start(flags(folder, kjv_folder)))
+    second = start(flags(folder, kjv_folder, "--wait-lock", 120))
+    try:
+        assert "waiting up to 120 s" in second.stderr.readline()  # it waits; it has written nothing
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.send_signal(signal.SIGCONT)
+    assert first.wait(timeout=120) in (0, 75, -signal.SIGTERM)
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    assert "resumed from" in out or "starting at step 0" in out
+    assert_same_as_reference(folder, reference)
+
+
+def test_a_kill_9_holder_leaves_no_stale_lock(tmp_path, kjv_folder, reference):
+    folder = tmp_path / "run"
+    first = holding(folder, start(flags(folder, kjv_folder)))
+    first.kill()
+    first.wait()
+    assert read_holder(folder / LOCK_NAME).get("pid") == first.pid  # its note is left; its lock is not
+    second = subprocess.run(
+        [sys.executable, "-m", "exactresume.cli", *flags(folder, kjv_folder)],
+        capture_output=True,
+        text=True,
+        env=CHILD_ENV,
+    )
+    assert second.returncode == 0, second.stderr
+    assert_same_as_reference(folder, reference)
+
+
+class Counter:
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": torch.tensor(self.value)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = int(state["value"])
+
+
+def test_a_second_checkpoint_store_is_refused_in_this_process_and_another(tmp_path):
+    folder = tmp_path / "checkpoints"
+    first = CheckpointStore(folder)
+    first.save(1, {"count": Counter(1), "rng": GlobalRng()})
+    second = CheckpointStore(folder)
+    with pytest.raises(UserError, match=f"is being written by pid {os.getpid()} \\(this process\\)"):
+        second.save(2, {"count": Counter(2)})
+    with pytest.raises(UserError, match="being written"):
+        second.restore({"count": Counter()})  # a restore cleans up: a writer's act
+    restored = Counter()
+    assert second.restore({"count": restored}, clean=False) == 1 and restored.value == 1  # readers need no lock
+    assert [c.step for c in second.checkpoints()] == [1]
+    script = (
+        "import sys; from exactresume.store.folder import CheckpointStore;"
+        f"CheckpointStore({str(folder)!r}).save(2, {{}})"
+    )
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=CHILD_ENV)
+    assert other.returncode == 1 and f"being written by pid {os.getpid()} on host" in other.stderr
+    first.close()
+    assert not (folder / LOCK_NAME).exists()
+    with CheckpointStore(folder) as third:
+        third.save(2, {"count": Counter(2)})
+    restored = Counter()
+    assert CheckpointStore(folder).restore({"count": restored}) == 2 and restored.value == 2
+
+
+def test_lab_and_ablate_are_refused_while_the_folder_is_written(tmp_path, kjv_folder):
+    with FolderLock.acquire(tmp_path):
+        for command in ("lab", "ablate"):
+            finished = call_cli(command, "--out", tmp_path, "--data", kjv_folder, *SMALL, "--stop-at", 4)
+            assert_one_line_error(finished, f"{tmp_path} is being written by pid {os.getpid()}")
+
+
+def test_a_child_writes_under_its_parents_lock_and_nobody_else_does(tmp_path, monkeypatch):
+    lock = FolderLock.acquire(tmp_path)
+    lock.share_with_children()
+    script = "from exactresume.store.lock import FolderLock; import sys; FolderLock.acquire(sys.argv[1])"
+    child = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    lock.release()
+    assert HELD_ENV not in os.environ or lock.token not in os.environ[HELD_ENV]
+    stranger = FolderLock.acquire(tmp_path)  # a stale token in the environment lets no one in
+    monkeypatch.setenv(HELD_ENV, lock.token)
+    child = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True)
+    assert child.returncode == 1 and "being written by pid" in child.stderr
+    stranger.release()
+
+
+def test_readers_take_no_lock(tmp_path, kjv_folder, reference):
+    with FolderLock.acquire(reference):
+        assert call_cli("inspect", reference / "checkpoints" / "step-00000008.pth").returncode == 0
+        assert call_cli("diff", reference / "final.pth", reference / "final.pth").returncode == 0
+
+
+def test_under_many_processes_rank_0_takes_the_lock(tmp_path, kjv_folder):
+    """--nproc 2 into a folder being written: rank 0 is refused, and the launcher says so in one line."""
+    with FolderLock.acquire(tmp_path):
+        finished = subprocess.run(
+            [sys.executable, "-m", "exactresume.cli", *flags(tmp_path, kjv_folder, "--nproc", 2, "--quiet")],
+            capture_output=True,
+            text=True,
+            env=CHILD_ENV,
+        )
+    assert_one_line_error(finished, f"{tmp_path} is being written by pid {os.getpid()}")
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_wait_lock_without_auto_resume_is_refused(tmp_path, kjv_folder):
+    finished = call_cli("train", "--out", tmp_path / "run", "--data", kjv_folder, *SMALL, "--wait-lock", 5)
+    assert_one_line_error(finished, "--wait-lock needs --resume auto")
+    assert not (tmp_path / "run").exists()
