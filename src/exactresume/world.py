@@ -1,5 +1,6 @@
 """This process's place among the run's processes: rank, size, and the few collectives every layer
 may use (gather, barrier, any). Nothing here wraps a model: DDP and FSDP live in `exactresume.dist`.
+torch is imported only by the collectives, so a command can ask for its rank before paying for torch.
 """
 
 from __future__ import annotations
@@ -7,9 +8,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 
 def launched_by_torchrun() -> bool:
@@ -42,17 +40,24 @@ class World:
         if self.size == 1:
             return [value]
         values: list = [None] * self.size
+        import torch.distributed as dist
+
         dist.all_gather_object(values, value)
         return values
 
     def barrier(self) -> None:
         if self.size > 1:
+            import torch.distributed as dist
+
             dist.barrier()
 
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any rank (a preemption signal one rank saw)."""
         if self.size == 1:
             return flag
+        import torch
+        import torch.distributed as dist
+
         value = torch.tensor([int(flag)])
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
