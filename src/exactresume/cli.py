@@ -261,13 +261,21 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from exactresume.store.weights import read_weights
 
     differences = tensor_differences(read_weights(args.a)[0], read_weights(args.b)[0])
-    worst = max(differences.values())
-    for name, value in differences.items():
-        if value > args.atol:
-            print(f"{value:.3e}  {name}")
-    verdict = "equal" if worst <= args.atol else "different"
-    print(f"{len(differences)} tensors, max abs difference {worst:.3e}: {verdict} (atol {args.atol:g})")
-    return 0 if worst <= args.atol else 1
+    worst = max((diff.max_abs for diff in differences.values()), default=0.0)
+    unequal = [name for name, diff in differences.items() if not diff.within(args.atol)]
+    for name in unequal:
+        print(f"{differences[name].max_abs:.3e}  {name}  ({differences[name].describe()})")
+    notes = []
+    for kind, label in (("nan", "NaN"), ("inf", "Inf")):
+        first, second = (sum(getattr(diff, kind)[i] for diff in differences.values()) for i in (0, 1))
+        if first or second:
+            notes.append(f"{label} {first} in A, {second} in B")
+    scope = f" over finite values ({', '.join(notes)})" if notes else ""
+    if unequal:
+        scope += f", {len(unequal)} tensors not equal"
+    verdict = "different" if unequal else "equal"
+    print(f"{len(differences)} tensors, max abs difference {worst:.3e}{scope}: {verdict} (atol {args.atol:g})")
+    return 1 if unequal else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -392,10 +400,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ablate.set_defaults(func=cmd_ablate)
 
-    diff = commands.add_parser("diff", help="per-tensor max abs difference of two weights or resume files")
+    diff = commands.add_parser("diff", help="two weights or resume files compared bit for bit, tensor by tensor")
     diff.add_argument("a", type=Path)
     diff.add_argument("b", type=Path)
-    diff.add_argument("--atol", type=float, default=0.0, help="largest difference still called equal")
+    diff.add_argument(
+        "--atol",
+        type=float,
+        default=0.0,
+        help="largest difference of finite values still called equal (default 0: the same bits)",
+    )
     diff.set_defaults(func=cmd_diff)
 
     inspect = commands.add_parser(

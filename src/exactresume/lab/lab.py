@@ -18,7 +18,7 @@ import torch
 
 from exactresume.atomic import ensure_writable_folder, write_json
 from exactresume.config import TrainConfig, check_stop_at
-from exactresume.core.compare import loss_differences, repeated_batches, weight_distance
+from exactresume.core.compare import identical, loss_differences, repeated_batches, weight_distance
 from exactresume.core.data import ensure_data
 from exactresume.errors import UserError
 from exactresume.lab import warm_start
@@ -208,7 +208,9 @@ def comparison_figures(config: LabConfig) -> dict:
         log, samples = read_loss_log(log_path), read_samples(details / f"{name}_samples.csv")
         diffs = loss_differences(log, straight_log)
         later = {tuple(starts) for step, starts in straight_samples.items() if step > k}
-        runs[name] = weight_distance(read_weights(out / f"{name}.pth")[0], straight_weights) | {
+        weights = read_weights(out / f"{name}.pth")[0]
+        runs[name] = weight_distance(weights, straight_weights) | {
+            "bits_equal": identical(weights, straight_weights),
             "log_rows_equal": all(straight_log[step] == loss for step, loss in log.items()),
             "first_resumed_loss_diff": diffs[0]["diff"],
             "final_loss_diff": diffs[-1]["diff"],
