@@ -299,9 +299,12 @@ class _VerifiedReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with open(Path(self.path) / ".metadata", "rb") as file:
-            metadata = _MetadataUnpickler(file).load()
+            try:
+                metadata = _MetadataUnpickler(file).load()
+            except CheckpointError as error:
+                raise CheckpointError(f"{self.path}: {error}") from None
         if not isinstance(metadata, Metadata):
-            raise CheckpointError("its .metadata is not a DCP index")
+            raise CheckpointError(f"{self.path}: its .metadata is not a DCP index")
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
