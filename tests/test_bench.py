@@ -97,3 +97,21 @@ def test_make_bench_duration_is_one_figure_everywhere():
     for text in (readme, (ROOT / "Makefile").read_text(), (ROOT / "bench" / "run.py").read_text()):
         for stated in re.findall(r"about \d+ minutes", text):
             assert stated == said, stated
+
+
+def keys_of(value):
+    return {key: keys_of(item) for key, item in value.items()} if isinstance(value, dict) else type(value).__name__
+
+
+def test_readme_many_processes_figures_are_rendered_from_docs_json():
+    from bench.many_processes import BEGIN, DOCS_JSON, END, figures_json, render
+
+    figures = json.loads(DOCS_JSON.read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert readme.split(BEGIN, 1)[1].split(END, 1)[0] == render(figures)
+    # docs/ holds what bench/many_processes.py writes: the same fields, of the same types.
+    resumed = {"same_samples": True, "steps_resumed": 30, "max_abs_diff": 1.0, "rel_l2": 1.0, "extra": 0}
+    written = figures_json(resumed, resumed, {"max_abs_diff": 1.0, "rel_l2": 1.0}, steps=60, stop_at=30)
+    assert keys_of(written) == keys_of(figures)
+    figures["two_to_one"]["max_abs_diff"] = 2.04e-7
+    assert "**2.0e-7** max abs for 2 -> 1" in render(figures)  # the README's form of a figure
