@@ -22,6 +22,7 @@ from exactresume.core.compare import identical, loss_differences, repeated_batch
 from exactresume.core.data import ensure_data
 from exactresume.errors import UserError
 from exactresume.lab import warm_start
+from exactresume.lab.record import RUN_RECORD, run_record
 from exactresume.store.inspect import resume_size_breakdown
 from exactresume.store.resume import load_resume
 from exactresume.store.steplog import read_loss_log, read_samples
@@ -229,6 +230,7 @@ def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
     """
     log = log if progress_mode != "none" else (lambda message: None)
     ensure_writable_folder(config.out / DETAILS)
+    write_json(config.out / DETAILS / RUN_RECORD, run_record(config))
     warm_start.start_server()
     torch.set_num_threads(config.train.threads)  # for the lab's own figures (fp16 logits) as for its runs
     started = time.perf_counter()
