@@ -34,9 +34,12 @@ def render_block(folder: Path, prefix: str = "docs/lab/") -> str:
     """The README's lab block: the measured sizes and distances, then the four figures with captions."""
     values = caption_values(folder)
     optim = json.loads((Path(folder) / "optim.json").read_text())
+    machine = json.loads((Path(folder) / "details" / "run.json").read_text())["machine"]
     lines = [
         f"Measured by `make lab` ({values['steps']} steps, stopped after step {values['stop_at']}, the default "
-        f"preset): the resume file is **{values['file_bytes']:,} bytes**. The optimizer holds "
+        f"preset, on {machine['cpus']} {machine['processor']} CPUs with torch {machine['torch']}; the config "
+        f"and machine are in `docs/lab/details/run.json`): the resume file is **{values['file_bytes']:,} bytes**. "
+        "The optimizer holds "
         f"{optim['optimizer_numel']:,} elements for {optim['model_numel']:,} weights (ratio **{optim['ratio']:.3f}**), "
         f"so the AdamW moments take {values['moments_share']:.1%} of the file, the fp32 weights "
         f"{values['weights_share']:.1%}, and everything else (step, generator and RNG states, config, names) "
