@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from exactresume.report.captions import PHRASES, figure_block
+from exactresume.report.report import render_report
 
 DOCS_LAB = Path(__file__).resolve().parents[1] / "docs" / "lab"
 LANGS = ("ko", "en", "zh")
@@ -25,8 +26,9 @@ def lab_folder(tmp_path: Path, edit=None) -> Path:
     """The json files the captions read, copied from docs/lab; `edit(compare)` changes compare.json."""
     folder = tmp_path / "lab"
     (folder / "details").mkdir(parents=True)
-    for name in ("compare.json", "fp16.json", "details/resume_sizes.json"):
+    for name in ("compare.json", "fp16.json", "optim.json", "details/resume_sizes.json"):
         shutil.copy(DOCS_LAB / name, folder / name)
+    (folder / "resume.pth").write_bytes(bytes(1000))  # the report states its size only
     if edit is not None:
         compare = json.loads((folder / "compare.json").read_text())
         edit(compare)
@@ -56,6 +58,7 @@ def diverged(compare: dict) -> None:
     for row in resumed["loss_diffs"][1:]:
         row["diff"] = 1e-3
     resumed |= {"max_abs_diff": 2.5e-4, "rel_l2": 1e-5, "max_abs_loss_diff": 1e-3, "log_rows_equal": False}
+    resumed["bits_equal"] = False
     for row in noopt["loss_diffs"]:
         row["diff"] = row["diff"] or 5e-4  # noopt never 0
 
@@ -85,3 +88,23 @@ def test_noopt_zero_at_a_later_step_is_not_called_the_first_resumed_step(tmp_pat
 
     text = captions(lab_folder(tmp_path, later), "en")
     assert "`noopt` is 0 at steps 34." in text and "the first resumed step" not in text
+
+
+def test_the_report_says_bit_identical_only_when_the_bits_are(tmp_path):
+    assert "is bit for bit identical to the uninterrupted" in render_report(lab_folder(tmp_path), "en")
+
+
+def test_the_report_of_a_divergent_lab_says_how_far_it_is(tmp_path):
+    report = render_report(lab_folder(tmp_path, diverged), "en")
+    assert "bit for bit" not in report and "lies exactly" not in report
+    assert "differs from the uninterrupted `straight.pth` by at most **0.00025** in any tensor" in report
+    assert "are not identical as text" in report
+
+
+def test_the_report_does_not_say_a_part_left_out_changed_the_weights_when_it_did_not(tmp_path):
+    def nothing_changed(compare):
+        for name in ("noopt", "noskip"):
+            compare["runs"][name]["max_abs_diff"] = 0.0
+
+    report = render_report(lab_folder(tmp_path, nothing_changed), "en")
+    assert "changed no weight here" in report and "changes the result without any error" not in report
