@@ -163,3 +163,21 @@ def test_pickle_payload_does_not_run(tmp_path, kjv_folder, stopped):
     finished = run_cli("diff", tmp_path / "evil.pth", stopped / "final.pth")  # diff reads unsealed files too
     assert_one_line_error(finished, f"{tmp_path / 'evil.pth'}: not a loadable torch file")
     assert not marker.exists()
+
+
+def test_prepare_refusals_are_one_line_with_exit_2(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n{not json\n')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "ok.txt").write_text("\n\n".join(f"Paragraph {i} about stopping and resuming." for i in range(50)))
+    out = tmp_path / "out"
+    for flags, reason in (
+        (["--corpus", tmp_path / "bad.jsonl"], f"corpus {tmp_path / 'bad.jsonl'} line 3: not valid JSON"),
+        (["--corpus", tmp_path / "absent.txt"], f"cannot read corpus {tmp_path / 'absent.txt'}: No such file"),
+        (
+            ["--corpus", tmp_path / "ok.txt", "--tokenizer", tmp_path / "tokenizer.json"],
+            f"cannot load tokenizer {tmp_path / 'tokenizer.json'}",
+        ),
+        (["--corpus", tmp_path / "ok.txt", "--vocab-size", 100], "vocab size must be between 259 and 65536, got 100"),
+    ):
+        assert_one_line_error(call_cli("prepare", "--out", out, *flags), reason)
+        assert not (out / "manifest.json").exists()
