@@ -16,7 +16,7 @@ import torch
 
 from conftest import call_cli, run_cli
 from exactresume.config import ModelConfig, TrainConfig
-from exactresume.core.compare import identical, tensor_diff, weight_distance
+from exactresume.core.compare import identical, largest, tensor_diff, weight_distance
 from exactresume.core.model import MiniMindLM
 from exactresume.lab.lab import LabConfig, comparison_figures
 from exactresume.store.weights import read_weights, save_weights
@@ -194,3 +194,16 @@ def test_lab_compare_json_does_not_call_a_nan_equal(tmp_path, straight):
     zero_copy_of_zero = edited_copy(straight, tmp_path / "zz", set_value("model.norm.weight", 0, 0.0))
     runs = comparison_figures(fake_lab(tmp_path / "lab2", zero_copy_of_zero, zero_copy))["runs"]
     assert runs["resumed"]["max_abs_diff"] == 0 and runs["resumed"]["bits_equal"] is False
+
+
+def test_lab_compare_json_does_not_drop_a_nan_loss(tmp_path, straight):
+    config = fake_lab(tmp_path / "lab", straight, straight)
+    (tmp_path / "lab" / "resumed_log.csv").write_text("step,train_loss\n3,6.000000\n4,nan\n")  # NaN not first
+    resumed = comparison_figures(config)["runs"]["resumed"]
+    assert math.isnan(resumed["max_abs_loss_diff"]) and not resumed["log_rows_equal"]
+    assert resumed["bits_equal"] is True  # the weights are the same; the loss is not
+
+
+def test_largest_keeps_a_nan_wherever_it_is():
+    assert math.isnan(largest([0.0, NAN, 1.0])) and math.isnan(largest([NAN])) and largest([2.0, 1.0]) == 2.0
+    assert largest([]) == 0.0

@@ -7,6 +7,7 @@ taken over the values finite in both; NaN and Inf are counted by name, never dro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,12 @@ def weight_distance(run: StateDict, reference: StateDict) -> dict[str, float]:
     squared_diff = sum(((run[k].double() - reference[k].double()) ** 2).sum().item() for k in reference)
     squared_ref = sum((reference[k].double() ** 2).sum().item() for k in reference)
     return {"max_abs_diff": max_abs, "rel_l2": (squared_diff / squared_ref) ** 0.5}
+
+
+def largest(values) -> float:
+    """max() that a NaN anywhere makes NaN (Python's max keeps a NaN only when it comes first); 0.0 if empty."""
+    values = [float(value) for value in values]
+    return float("nan") if any(math.isnan(value) for value in values) else max(values, default=0.0)
 
 
 def loss_differences(run: dict[int, str], reference: dict[int, str]) -> list[dict]:

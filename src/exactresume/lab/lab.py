@@ -18,7 +18,7 @@ import torch
 
 from exactresume.atomic import ensure_writable_folder, write_json
 from exactresume.config import TrainConfig, check_stop_at
-from exactresume.core.compare import identical, loss_differences, repeated_batches, weight_distance
+from exactresume.core.compare import identical, largest, loss_differences, repeated_batches, weight_distance
 from exactresume.core.data import ensure_data
 from exactresume.errors import UserError
 from exactresume.lab import warm_start
@@ -215,7 +215,7 @@ def comparison_figures(config: LabConfig) -> dict:
             "log_rows_equal": all(straight_log[step] == loss for step, loss in log.items()),
             "first_resumed_loss_diff": diffs[0]["diff"],
             "final_loss_diff": diffs[-1]["diff"],
-            "max_abs_loss_diff": max(abs(d["diff"]) for d in diffs),
+            "max_abs_loss_diff": largest(abs(d["diff"]) for d in diffs),
             "batches_seen_twice": repeated_batches(samples, straight_samples, before=k),
             "batches_never_seen": len(later - {tuple(s) for s in samples.values()}),
             "loss_diffs": diffs,
