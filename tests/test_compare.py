@@ -100,6 +100,9 @@ def test_weight_distance_does_not_drop_a_nan():
     b = {"x": torch.tensor([1.0, 2.0]), "y": torch.tensor([3.0, NAN])}
     assert math.isnan(weight_distance(a, b)["max_abs_diff"]) and math.isnan(weight_distance(b, a)["max_abs_diff"])
     assert not identical(a, b) and identical(a, {k: v.clone() for k, v in a.items()})
+    inf = {"x": torch.tensor([1.0, INF, 2.0])}
+    assert weight_distance(inf, {"x": inf["x"].clone()})["max_abs_diff"] == 0.0  # the same Inf: inf - inf is no NaN
+    assert math.isnan(weight_distance(inf, {"x": torch.tensor([1.0, 3.0, 2.5])})["max_abs_diff"])
     plus, minus = {"x": torch.tensor([0.0, 2.0])}, {"x": torch.tensor([-0.0, 2.0])}
     assert weight_distance(minus, plus)["max_abs_diff"] == 0.0 and not identical(minus, plus)
 
