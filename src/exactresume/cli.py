@@ -272,7 +272,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             notes.append(f"{label} {first} in A, {second} in B")
     scope = f" over finite values ({', '.join(notes)})" if notes else ""
     if unequal:
-        scope += f", {len(unequal)} tensors not equal"
+        scope += f", {len(unequal)} {'tensor' if len(unequal) == 1 else 'tensors'} not equal"
     verdict = "different" if unequal else "equal"
     print(f"{len(differences)} tensors, max abs difference {worst:.3e}{scope}: {verdict} (atol {args.atol:g})")
     return 1 if unequal else 0
