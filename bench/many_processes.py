@@ -1,10 +1,12 @@
 """The lab on 1 and on 2 processes, timed, then each stopped run resumed on the other number.
 
     python bench/many_processes.py --data data/kjv --out runs/many    # lab-sized: 60 steps, batch 8, length 128
+    cp runs/many/many_processes.json docs/ && python bench/many_processes.py --readme README.md
 
-Writes OUT/many_processes.json: the two labs' wall times (and their ratio, measured in this one
-command), and for 2 -> 1 and 1 -> 2 whether the resumed run saw the same samples as the run it
-continues and the max abs weight difference to it. Same-N exactness is each lab's own compare.json.
+Writes OUT/many_processes.json: for 2 -> 1 and 1 -> 2 whether the resumed run saw the same samples
+as the run it continues and its weight distance to it, and the distance of the two straight runs
+(the README's figures, rendered into its many-processes block from the copy in docs/); and
+OUT/timings.json, the two labs' wall times. Same-N exactness is each lab's own compare.json.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from exactresume.config import TrainConfig
 from exactresume.core.compare import weight_distance
 from exactresume.store.steplog import read_samples
 from exactresume.store.weights import read_weights
@@ -43,29 +46,82 @@ def resume_elsewhere(lab: Path, nproc: int, out: Path, data: Path) -> dict:
     }
 
 
+ROOT = Path(__file__).resolve().parent.parent
+DOCS_JSON = ROOT / "docs" / "many_processes.json"
+BEGIN = "<!-- many-processes:begin (generated from docs/many_processes.json by bench/many_processes.py) -->"
+END = "<!-- many-processes:end -->"
+
+
+def figures_json(two_to_one: dict, one_to_two: dict, straight_distance: dict, steps: int, stop_at: int) -> dict:
+    """What many_processes.json holds (and docs/many_processes.json, which the README's block renders)."""
+
+    def resumed(figures: dict) -> dict:
+        keys = ("same_samples", "steps_resumed", "max_abs_diff", "rel_l2")
+        return {key: figures[key] for key in keys}
+
+    return {
+        "steps": steps,
+        "stop_at": stop_at,
+        "batch": TrainConfig().batch,  # the lab's defaults, which both labs ran
+        "seq_len": TrainConfig().seq_len,
+        "two_to_one": resumed(two_to_one),
+        "one_to_two": resumed(one_to_two),
+        "straight_1_vs_2": {"max_abs_diff": straight_distance["max_abs_diff"]},
+    }
+
+
+def short(value: float) -> str:
+    """Two significant digits, as the README writes them: 1.4e-7."""
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def render(figures: dict) -> str:
+    """The README's sentences about resuming on another N, from many_processes.json."""
+    two, one, straight = figures["two_to_one"], figures["one_to_two"], figures["straight_1_vs_2"]
+    same = "the same samples at every step" if two["same_samples"] and one["same_samples"] else "other samples"
+    return (
+        f"{two['steps_resumed']} resumed steps of batch {figures['batch']} × {figures['seq_len']}) "
+        f"the resumed weights\n  differ from the uninterrupted run by **{short(two['max_abs_diff'])}** max abs "
+        f"for 2 -> 1 (relative L2 {short(two['rel_l2'])}) and\n  {short(one['max_abs_diff'])} for 1 -> 2 "
+        f"({short(one['rel_l2'])}), with {same}. Two whole runs on 1 and on 2\n  processes from step 0 differ "
+        f"by {short(straight['max_abs_diff'])} after {figures['steps']} steps"
+    )
+
+
+def update_readme(readme: Path, figures: dict) -> None:
+    text = readme.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    readme.write_text(text[:start] + render(figures) + text[end:])
+
+
+def measure(data: Path, out: Path) -> dict:
+    labs = {n: out / f"lab{n}" for n in (1, 2)}
+    wall = {
+        f"lab_nproc{n}_s": exactresume("lab", "--data", data, "--out", folder, "--nproc", n)
+        for n, folder in labs.items()
+    }
+    (out / "timings.json").write_text(json.dumps(wall | {"ratio": wall["lab_nproc2_s"] / wall["lab_nproc1_s"]}) + "\n")
+    compare = json.loads((labs[1] / "compare.json").read_text())
+    return figures_json(
+        resume_elsewhere(labs[2], 1, out / "two_to_one", data),
+        resume_elsewhere(labs[1], 2, out / "one_to_two", data),
+        weight_distance(read_weights(labs[1] / "straight.pth")[0], read_weights(labs[2] / "straight.pth")[0]),
+        steps=compare["steps"],
+        stop_at=compare["stop_at"],
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data/kjv"))
     parser.add_argument("--out", type=Path, default=Path("runs/many"))
+    parser.add_argument("--readme", type=Path, help="measure nothing: rewrite this README's block from docs/")
     args = parser.parse_args()
-    labs = {n: args.out / f"lab{n}" for n in (1, 2)}
-    wall = {
-        f"lab_nproc{n}_s": exactresume("lab", "--data", args.data, "--out", folder, "--nproc", n)
-        for n, folder in labs.items()
-    }
-    figures = {
-        **wall,
-        "lab_nproc2_over_nproc1": wall["lab_nproc2_s"] / wall["lab_nproc1_s"],
-        "two_to_one": resume_elsewhere(labs[2], 1, args.out / "two_to_one", args.data),
-        "one_to_two": resume_elsewhere(labs[1], 2, args.out / "one_to_two", args.data),
-        "straight_1_vs_2": weight_distance(
-            read_weights(labs[1] / "straight.pth")[0], read_weights(labs[2] / "straight.pth")[0]
-        ),
-    }
-    for n, folder in labs.items():
-        figures[f"lab_nproc{n}_resumed_max_abs_diff"] = json.loads((folder / "compare.json").read_text())["runs"][
-            "resumed"
-        ]["max_abs_diff"]
+    if args.readme:
+        update_readme(args.readme, json.loads(DOCS_JSON.read_text()))
+        return
+    figures = measure(args.data, args.out)
     (args.out / "many_processes.json").write_text(json.dumps(figures, indent=2) + "\n")
     print(json.dumps(figures, indent=2))
 

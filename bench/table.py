@@ -42,7 +42,7 @@ def ratio_rows(bench: dict) -> list[tuple[str, str, list[str]]]:
             [_ranged(p.get("train_overhead")) for p in presets],
         ),
         (
-            "2 compute efficiency: step FLOP/s ÷ best fp32 matmul FLOP/s",
+            "2 compute efficiency: step FLOP/s ÷ fp32 matmul FLOP/s on the loop's threads, same rounds",
             "≥ 0.6 (default)",
             [_efficiency(n, p) for n, p in zip(names, presets)],
         ),
@@ -165,6 +165,11 @@ def raw_rows(bench: dict) -> list[tuple[str, list[str]]]:
     ]
 
 
+def duration(bench: dict) -> str:
+    """`make bench`'s duration as the README, the Makefile and bench/run.py state it: 'about N minutes'."""
+    return f"about {max(1, round(bench['settings']['wall_s'] / 60))} minutes"
+
+
 def render(bench: dict) -> str:
     """The figures as two markdown tables (ratios with round-by-round min–max; raw medians), plus notes."""
     names = list(bench["presets"])
@@ -182,6 +187,8 @@ def render(bench: dict) -> str:
         + "\n".join(f"| {label} | " + " | ".join(cells) + " |" for label, cells in raw_rows(bench))
     )
     notes = [f"- {note}" for note in bench.get("notes", [])]
+    if "wall_s" in bench.get("settings", {}):
+        notes.append(f"- The whole run took {bench['settings']['wall_s'] / 60:.1f} minutes ({duration(bench)}).")
     return "\n\n".join(lines + (["\n".join(notes)] if notes else []))
 
 

@@ -37,8 +37,20 @@ def test_weights_file_is_not_a_resume_file(tmp_path, kjv_folder, stopped):
     assert_one_line_error(finished, "final.pth", "weights file, not a resume file")
 
 
-@pytest.mark.parametrize("damage", ["truncate_half", "truncate_tail", "flip_byte", "empty", "random"])
-def test_damaged_resume_file_is_refused(tmp_path, kjv_folder, stopped, damage):
+NO_SEAL = "no exactresume checksum at the end of the file (truncated, or not written by exactresume)"
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("truncate_half", NO_SEAL),
+        ("truncate_tail", NO_SEAL),
+        ("flip_byte", "checksum mismatch, the file is damaged"),
+        ("empty", "the file is empty (0 bytes)"),
+        ("random", NO_SEAL),
+    ],
+)
+def test_damaged_resume_file_is_refused(tmp_path, kjv_folder, stopped, damage, reason):
     good = (stopped / "resume.pth").read_bytes()
     broken = {
         "truncate_half": good[: len(good) // 2],
@@ -49,7 +61,7 @@ def test_damaged_resume_file_is_refused(tmp_path, kjv_folder, stopped, damage):
     }[damage]
     (tmp_path / "bad.pth").write_bytes(broken)
     finished = resume_with(stopped, kjv_folder, tmp_path / "out", tmp_path / "bad.pth")
-    assert_one_line_error(finished, "bad.pth")
+    assert_one_line_error(finished, f"{tmp_path / 'bad.pth'}: {reason}")
     assert not (tmp_path / "out" / "final.pth").exists()
 
 
@@ -79,7 +91,7 @@ def test_resuming_on_different_data_is_refused(tmp_path, stopped):
     corpus.write_text(
         "\n\n".join(f"Paragraph {i} about stopping and resuming training runs exactly." * 3 for i in range(300))
     )
-    call_cli("prepare", "--out", tmp_path / "data", "--corpus", corpus, "--vocab-size", 300)
+    assert call_cli("prepare", "--out", tmp_path / "data", "--corpus", corpus, "--vocab-size", 300).returncode == 0
     finished = call_cli(
         "train", "--out", tmp_path, "--data", tmp_path / "data", *SMALL, "--resume", stopped / "resume.pth"
     )
@@ -87,58 +99,52 @@ def test_resuming_on_different_data_is_refused(tmp_path, stopped):
 
 
 def test_stop_at_not_before_steps(tmp_path, kjv_folder):
-    assert_one_line_error(
-        call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--stop-at", 8), "--stop-at"
-    )
-    assert_one_line_error(
-        call_cli("lab", "--out", tmp_path, "--data", kjv_folder, "--steps", 10, "--stop-at", 12), "--stop-at"
-    )
+    finished = call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--stop-at", 8)
+    assert_one_line_error(finished, "--stop-at 8 must be between 1 and --steps - 1 (7)")
+    finished = call_cli("lab", "--out", tmp_path, "--data", kjv_folder, "--steps", 10, "--stop-at", 12)
+    assert_one_line_error(finished, "--stop-at 12 must be between 1 and --steps - 1 (9)")
 
 
 def test_corpus_too_small_for_the_sequence_length(tmp_path):
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("\n\n".join(f"a tiny corpus number {i}" for i in range(40)))
-    call_cli("prepare", "--out", tmp_path / "data", "--corpus", corpus, "--vocab-size", 270)
+    assert call_cli("prepare", "--out", tmp_path / "data", "--corpus", corpus, "--vocab-size", 270).returncode == 0
     finished = call_cli("train", "--out", tmp_path / "out", "--data", tmp_path / "data", "--seq-len", 4096)
     assert_one_line_error(finished, "--seq-len 4096")
 
 
 def test_unprepared_data_folder(tmp_path):
-    assert_one_line_error(call_cli("train", "--out", tmp_path, "--data", tmp_path / "nothing"), "exactresume prepare")
+    finished = call_cli("train", "--out", tmp_path, "--data", tmp_path / "nothing")
+    assert_one_line_error(finished, "not a prepared data folder (no manifest.json)", "exactresume prepare --out")
 
 
 def test_output_folder_not_writable(tmp_path, kjv_folder):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    assert_one_line_error(call_cli("train", "--out", blocker / "out", "--data", kjv_folder, *SMALL), "out")
+    finished = call_cli("train", "--out", blocker / "out", "--data", kjv_folder, *SMALL)
+    assert_one_line_error(finished, f"cannot create output folder {blocker / 'out'}: Not a directory")
     if os.path.isdir("/sys") and not os.access("/sys", os.W_OK | os.X_OK) or os.geteuid() == 0:
         # /sys is read-only even for root in a container; a real probe catches it where os.access would not.
         finished = call_cli("train", "--out", "/sys/exactresume-test", "--data", kjv_folder, *SMALL)
-        assert_one_line_error(finished, "/sys/exactresume-test")
+        assert_one_line_error(finished, "cannot create output folder /sys/exactresume-test")
 
 
 def test_refusals_overwrite_nothing(tmp_path, kjv_folder, stopped):
     before = fingerprint(stopped)
-    resume_with(stopped, kjv_folder, stopped, stopped / "resume.pth", "--batch", 5)
-    resume_with(stopped, kjv_folder, stopped, stopped / "final.pth")
-    call_cli(
-        "train",
-        "--out",
-        stopped,
-        "--data",
-        kjv_folder,
-        *SMALL,
-        "--resume",
-        stopped / "resume.pth",
-        "--weights",
-        stopped / "resume.pth",
-    )
+    finished = resume_with(stopped, kjv_folder, stopped, stopped / "resume.pth", "--batch", 5)
+    assert_one_line_error(finished, "different run", "train.batch 2 in file, 5 now")
+    finished = resume_with(stopped, kjv_folder, stopped, stopped / "final.pth")  # final.pth is also --weights
+    assert_one_line_error(finished, f"--weights would overwrite the resume file {stopped / 'final.pth'}")
+    finished = resume_with(stopped, kjv_folder, stopped, stopped / "resume.pth", "--weights", stopped / "resume.pth")
+    assert_one_line_error(finished, f"--weights would overwrite the resume file {stopped / 'resume.pth'}")
     assert fingerprint(stopped) == before
 
 
 def test_bad_flag_is_one_line(tmp_path):
-    assert_one_line_error(call_cli("train", "--out", tmp_path, "--batch", "many"), "--batch")
-    assert_one_line_error(call_cli("diff", tmp_path / "a.pth", tmp_path / "b.pth"), "a.pth")
+    finished = call_cli("train", "--out", tmp_path, "--batch", "many")
+    assert_one_line_error(finished, "argument --batch: invalid int value: 'many'")
+    finished = call_cli("diff", tmp_path / "a.pth", tmp_path / "b.pth")
+    assert_one_line_error(finished, f"cannot read {tmp_path / 'a.pth'}: No such file or directory")
 
 
 def test_pickle_payload_does_not_run(tmp_path, kjv_folder, stopped):
@@ -152,7 +158,26 @@ def test_pickle_payload_does_not_run(tmp_path, kjv_folder, stopped):
     finished = run_cli(
         "train", "--out", tmp_path / "out", "--data", kjv_folder, *SMALL, "--resume", tmp_path / "evil.pth"
     )
-    assert_one_line_error(finished, "evil.pth")
+    assert_one_line_error(finished, f"{tmp_path / 'evil.pth'}: {NO_SEAL}")  # refused before unpickling
     assert not marker.exists()
-    assert_one_line_error(run_cli("diff", tmp_path / "evil.pth", stopped / "final.pth"), "evil.pth")
+    finished = run_cli("diff", tmp_path / "evil.pth", stopped / "final.pth")  # diff reads unsealed files too
+    assert_one_line_error(finished, f"{tmp_path / 'evil.pth'}: not a loadable torch file")
     assert not marker.exists()
+
+
+def test_prepare_refusals_are_one_line_with_exit_2(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n{not json\n')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "ok.txt").write_text("\n\n".join(f"Paragraph {i} about stopping and resuming." for i in range(50)))
+    out = tmp_path / "out"
+    for flags, reason in (
+        (["--corpus", tmp_path / "bad.jsonl"], f"corpus {tmp_path / 'bad.jsonl'} line 3: not valid JSON"),
+        (["--corpus", tmp_path / "absent.txt"], f"cannot read corpus {tmp_path / 'absent.txt'}: No such file"),
+        (
+            ["--corpus", tmp_path / "ok.txt", "--tokenizer", tmp_path / "tokenizer.json"],
+            f"cannot load tokenizer {tmp_path / 'tokenizer.json'}",
+        ),
+        (["--corpus", tmp_path / "ok.txt", "--vocab-size", 100], "vocab size must be between 259 and 65536, got 100"),
+    ):
+        assert_one_line_error(call_cli("prepare", "--out", out, *flags), reason)
+        assert not (out / "manifest.json").exists()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RATIOS = [
@@ -53,3 +56,62 @@ def test_readme_performance_table_is_rendered_from_docs_bench_json():
     readme = (ROOT / "README.md").read_text()
     assert readme.split(BEGIN, 1)[1].split(END, 1)[0] == "\n" + render(bench) + "\n"
     assert not bench["settings"]["toy"] and set(bench["presets"]) == {"default", "minimind-26m", "minimind-64m"}
+
+
+def test_compute_efficiency_divides_by_the_matmul_on_the_loops_threads(monkeypatch):
+    """An all-thread matmul twice as fast (an idle machine) must not halve the figure, nor a slow one raise it."""
+    from types import SimpleNamespace
+
+    import bench.training as training
+    import torch
+
+    monkeypatch.setattr(training, "step_flops", lambda run: 1e9)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    run = SimpleNamespace(model=torch.nn.Linear(2, 2))
+    rounds = [1.0, 1.0, 1.0]
+    times = {"exactresume": [0.1] * 3, "minimal": [0.1] * 3, "matmul_1_thread": rounds}
+    for all_threads in (0.5, 2.0):  # all threads faster, then slower (collapsed under load)
+        times["matmul_2_threads"] = [all_threads] * 3
+        figures = training.training_figures(run, times, {k: v for k, v in times.items()}, matmul_flops=1e9)
+        assert figures["compute"]["baseline"] == "matmul_1_thread"
+        assert figures["compute_efficiency"] == pytest.approx(10.0)  # 1e10 FLOP/s ÷ 1e9 FLOP/s
+
+
+def test_docs_bench_json_compute_efficiency_is_against_the_loops_threads():
+    bench = json.loads((ROOT / "docs" / "bench.json").read_text())
+    for name, preset in bench["presets"].items():
+        compute, threads = preset["compute"], preset["threads"]
+        baseline = "matmul_1_thread" if threads == 1 else f"matmul_{threads}_threads"
+        assert compute["baseline"] == baseline, name
+        assert preset["compute_efficiency"] == compute["step_flop_per_s"] / compute["matmul_flop_per_s"][baseline]
+
+
+def test_make_bench_duration_is_one_figure_everywhere():
+    from bench.table import duration
+
+    said = duration(json.loads((ROOT / "docs" / "bench.json").read_text()))  # from the run's own wall_s
+    readme = (ROOT / "README.md").read_text()
+    assert f"make bench    # {said}:" in readme
+    assert f"({said} on two cores)" in (ROOT / "Makefile").read_text()
+    assert f"minimind-64m; {said}\n" in (ROOT / "bench" / "run.py").read_text()
+    for text in (readme, (ROOT / "Makefile").read_text(), (ROOT / "bench" / "run.py").read_text()):
+        for stated in re.findall(r"about \d+ minutes", text):
+            assert stated == said, stated
+
+
+def keys_of(value):
+    return {key: keys_of(item) for key, item in value.items()} if isinstance(value, dict) else type(value).__name__
+
+
+def test_readme_many_processes_figures_are_rendered_from_docs_json():
+    from bench.many_processes import BEGIN, DOCS_JSON, END, figures_json, render
+
+    figures = json.loads(DOCS_JSON.read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert readme.split(BEGIN, 1)[1].split(END, 1)[0] == render(figures)
+    # docs/ holds what bench/many_processes.py writes: the same fields, of the same types.
+    resumed = {"same_samples": True, "steps_resumed": 30, "max_abs_diff": 1.0, "rel_l2": 1.0, "extra": 0}
+    written = figures_json(resumed, resumed, {"max_abs_diff": 1.0, "rel_l2": 1.0}, steps=60, stop_at=30)
+    assert keys_of(written) == keys_of(figures)
+    figures["two_to_one"]["max_abs_diff"] = 2.04e-7
+    assert "**2.0e-7** max abs for 2 -> 1" in render(figures)  # the README's form of a figure

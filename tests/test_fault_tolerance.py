@@ -11,6 +11,7 @@ import os
 import random
 import re
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import SMALL, assert_one_line_error, call_cli
-from exactresume.store.faults import FAULT_ENV
+from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.folder import CheckpointStore, checkpoint_name
 from exactresume.store.sealed import save_sealed, verify
 from exactresume.store.weights import read_weights
@@ -115,30 +116,40 @@ def tree(folder: Path) -> dict[str, str]:
 
 # -- kill -9 ------------------------------------------------------------------------------------------
 
-# (fault, checkpoint steps after the kill, .tmp left behind) for 8 steps saved every 2, keeping 2.
+# (fault, checkpoint steps after the kill, .tmp left behind) for 8 steps saved every 2, keeping 2: one
+# kill at every stage of a save, each run resuming from what the one before it left.
 STAGE_KILLS = [
-    ("write@2", [2], ["step-00000004.pth.tmp"]),  # half the bytes written
+    ("snapshot@2", [2], []),  # step 4's state not yet taken
+    ("write@1", [2], ["step-00000004.pth.tmp"]),  # half the bytes written
+    ("fsync@1", [2], ["step-00000004.pth.tmp"]),  # all bytes written, not fsynced
     ("rename@1", [2], ["step-00000004.pth.tmp"]),  # written and fsynced, not renamed
-    ("folder-fsync@2", [2, 4, 6], []),  # renamed, folder not fsynced, older not yet pruned
+    ("folder-fsync@1", [2, 4], []),  # renamed, folder not fsynced
+    ("retention@1", [2, 4, 6], []),  # verified, older not yet pruned
+    ("verify@1", [2, 4, 6, 8], []),  # renamed and durable, not yet read back
 ]
+
+
+def test_the_stage_kills_cover_every_stage():
+    assert sorted(fault.split("@")[0] for fault, _, _ in STAGE_KILLS) == sorted(STAGES)
 
 
 @pytest.mark.parametrize("writer", [[], ["--async-save"]], ids=["sync", "async"])
 def test_kills_inside_each_save_stage_then_auto_resume_is_bit_exact(tmp_path, kjv_folder, reference, writer):
-    """With --async-save the kills land in the background writer while the loop trains on."""
+    """With --async-save the kills after the snapshot land in the background writer while the loop trains on."""
     folder = tmp_path / "run"
     for fault, steps, leftovers in STAGE_KILLS:
         finished = run_child(chaos_flags(folder, kjv_folder) + writer, fault=fault)
         assert finished.returncode == -signal.SIGKILL, (fault, finished.stderr)
         assert checkpoint_files(folder) == (steps, leftovers), fault
+        assert not (folder / "final.pth").exists(), fault
     # The newest checkpoint damaged after the last kill: auto-resume says so and uses the one before.
-    newest = folder / "checkpoints" / checkpoint_name(6)
+    newest = folder / "checkpoints" / checkpoint_name(8)
     data = newest.read_bytes()
     newest.write_bytes(data[:5000] + bytes([data[5000] ^ 0x10]) + data[5001:])
     finished = run_child(chaos_flags(folder, kjv_folder) + writer)
     assert finished.returncode == 0, finished.stderr
-    assert re.search(r"skipping damaged checkpoint .*step-00000006\.pth: checksum mismatch", finished.stderr)
-    assert f"resumed from {folder / 'checkpoints' / checkpoint_name(4)} at step 4" in finished.stdout
+    assert re.search(r"skipping damaged checkpoint .*step-00000008\.pth: checksum mismatch", finished.stderr)
+    assert f"resumed from {folder / 'checkpoints' / checkpoint_name(6)} at step 6" in finished.stdout
     assert checkpoint_files(folder) == ([6, 8], [])
     assert_same_as_reference(folder, reference)
 
@@ -155,6 +166,26 @@ def wait_for_a_new_step(child: subprocess.Popen, folder: Path, after: int) -> No
         time.sleep(0.002)
 
 
+def kill_at_a_random_moment(folder: Path, data: Path, after: int, tries: int = 6) -> None:
+    """SIGKILL a resumed run at a random moment after its next step: inside a step, a save, or between them.
+
+    A run that ended before the kill proves nothing: its folder is put back and the kill tried again, sooner.
+    """
+    before = folder.with_name(folder.name + ".before")
+    shutil.copytree(folder, before)
+    for attempt in range(tries):
+        child = start_child(chaos_flags(folder, data))
+        wait_for_a_new_step(child, folder, after=after)
+        time.sleep(random.uniform(0.0, 0.3) / 2**attempt)
+        child.kill()
+        child.communicate()
+        if child.returncode == -signal.SIGKILL:
+            return
+        shutil.rmtree(folder)
+        shutil.copytree(before, folder)
+    pytest.fail(f"the run ended before the kill {tries} times: no kill was tested")
+
+
 def test_sigterm_saves_then_kill_at_random_then_auto_resume_is_bit_exact(tmp_path, kjv_folder, reference):
     folder = tmp_path / "run"
     # Without --save-every: the only checkpoint is the one preemption writes.
@@ -168,12 +199,7 @@ def test_sigterm_saves_then_kill_at_random_then_auto_resume_is_bit_exact(tmp_pat
     stopped = int(match.group(1))
     assert Path(match.group(2)) == folder / "checkpoints" / checkpoint_name(stopped)
     assert checkpoint_files(folder) == ([stopped], []) and logged_steps(folder) == stopped
-    # SIGKILL at a random moment after the next step: inside a step, a save, or between them.
-    child = start_child(chaos_flags(folder, kjv_folder))
-    wait_for_a_new_step(child, folder, after=stopped)
-    time.sleep(random.uniform(0.0, 0.3))
-    child.kill()
-    child.communicate()
+    kill_at_a_random_moment(folder, kjv_folder, after=stopped)
     checkpoint_files(folder)  # whatever it had written verifies
     finished = run_child(chaos_flags(folder, kjv_folder))
     assert finished.returncode == 0, finished.stderr

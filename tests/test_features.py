@@ -2,11 +2,12 @@
 workers, warmup. Each case trains straight and stops in this process, then resumes in a new one.
 
 The matrix (8 steps, batch 2 x 16 tokens on the KJV; batch 4 on the tiny corpus, whose epoch is
-4 steps with a short last batch of 3), each case combining features so five new processes cover:
+4 steps with a short last batch of 3), each case combining features so six new processes cover:
 - dropout with accumulation, stopped late; fp16 with its loss scaler and accumulation;
   bf16 with dropout and warmup, stopped inside the warmup;
 - the epoch loader in bf16 with dropout, stopped mid-epoch (the resume trains the short batch, then
   the next epoch; its DataLoader must not draw from the global RNG that dropout uses);
+- the epoch loader with 2 workers and dropout, stopped mid-epoch and resumed with 0 workers;
 - the epoch loader with 2 workers, accumulation (the short batch splits into micro-batches of
   2 and 1) and dropout, stopped exactly at the epoch boundary and resumed with 0 workers.
 """
@@ -34,6 +35,7 @@ CASES = {
     "fp16-scaler-accum": ("kjv", ["--dtype", "fp16", "--grad-accum", "2"], 3, []),
     "bf16-dropout-in-warmup": ("kjv", ["--dtype", "bf16", "--dropout", "0.1", "--warmup", "4"], 2, []),
     "epoch-mid-bf16-dropout": ("tiny", EPOCH + ["--dtype", "bf16", "--dropout", "0.1"], 3, []),
+    "epoch-mid-workers-dropout": ("tiny", EPOCH + ["--workers", "2", "--dropout", "0.1"], 2, ["--workers", "0"]),
     "epoch-boundary-workers": (
         "tiny",
         EPOCH + ["--workers", "2", "--grad-accum", "2", "--dropout", "0.1"],

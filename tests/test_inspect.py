@@ -147,9 +147,18 @@ def test_human_view_has_a_row_per_part(small_run):
 
 
 @pytest.mark.parametrize(
-    "damage", ["missing", "empty", "random", "truncated", "flipped", "plain_folder", "bad_metadata"]
+    "damage, reason",
+    [
+        ("missing", "cannot read {}: No such file or directory"),
+        ("empty", "{}: not a loadable torch file"),
+        ("random", "{}: not a loadable torch file"),
+        ("truncated", "{}: not a loadable torch file"),
+        ("flipped", "{}: checksum mismatch, the file is damaged"),
+        ("plain_folder", "{} is a folder holding no sharded checkpoint (inspect one of its files)"),
+        ("bad_metadata", "{}/.metadata is not a readable DCP index"),
+    ],
 )
-def test_bad_input_is_one_line(tmp_path, small_run, damage):
+def test_bad_input_is_one_line(tmp_path, small_run, damage, reason):
     good = (small_run / "resume.pth").read_bytes()
     target = tmp_path / "bad.pth"
     if damage == "plain_folder":
@@ -166,7 +175,7 @@ def test_bad_input_is_one_line(tmp_path, small_run, damage):
                 "flipped": good[:5000] + bytes([good[5000] ^ 1]) + good[5001:],
             }[damage]
         )
-    assert_one_line_error(call_cli("inspect", target, "--json"), "bad.pth")
+    assert_one_line_error(call_cli("inspect", target, "--json"), reason.format(target))
 
 
 def test_damaged_safetensors_export_is_refused(tmp_path, small_run):

@@ -62,6 +62,7 @@ def test_lab_resumed_equals_straight(default_lab):
 def test_lab_ablations_diverge(default_lab):
     runs = json.loads((default_lab / "compare.json").read_text())["runs"]
     assert runs["resumed"]["max_abs_diff"] == 0 and runs["resumed"]["log_rows_equal"]
+    assert runs["resumed"]["bits_equal"] is True and runs["noopt"]["bits_equal"] is False  # bit for bit
     assert runs["noopt"]["max_abs_diff"] > 1e-3 and runs["noskip"]["max_abs_diff"] > 1e-3
     assert runs["noskip"]["batches_seen_twice"] == 30 and runs["resumed"]["batches_seen_twice"] == 0
 

@@ -53,7 +53,7 @@ COMMANDS = {
     "train": ("train, stop with a resume file, resume", "exactresume train --out runs/a --stop-at 30"),
     "lab": ("the whole lab: straight, stop, resume, ablations, fp16, report", "exactresume lab --out runs/lab"),
     "ablate": ("resume with each part of the resume file lost in turn, measured", "exactresume ablate --out runs/ab"),
-    "diff": ("per-tensor max abs difference of two weights or resume files", "exactresume diff a.pth b.pth"),
+    "diff": ("two weights or resume files compared bit for bit, tensor by tensor", "exactresume diff a.pth b.pth"),
     "inspect": ("what a checkpoint is: kind, step, config, parts, sizes", "exactresume inspect runs/a/resume.pth"),
     "export": ("inference weights in fp16/bf16/fp32, .pt or .safetensors", "exactresume export r.pth -o m.safetensors"),
     "help": ("these commands, or one command's flags", "exactresume help train"),
@@ -208,7 +208,12 @@ def ablate_parser(parser: argparse.ArgumentParser) -> None:
 def diff_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", type=Path)
     parser.add_argument("b", type=Path)
-    parser.add_argument("--atol", type=float, default=0.0, help="largest difference still called equal")
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=0.0,
+        help="largest difference of finite values still called equal (default 0: the same bits)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print nothing: the exit code says equal (0) or not (1)")
     parser.add_argument("--json", action="store_true", help="print the differences as one JSON object")
 

@@ -207,26 +207,34 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from exactresume.store.weights import read_weights
 
     differences = tensor_differences(read_weights(args.a)[0], read_weights(args.b)[0])
-    worst = max(differences.values())
+    unequal = {name: diff for name, diff in differences.items() if not diff.within(args.atol)}
     summary = {
         "command": "diff",
         "a": str(args.a),
         "b": str(args.b),
         "tensors": len(differences),
-        "max_abs_diff": worst,
+        "max_abs_diff": max((diff.max_abs for diff in differences.values()), default=0.0),  # over finite values
         "atol": args.atol,
-        "equal": worst <= args.atol,
-        "over_atol": {name: value for name, value in differences.items() if value > args.atol},
+        "equal": not unequal,
+        "unequal": {name: {"max_abs_diff": diff.max_abs, "what": diff.describe()} for name, diff in unequal.items()},
+        # NaN and Inf counted in (A, B): a non-finite value is equal only where its bits are.
+        "nan": [sum(diff.nan[i] for diff in differences.values()) for i in (0, 1)],
+        "inf": [sum(diff.inf[i] for diff in differences.values()) for i in (0, 1)],
     }
     emit(args, summary, render_diff, gap=False)
     return 0 if summary["equal"] else 1
 
 
 def render_diff(summary: dict) -> list[str]:
-    lines = [f"{value:.3e}  {name}" for name, value in summary["over_atol"].items()]
+    lines = [f"{value['max_abs_diff']:.3e}  {name}  ({value['what']})" for name, value in summary["unequal"].items()]
+    notes = [f"{label} {a} in A, {b} in B" for label in ("NaN", "Inf") for a, b in [summary[label.lower()]] if a or b]
+    scope = f" over finite values ({', '.join(notes)})" if notes else ""
+    if summary["unequal"]:
+        count = len(summary["unequal"])
+        scope += f", {count} {'tensor' if count == 1 else 'tensors'} not equal"
     verdict = "equal" if summary["equal"] else "different"
     tensors, worst, atol = summary["tensors"], summary["max_abs_diff"], summary["atol"]
-    return lines + [f"{tensors} tensors, max abs difference {worst:.3e}: {verdict} (atol {atol:g})"]
+    return lines + [f"{tensors} tensors, max abs difference {worst:.3e}{scope}: {verdict} (atol {atol:g})"]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import sys
 
+from exactresume.atomic import ensure_writable_folder
 from exactresume.errors import UserError
 from exactresume.flags import config_from_args
 
@@ -61,5 +62,20 @@ def check_plan(args: argparse.Namespace) -> bool:
     folder = args.out / "checkpoints" if args.save_every else args.out
     if args.dry_run:
         print("\n".join(plan.lines()))
-    preflight(plan, folder, force=args.force, retained=args.keep != 0, report=print if args.dry_run else None)
+    # The job's own check first, so a folder that cannot be made is named as that, not as a full disk.
+    made = not args.out.exists()
+    ensure_writable_folder(args.out)
+    try:
+        preflight(plan, folder, force=args.force, retained=args.keep != 0, report=print if args.dry_run else None)
+    except UserError:
+        _remove_if_made(args.out, made)  # a refused run leaves nothing behind
+        raise
+    if args.dry_run:
+        _remove_if_made(args.out, made)
     return args.dry_run
+
+
+def _remove_if_made(folder, made: bool) -> None:
+    if made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only while still empty

@@ -17,11 +17,12 @@ import torch
 
 from exactresume.atomic import ensure_writable_folder, write_json
 from exactresume.config import TrainConfig, check_stop_at
-from exactresume.core.compare import loss_differences, repeated_batches, weight_distance
+from exactresume.core.compare import identical, largest, loss_differences, repeated_batches, weight_distance
 from exactresume.core.data import ensure_data
 from exactresume.errors import UserError
 from exactresume.flags import config_flags
 from exactresume.lab import warm_start
+from exactresume.lab.record import RUN_RECORD, run_record
 from exactresume.store.export import convert, max_logit_difference
 from exactresume.store.inspect import resume_size_breakdown
 from exactresume.store.lock import held_lock_env
@@ -170,10 +171,11 @@ def comparison_figures(config: LabConfig) -> dict:
         weights = read_weights(out / f"{name}.pth")[0]
         runs[name] = weight_distance(weights, straight_weights) | {
             "tensors": len(weights),
+            "bits_equal": identical(weights, straight_weights),
             "log_rows_equal": all(straight_log[step] == loss for step, loss in log.items()),
             "first_resumed_loss_diff": diffs[0]["diff"],
             "final_loss_diff": diffs[-1]["diff"],
-            "max_abs_loss_diff": max(abs(d["diff"]) for d in diffs),
+            "max_abs_loss_diff": largest(abs(d["diff"]) for d in diffs),
             "batches_seen_twice": repeated_batches(samples, straight_samples, before=k),
             "batches_never_seen": len(later - {tuple(s) for s in samples.values()}),
             "loss_diffs": diffs,
@@ -188,6 +190,7 @@ def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
     """
     log = log if progress_mode != "none" else (lambda message: None)
     ensure_writable_folder(config.out / DETAILS)
+    write_json(config.out / DETAILS / RUN_RECORD, run_record(config))
     warm_start.start_server()
     torch.set_num_threads(config.train.threads)  # for the lab's own figures (fp16 logits) as for its runs
     started = time.perf_counter()

@@ -29,6 +29,8 @@ TEXT = {
             "`config` — 모델·학습 설정과 데이터 지문: 다른 실행을 조용히 이어받지 않도록",
         ],
         "resumed": "새 프로세스에서 재개한 결과(`resumed.pth`)와 한 번에 학습한 결과(`straight.pth`)의 최대 텐서 차이는 **{max_abs_diff:g}**이고, {first}–{steps} 스텝의 손실 기록은 글자 그대로 {equal}.",
+        "resumed_bits": "새 프로세스에서 재개한 결과(`resumed.pth`)는 한 번에 학습한 결과(`straight.pth`)와 비트 단위로 같고(최대 텐서 차이 **{max_abs_diff:g}**), {first}–{steps} 스텝의 손실 기록은 글자 그대로 {equal}.",
+        "omit_none": "한 부분만 빼고 재개해도 여기서는 가중치가 달라지지 않았습니다 (기준: `straight.pth`):",
         "equal_yes": "같습니다",
         "equal_no": "다릅니다",
         "optim": "옵티마이저 상태 원소 수는 {optimizer_numel:,}개, 가중치 원소 수(공유된 lm_head.weight 제외)는 {model_numel:,}개로, 비율은 **{ratio:.3f}**입니다. 그래서 재개 파일({resume_bytes:,} 바이트)은 가중치 파일({fp32_bytes:,} 바이트)의 약 {file_ratio:.2f}배입니다.",
@@ -52,6 +54,8 @@ TEXT = {
             "`config` — model and training config and the data fingerprint: so a different run is never resumed silently",
         ],
         "resumed": "Resumed in a new process, `resumed.pth` differs from the uninterrupted `straight.pth` by at most **{max_abs_diff:g}** in any tensor, and the loss rows of steps {first}–{steps} are {equal} as text.",
+        "resumed_bits": "Resumed in a new process, `resumed.pth` is bit for bit identical to the uninterrupted `straight.pth` (largest difference in any tensor **{max_abs_diff:g}**), and the loss rows of steps {first}–{steps} are {equal} as text.",
+        "omit_none": "Resuming with one part left out changed no weight here (reference: `straight.pth`):",
         "equal_yes": "identical",
         "equal_no": "not identical",
         "optim": "The optimizer state holds {optimizer_numel:,} elements, the weights {model_numel:,} (without the tied lm_head.weight): a ratio of **{ratio:.3f}**. That is why the resume file ({resume_bytes:,} bytes) is about {file_ratio:.2f}× the weights file ({fp32_bytes:,} bytes).",
@@ -75,6 +79,8 @@ TEXT = {
             "`config` — 模型与训练配置及数据指纹：不会悄悄续训另一个运行",
         ],
         "resumed": "在新进程中续训得到的 `resumed.pth` 与一次训练完成的 `straight.pth` 的最大张量差为 **{max_abs_diff:g}**，第 {first}–{steps} 步的损失记录逐字{equal}。",
+        "resumed_bits": "在新进程中续训得到的 `resumed.pth` 与一次训练完成的 `straight.pth` 逐位相同（最大张量差 **{max_abs_diff:g}**），第 {first}–{steps} 步的损失记录逐字{equal}。",
+        "omit_none": "只少恢复一个部分，这里的权重也没有改变（基准：`straight.pth`）：",
         "equal_yes": "相同",
         "equal_no": "不同",
         "optim": "优化器状态共 {optimizer_numel:,} 个元素，权重（不含共享的 lm_head.weight）共 {model_numel:,} 个，比值为 **{ratio:.3f}**。因此续训文件（{resume_bytes:,} 字节）约为权重文件（{fp32_bytes:,} 字节）的 {file_ratio:.2f} 倍。",
@@ -104,7 +110,7 @@ def render_report(folder: Path, lang: str = "ko") -> str:
     lines += [f"- {part}" for part in text["parts"]]
     lines += [
         "",
-        text["resumed"].format(
+        text["resumed_bits" if resumed.get("bits_equal") else "resumed"].format(
             max_abs_diff=resumed["max_abs_diff"],
             first=k + 1,
             steps=steps,
@@ -120,7 +126,8 @@ def render_report(folder: Path, lang: str = "ko") -> str:
         "",
     ]
     lines += figure_block(folder, "sizes", lang)
-    lines += [HEADINGS[1], "", text["omit_intro"], ""]
+    changed = any(runs[name]["max_abs_diff"] != 0 for name in ("noopt", "noskip"))
+    lines += [HEADINGS[1], "", text["omit_intro" if changed else "omit_none"], ""]
     lines += ["- " + text["omit_row"].format(name=name, **runs[name]) for name in ("resumed", "noopt", "noskip")]
     noskip = runs["noskip"]
     lines += [

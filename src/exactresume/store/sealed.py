@@ -57,8 +57,15 @@ class _HashingWriter:
 def write_sealed(file: BinaryIO, obj: Any) -> None:
     """torch.save `obj` into the seekable `file` and append its checksum as the zip comment."""
     writer = _HashingWriter(file)
-    with serialization_config.patch({"save.compute_crc32": False}):
-        torch.save(obj, writer)
+    try:
+        with serialization_config.patch({"save.compute_crc32": False}):
+            torch.save(obj, writer)
+    except RuntimeError as error:
+        # A Ctrl-C inside one of our write calls: torch's zip writer raises its own RuntimeError on
+        # the way out ("unexpected pos"); the interrupt is what happened, and what the CLI answers (130).
+        if isinstance(error.__context__, KeyboardInterrupt):
+            raise error.__context__ from None
+        raise
     seal = SEAL_PREFIX + writer.digest.hexdigest().encode()
     file.seek(-2, os.SEEK_END)
     file.write(struct.pack("<H", len(seal)))  # the comment length, then the comment itself

@@ -1,0 +1,120 @@
+"""`--nproc 2`: SIGTERM through torchrun, the training features on two processes, the N-process refusals.
+
+One combined run covers the README's claims for N > 1: on the tiny corpus, the epoch loader (its
+short last batch of 6 split 3 + 3 over the ranks, then 2 + 1 into micro-batches), --grad-accum 2,
+dropout and bf16, stopped by SIGTERM sent to the `exactresume` command only, and resumed on the
+same N with --divergence watching: bit-identical to the uninterrupted 2-process run. Three
+torchrun starts in all (straight, stopped, resumed), a few steps each.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import assert_one_line_error, call_cli, run_cli
+from exactresume.core.epochs import EpochLoader
+from exactresume.dist.replicas import replicate
+from exactresume.errors import UserError
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.steplog import read_divergence
+from exactresume.store.weights import read_weights
+from exactresume.world import World
+
+# 30 windows of 8 tokens: an epoch of batches 8, 8, 8 and 6; 12 steps are three epochs.
+FEATURES = ["--loader", "epoch", "--seq-len", "8", "--batch", "8", "--grad-accum", "2", "--dropout", "0.1"]
+FEATURES += ["--dtype", "bf16", "--steps", "12", "--nproc", "2"]
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def flags(folder: Path, data: Path, *extra: object) -> list[str]:
+    return [str(arg) for arg in ("train", "--out", folder, "--data", data, *FEATURES, *extra)]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_folder) -> Path:
+    folder = tmp_path_factory.mktemp("straight2")
+    run_cli(*flags(folder, tiny_folder), check=True)
+    return folder
+
+
+def logged_steps(folder: Path) -> int:
+    try:
+        return len((folder / "log.csv").read_text().splitlines()) - 1
+    except FileNotFoundError:
+        return 0
+
+
+def stop_with_sigterm(folder: Path, data: Path) -> subprocess.CompletedProcess:
+    """Start the 2-process run, SIGTERM the `exactresume` command once its first step is logged."""
+    command = [sys.executable, "-m", "exactresume.cli", *flags(folder, data, "--resume", "auto")]
+    child = subprocess.Popen(command, env=CHILD_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while logged_steps(folder) == 0 and child.poll() is None:
+        time.sleep(0.01)
+    child.send_signal(signal.SIGTERM)  # to the command only: it passes it through torchrun to every rank
+    stdout, stderr = child.communicate()
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
+def test_sigterm_under_two_processes_saves_one_step_and_resumes_bit_identical(tmp_path, tiny_folder, straight):
+    folder = tmp_path / "run"
+    stopped = stop_with_sigterm(folder, tiny_folder)
+    assert stopped.returncode == 75, f"exit {stopped.returncode} (ended before the signal?): {stopped.stderr}"
+    lines = [line for line in stopped.stderr.splitlines() if "stopped by SIGTERM" in line]
+    assert len(lines) == 1, stopped.stderr  # the ranks' line, printed once
+    step = int(re.search(r"stopped by SIGTERM after step (\d+); saved", lines[0]).group(1))
+    assert 1 <= step < 12
+    # The ranks agreed: one checkpoint, of the step every rank stopped after, and the log up to it.
+    assert [c.step for c in CheckpointStore(folder / "checkpoints").checkpoints()] == [step]
+    assert logged_steps(folder) == step
+    resumed = run_cli(*flags(folder, tiny_folder, "--resume", "auto", "--divergence", folder / "divergence.csv"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"at step {step}" in resumed.stdout
+    expected, got = read_weights(straight / "final.pth")[0], read_weights(folder / "final.pth")[0]
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert (folder / "log.csv").read_bytes() == (straight / "log.csv").read_bytes()
+    assert [row["step"] for row in read_divergence(folder / "divergence.csv")] == list(range(step + 1, 13))
+
+
+# -- refusals: one line, exit 2 -----------------------------------------------------------------------
+
+
+def test_an_epoch_whose_last_batch_does_not_split_over_the_processes_is_refused(tmp_path, tiny_folder):
+    # 15 windows of 16 tokens in batches of 4: the last batch holds 3, which 2 processes cannot share.
+    finished = call_cli("train", "--out", tmp_path, "--data", tiny_folder, "--loader", "epoch", "--batch", 4,
+                        "--seq-len", 16, "--steps", 4, "--nproc", 2)  # fmt: skip
+    assert_one_line_error(
+        finished, "--loader epoch: each epoch ends with a batch of 3 sequences, not divisible by 2 processes"
+    )
+    assert not (tmp_path / "log.csv").exists()
+
+
+def fake_run(device: str, loader=None) -> SimpleNamespace:
+    config = SimpleNamespace(batch=4, grad_accum=1)
+    return SimpleNamespace(config=config, device=torch.device(device), batches=loader, replicas=None)
+
+
+def test_every_rank_refuses_cuda_with_many_processes():
+    """Many processes run on the CPU (gloo): a rank with a CUDA run refuses before joining DDP."""
+    for rank in (0, 1):
+        with pytest.raises(UserError) as refused:
+            replicate(fake_run("cuda"), World(rank, 2))
+        assert str(refused.value) == "--device cuda with --nproc 2: many processes run on the CPU (gloo) only"
+
+
+def test_every_rank_refuses_an_epoch_that_does_not_split(tiny_folder):
+    from exactresume.core.data import load_tokens
+
+    loader = EpochLoader(load_tokens(tiny_folder).train, batch=4, seq_len=16, seed=0)
+    for rank in (0, 1):
+        with pytest.raises(UserError, match="each epoch ends with a batch of 3 sequences, not divisible by 2"):
+            replicate(fake_run("cpu", loader), World(rank, 2))

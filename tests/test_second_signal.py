@@ -1,0 +1,89 @@
+"""A second signal acts at once: SIGINT twice exits 130 and saves nothing, between steps or mid-save.
+
+The README: "SIGTERM or SIGINT lets the current step finish, saves a checkpoint of it, and exits with
+code 75 ... A second signal acts at once (SIGINT: exit 130, no save)." The signals are sent from
+inside the run (after a step, or when the preemption save reaches its write stage), so where they
+land is certain; the run is in this process, on one thread.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import exactresume.training.job as job_module
+from conftest import SMALL, call_cli
+from exactresume.store.faults import FaultPoints
+from exactresume.store.folder import CheckpointStore
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def interrupt_after_step(monkeypatch, step: int, times: int) -> None:
+    """Send SIGINT `times` times right after `step`, as Ctrl-C pressed during the step would."""
+    run_job = job_module.run_job
+
+    def on_step_then_interrupt(record, on_step):
+        on_step(record)
+        if record.step == step:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+
+    def run_job_interrupted(job, on_step=lambda record: None, **callbacks):
+        return run_job(job, on_step=lambda record: on_step_then_interrupt(record, on_step), **callbacks)
+
+    monkeypatch.setattr(job_module, "run_job", run_job_interrupted)
+
+
+def interrupt_when_a_save_writes(monkeypatch) -> list[str]:
+    """Send SIGINT each time a save reaches its write stage; returns the stages reached, for the test."""
+    reached = FaultPoints.reached
+    stages: list[str] = []
+
+    def reached_then_interrupt(self, stage):
+        stages.append(stage)
+        if stage == "write":
+            os.kill(os.getpid(), signal.SIGINT)
+        return reached(self, stage)
+
+    monkeypatch.setattr(FaultPoints, "reached", reached_then_interrupt)
+    return stages
+
+
+def assert_nothing_saved(folder, steps_logged: int) -> None:
+    store = CheckpointStore(folder / "checkpoints")
+    assert store.checkpoints() == [] and store.leftovers() == []
+    assert not (folder / "final.pth").exists() and not (folder / "resume.pth").exists()
+    assert len((folder / "log.csv").read_text().splitlines()) == 1 + steps_logged
+
+
+def train(folder, data):
+    return call_cli("train", "--out", folder, "--data", data, *SMALL, "--resume", "auto")
+
+
+def test_sigint_twice_between_steps_exits_130_and_saves_nothing(tmp_path, kjv_folder, monkeypatch):
+    interrupt_after_step(monkeypatch, 3, times=2)
+    finished = train(tmp_path, kjv_folder)
+    assert finished.returncode == 130, finished.stderr
+    assert finished.stderr.strip().splitlines() == ["exactresume train: interrupted"]
+    assert_nothing_saved(tmp_path, steps_logged=3)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+
+
+def test_sigint_during_the_preemption_save_stops_it_at_once(tmp_path, kjv_folder, monkeypatch):
+    interrupt_after_step(monkeypatch, 3, times=1)  # the first: finish step 3, then save
+    stages = interrupt_when_a_save_writes(monkeypatch)  # the second: while that save writes
+    finished = train(tmp_path, kjv_folder)
+    assert stages[-1] == "write", stages  # the save was under way when the second signal came
+    assert finished.returncode == 130, finished.stderr
+    assert finished.stderr.strip().splitlines() == ["exactresume train: interrupted"]
+    assert_nothing_saved(tmp_path, steps_logged=3)
