@@ -118,13 +118,14 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from exactresume.core.data import PrepareConfig, prepare
+    from exactresume.progress import ByteProgress
 
     mode = mode_from_args(args)
     prepare(
         PrepareConfig(corpus=args.corpus, tokenizer=args.tokenizer, vocab_size=args.vocab_size),
         args.out,
         log=print if mode != "none" else lambda message: None,
-        progress_mode=mode,
+        progress=ByteProgress("prepare: encode", mode),
     )
     return 0
 

@@ -111,3 +111,18 @@ class Progress:
     def _write(self, text: str) -> None:
         self.stream.write(text)
         self.stream.flush()
+
+
+class ByteProgress:
+    """A `(bytes done, bytes in all)` progress callback shown in MB; the bar starts at the first call."""
+
+    def __init__(self, label: str, mode: str, stream: TextIO | None = None):
+        self.label, self.mode, self.stream = label, mode, stream
+        self.bar: Progress | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = Progress(max(1, round(total / 1e6)), self.label, self.mode, unit="MB", stream=self.stream)
+        self.bar.update(min(round(done / 1e6), self.bar.total))
+        if done >= total:
+            self.bar.close()

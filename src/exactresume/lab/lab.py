@@ -22,6 +22,7 @@ from exactresume.core.compare import loss_differences, repeated_batches, weight_
 from exactresume.core.data import ensure_data
 from exactresume.errors import UserError
 from exactresume.lab import warm_start
+from exactresume.progress import ByteProgress
 from exactresume.store.inspect import resume_size_breakdown
 from exactresume.store.resume import load_resume
 from exactresume.store.steplog import read_loss_log, read_samples
@@ -230,7 +231,7 @@ def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
     warm_start.start_server()
     torch.set_num_threads(config.train.threads)  # for the lab's own figures (fp16 logits) as for its runs
     started = time.perf_counter()
-    ensure_data(config.data, log, progress_mode)
+    ensure_data(config.data, log, ByteProgress("prepare: encode", progress_mode))
     timings = {"prepare": time.perf_counter() - started}
     for number, (name, flags) in enumerate(training_runs(config), start=1):
         label = f"[{number}/8] {name}"
