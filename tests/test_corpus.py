@@ -3,6 +3,7 @@ xxh3-verified loading, and the corpus faults a user meets (cut-off last line, em
 
 from __future__ import annotations
 
+import io
 import json
 import tracemalloc
 from pathlib import Path
@@ -21,6 +22,7 @@ from exactresume.core.data import (
     prepare,
 )
 from exactresume.errors import UserError
+from exactresume.progress import ByteProgress
 
 OUTPUT_FILES = (TOKENIZER_FILE, TRAIN_FILE, VAL_FILE, MANIFEST_FILE)
 VOCAB = 300
@@ -163,3 +165,11 @@ def test_bad_utf8_is_named_by_its_offset_across_chunks(tmp_path):
     corpus.write_bytes(b"hello world\n" * 100 + b"caf\xe9\n")
     with pytest.raises(UserError, match="offset 1203"):
         prepare(PrepareConfig(corpus=corpus, vocab_size=VOCAB), tmp_path / "out", log=quiet, chunk_bytes=64)
+
+
+def test_the_cli_progress_object_shows_corpus_megabytes(tmp_path):
+    stream = io.StringIO()
+    progress = ByteProgress("prepare: encode", "lines", stream=stream)
+    corpus = edge_txt(tmp_path / "corpus.txt")
+    prepare(PrepareConfig(corpus=corpus, vocab_size=VOCAB), tmp_path / "out", log=quiet, progress=progress)
+    assert stream.getvalue().splitlines()[-1].startswith("prepare: encode: MB 1/1")

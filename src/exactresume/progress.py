@@ -96,7 +96,8 @@ class Progress:
         parts = [f"{self.label}: {self.unit} {self.done}/{self.total}"]
         parts += [f"{name} {value:.4f}" for name, value in self.fields.items()]
         rate = self.rate()
-        parts.append(f"{rate:.2f} {self.unit}s/s" if rate is not None else f"- {self.unit}s/s")
+        units = self.unit if self.unit.endswith("B") else self.unit + "s"  # MB/s, steps/s
+        parts.append(f"{rate:.2f} {units}/s" if rate is not None else f"- {units}/s")
         return " ".join(parts)
 
     def _draw_bar(self) -> None:
@@ -123,6 +124,6 @@ class ByteProgress:
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             self.bar = Progress(max(1, round(total / 1e6)), self.label, self.mode, unit="MB", stream=self.stream)
-        self.bar.update(min(round(done / 1e6), self.bar.total))
+        self.bar.update(self.bar.total if done >= total else min(round(done / 1e6), self.bar.total))
         if done >= total:
             self.bar.close()

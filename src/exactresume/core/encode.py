@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 from tokenizers import Tokenizer
 
-ENCODE_BATCH_BYTES = 4 << 20  # characters of text per encode_batch call
+ENCODE_BATCH_BYTES = 1 << 20  # characters per encode_batch call: tokenizers holds ~75 bytes per character
 
 
 class TokenSink(Protocol):
