@@ -181,8 +181,14 @@ class Checkpointer:
         self.store, self.logs, self.saved_step, self.world = store, logs, saved_step, world
         self.background = BackgroundSaver(store) if background and world.is_main else None
 
-    def save(self, run: Run) -> Path:
+    def save(self, run: Run, coalesce: bool = False) -> Path | None:
+        """Save the run's step (at most once); with `coalesce`, skip it (None) while a background save is busy."""
         step = run.step.value
+        busy = self.background is not None and self.background.busy()
+        if coalesce and self.world.any(busy):  # every rank skips together: the save is collective
+            if self.background is not None:
+                self.background.coalesced += 1
+            return None
         if step != self.saved_step:
             self.logs.sync()
             parts = per_rank(run.parts(), self.world)
@@ -361,7 +367,9 @@ def run_job(job: TrainJob, on_step=lambda record: None, on_start=lambda run: Non
             logs.record(record)
             on_step(record)
             if job.save_every and run.step.value % job.save_every == 0:
-                saver.save(run)
+                # Every step in the background means as often as the disk allows: a save asked for
+                # while the one before is still being written is skipped, and counted.
+                saver.save(run, coalesce=job.async_save and job.save_every == 1)
             # The ranks agree on a signal any of them caught, so all stop after the same step and save together.
             if world.any(guard.requested):
                 raise Preempted(guard.signal_name or "a signal to another process", run.step.value)
@@ -376,5 +384,8 @@ def run_job(job: TrainJob, on_step=lambda record: None, on_start=lambda run: Non
         if job.save_every:
             saver.save(run)
             saver.wait()
+            skipped = saver.background.coalesced if saver.background is not None else 0
+            if skipped:
+                note(f"{skipped} periodic checkpoint(s) skipped: the one before was still being written")
         _write_outputs(job, run, world)
     return run
