@@ -48,6 +48,7 @@ def child(kind: str, spawned: float, preset: str, data: str, out: str, batch: in
         state = load_sealed(newest.path)
         mark("reading and verifying it")
         restore(state, run.parts())
+        del state  # the run holds what it needs; a job drops the loaded file's state here too
         mark("restoring it")
     train_step(run)
     mark("the first step")
