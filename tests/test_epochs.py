@@ -137,3 +137,28 @@ def test_hundreds_of_millions_of_samples_need_no_epoch_sized_memory(monkeypatch)
     assert len(set(flat)) == 3 * BATCH and all(0 <= index < samples for index in flat)
     assert again == batches[2] == step_indices(SEED, samples, BATCH, 2).tolist()
     assert straight.state_dict() == resumed.state_dict() and straight.state_dict()["samples"] == samples
+
+
+def test_random_windows_draw_from_a_memory_mapped_stream_larger_than_ram(tmp_path):
+    from exactresume.core.batches import RandomWindows
+    from exactresume.core.tokenfile import HEADER_BYTES, npy_header, open_tokens
+
+    count, path = 5 * 10**9, tmp_path / "huge.npy"  # 10 GB of tokens, as a sparse file: no disk used
+    with open(path, "wb") as file:
+        file.write(npy_header(np.uint16, count))
+        file.truncate(HEADER_BYTES + 2 * count)
+        file.seek(HEADER_BYTES + 2 * (count - 3))
+        file.write(np.array([5, 6, 7], dtype="<u2").tobytes())
+    stream = open_tokens(path)
+    assert len(stream) == count and stream[-3:].tolist() == [5, 6, 7]
+    tracemalloc.start()
+    try:
+        windows = RandomWindows(stream, BATCH, SEQ_LEN, SEED)
+        batch = windows.next_batch()
+        inputs, targets = windows.windows(torch.tensor([count - SEQ_LEN - 1]))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000 and batch.inputs.dtype == torch.int64
+    assert int(batch.starts.max()) > 2**32  # offsets beyond any 32-bit index
+    assert targets[0, -3:].tolist() == [5, 6, 7] and inputs[0, -2:].tolist() == [5, 6]
