@@ -72,7 +72,7 @@ def bench_preset(name: str, args: argparse.Namespace, data, folder: Path, log) -
     figures |= bench_async_block(run, folder / "async", args.reps)
     if name in THROUGHPUT_PRESETS:
         figures |= bench_async_throughput(
-            run, folder / "async", args.reps, steps=4 if args.toy else 30, every=2 if args.toy else 5
+            run, folder / "async", args.reps, steps=4 if args.toy else 30, every=2 if args.toy else 1
         )
     else:
         figures |= {
