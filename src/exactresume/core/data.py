@@ -185,7 +185,8 @@ def prepare(
     log(f"corpus {corpus_path} ({corpus_format}): {size / 1e6:.1f} MB")
     tokenizer, tokenizer_bytes = make_tokenizer(config, corpus_path, size, tokenizer_data, chunk_bytes, log)
     end_of_text_id = tokenizer.token_to_id(END_OF_TEXT)
-    writer = TokenWriter(out / TRAIN_FILE, out / VAL_FILE, token_dtype(tokenizer.get_vocab_size()))
+    id_bound = max(tokenizer.get_vocab().values()) + 1  # ids may have gaps: the largest decides
+    writer = TokenWriter(out / TRAIN_FILE, out / VAL_FILE, token_dtype(id_bound))
     position = corpus_io.Position()
     try:
         documents = corpus_io.documents(corpus_path, chunk_bytes, position)

@@ -24,13 +24,12 @@ DEFAULT_VOCAB_SIZE = 6400
 BYTE_ALPHABET_SIZE = 256
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + BYTE_ALPHABET_SIZE  # the trainer always keeps all 256 bytes
 MAX_VOCAB_SIZE = 1 << 16  # what we learn ourselves; a user's tokenizer may be larger (uint32 ids)
-MAX_USER_VOCAB_SIZE = 1 << 32
 TRAIN_SAMPLE_BYTES = 256 << 20  # a larger corpus is learned from a sample of about this size
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 while every id fits, else uint32."""
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+def token_dtype(id_bound: int) -> np.dtype:
+    """uint16 while every id (all below `id_bound`) fits, else uint32."""
+    return np.dtype(np.uint16) if id_bound <= 1 << 16 else np.dtype(np.uint32)
 
 
 def sample_stride(corpus_bytes: int) -> int:
@@ -70,17 +69,12 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def load_user_tokenizer(path: Path, data: bytes) -> Tokenizer:
-    """The user's tokenizer.json, checked to fit uint32 and to know <|endoftext|>."""
+    """The user's tokenizer.json, checked to know <|endoftext|> (tokenizers' ids are u32: any fits uint32)."""
     try:
         tokenizer = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as error:  # the Rust side raises plain Exception for any parse failure
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UserError(f"cannot load tokenizer {path}: {reason}") from None
-    if tokenizer.get_vocab_size() > MAX_USER_VOCAB_SIZE:
-        raise UserError(
-            f"tokenizer {path} has {tokenizer.get_vocab_size()} tokens; ids must fit uint32 "
-            f"(at most {MAX_USER_VOCAB_SIZE})"
-        )
     if tokenizer.token_to_id(END_OF_TEXT) is None:
         raise UserError(f"tokenizer {path} has no {END_OF_TEXT} token to separate documents")
     return tokenizer
