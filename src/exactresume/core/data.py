@@ -185,8 +185,7 @@ def prepare(
     log(f"corpus {corpus_path} ({corpus_format}): {size / 1e6:.1f} MB")
     tokenizer, tokenizer_bytes = make_tokenizer(config, corpus_path, size, tokenizer_data, chunk_bytes, log)
     end_of_text_id = tokenizer.token_to_id(END_OF_TEXT)
-    id_bound = max(tokenizer.get_vocab().values()) + 1  # ids may have gaps: the largest decides
-    writer = TokenWriter(out / TRAIN_FILE, out / VAL_FILE, token_dtype(id_bound))
+    writer = TokenWriter(out / TRAIN_FILE, out / VAL_FILE, token_dtype(id_bound(tokenizer)))
     position = corpus_io.Position()
     try:
         documents = corpus_io.documents(corpus_path, chunk_bytes, position)
@@ -204,11 +203,16 @@ def prepare(
     return manifest
 
 
+def id_bound(tokenizer: Tokenizer) -> int:
+    """One more than the largest token id (ids may have gaps, so not always the vocabulary size)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
 def write_manifest(out: Path, key: dict, corpus_path: Path, tokenizer: Tokenizer, **fields) -> Manifest:
     """The completion marker: what the folder holds and what it was made from."""
     manifest = Manifest(
         corpus=str(corpus_path.resolve()),
-        vocab_size=tokenizer.get_vocab_size(),
+        vocab_size=max(tokenizer.get_vocab_size(), id_bound(tokenizer)),  # the model's embedding rows
         end_of_text_id=tokenizer.token_to_id(END_OF_TEXT),
         fingerprint=data_fingerprint(fields["train_sha256"], fields["val_sha256"], fields["tokenizer_sha256"]),
         **{name: value for name, value in key.items() if name != "vocab_size"},
