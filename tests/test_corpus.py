@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_one_line_error, call_cli
+from exactresume.core import tokenizer as tokenizer_module
 from exactresume.core.data import (
     MANIFEST_FILE,
     TOKENIZER_FILE,
@@ -173,3 +174,18 @@ def test_the_cli_progress_object_shows_corpus_megabytes(tmp_path):
     corpus = edge_txt(tmp_path / "corpus.txt")
     prepare(PrepareConfig(corpus=corpus, vocab_size=VOCAB), tmp_path / "out", log=quiet, progress=progress)
     assert stream.getvalue().splitlines()[-1].startswith("prepare: encode: MB 1/1")
+
+
+def test_a_large_corpus_learns_its_tokenizer_from_a_fixed_sample(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "TRAIN_SAMPLE_BYTES", 2_000)  # "large" above 2 kB
+    corpus = edge_txt(tmp_path / "corpus.txt")
+    lines: list[str] = []
+    config = PrepareConfig(corpus=corpus, vocab_size=270)
+    prepare(config, tmp_path / "a", log=lines.append)
+    stride = -(-corpus.stat().st_size // 2_000)
+    assert stride > 1 and any(f"one document in {stride}" in line for line in lines)
+    prepare(config, tmp_path / "b", log=quiet, chunk_bytes=333)
+    assert output_bytes(tmp_path / "a") == output_bytes(tmp_path / "b")
+    monkeypatch.setattr(tokenizer_module, "TRAIN_SAMPLE_BYTES", 1 << 30)
+    whole = prepare(config, tmp_path / "c", log=quiet)
+    assert whole.tokenizer_sha256 != load_tokens(tmp_path / "a").manifest.tokenizer_sha256

@@ -233,7 +233,7 @@ def make_tokenizer(
     started = time.perf_counter()
     stride = sample_stride(size)
     tokenizer = train_tokenizer(every_kth(corpus_io.documents(corpus_path, chunk_bytes), stride), config.vocab_size)
-    sample = "every document" if stride == 1 else f"every {stride}th document"
+    sample = "every document" if stride == 1 else f"one document in {stride}"
     seconds = time.perf_counter() - started
     log(f"trained byte-level BPE with {tokenizer.get_vocab_size()} tokens on {sample} ({seconds:.1f} s)")
     return tokenizer, tokenizer.to_str().encode("utf-8")
