@@ -57,7 +57,9 @@ def bench_async_block(run: Run, folder: Path, reps: int) -> dict:
     }
 
 
-def bench_async_throughput(run: Run, folder: Path, reps: int, steps: int = 30, every: int = 5) -> dict:
+def bench_async_throughput(run: Run, folder: Path, reps: int, steps: int = 30, every: int = 1) -> dict:
+    """steps/s with a background save every `every` steps over steps/s without; at every 1 a save asked
+    for while the one before is still written is skipped (as `train --save-every 1 --async-save` does)."""
     saver = BackgroundSaver(CheckpointStore(folder / "throughput", keep=1))
     log = StepLog(folder / "log.csv", LOSS_HEADER, 0).open()
 
@@ -65,7 +67,7 @@ def bench_async_throughput(run: Run, folder: Path, reps: int, steps: int = 30, e
         def train_and_save() -> None:
             for _ in range(steps // every):
                 exactresume_steps(run, every, log)
-                saver.save(run.step.value, run.parts())
+                saver.save(run.step.value, run.parts(), coalesce=every == 1)
             saver.wait()
 
         return timed(train_and_save)
@@ -81,6 +83,8 @@ def bench_async_throughput(run: Run, folder: Path, reps: int, steps: int = 30, e
             "met": figure["ratio"] >= THROUGHPUT_GOAL,
             "steps_per_round": steps,
             "save_every": every,
+            "coalesced": saver.coalesced,
+            "saves_asked": (reps + 1) * (steps // every),
             "what": f"steps/s with --async-save --save-every {every} (its last save "
             "waited for) / steps/s without saving",
         },

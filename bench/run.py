@@ -28,6 +28,8 @@ from .files import bench_load, bench_save
 from .growth import growth
 from .labwall import DEFAULT_STOP_AT, bench_lab
 from .measure import load_average
+from .prepare import MINIMIND_TOKENIZER, bench_prepare
+from .recovery import recovery_figures
 from .table import render
 from .training import MATMUL_SIZE, bench_training
 
@@ -70,7 +72,7 @@ def bench_preset(name: str, args: argparse.Namespace, data, folder: Path, log) -
     figures |= bench_async_block(run, folder / "async", args.reps)
     if name in THROUGHPUT_PRESETS:
         figures |= bench_async_throughput(
-            run, folder / "async", args.reps, steps=4 if args.toy else 30, every=2 if args.toy else 5
+            run, folder / "async", args.reps, steps=4 if args.toy else 30, every=2 if args.toy else 1
         )
     else:
         figures |= {
@@ -81,6 +83,21 @@ def bench_preset(name: str, args: argparse.Namespace, data, folder: Path, log) -
     log(f"{name}: + save/load {time.perf_counter() - started:.0f} s")
     figures["memory"] = memory_figures(config, args.data, folder)
     log(f"{name}: + memory {time.perf_counter() - started:.0f} s")
+    return figures
+
+
+def data_figures(args: argparse.Namespace, scratch: Path, log) -> dict:
+    """bench/prepare.py on a generated corpus and bench/recovery.py on the 26M preset, unless skipped."""
+    figures = {}
+    if args.prepare_mb and MINIMIND_TOKENIZER.is_file():
+        figures["prepare"] = bench_prepare(args.prepare_mb, scratch / "prepare", MINIMIND_TOKENIZER)
+        log(f"prepare: {figures['prepare']['prepare_s']:.0f} s")
+    else:
+        figures["prepare"] = {"status": "not measured (--prepare-mb 0, or no MiniMind tokenizer)"}
+    if args.recovery_reps:
+        figures["recovery"] = recovery_figures("minimind-26m", args.data, scratch / "recovery", args.recovery_reps)
+    else:
+        figures["recovery"] = {"status": "not measured (--recovery-reps 0)"}
     return figures
 
 
@@ -135,12 +152,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=14,
         help="start no further lab round that would end later (at least one runs)",
     )
+    parser.add_argument("--prepare-mb", type=float, default=2048, help="generated corpus for prepare (0: skip)")
+    parser.add_argument("--recovery-reps", type=int, default=3, help="rounds of the kill -9 restart (0: skip)")
     parser.add_argument(
         "--toy", action="store_true", help="default preset at batch 2 x 16, 2 reps, no lab: checks the harness"
     )
     args = parser.parse_args(argv)
     if args.toy:
         args.presets, args.reps, args.batch, args.seq_len, args.lab_reps = "default", 2, 2, 16, 0
+        args.prepare_mb, args.recovery_reps = 0, 0
     return args
 
 
@@ -162,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"lab: {time.perf_counter() - started:.0f} s")
         else:
             bench |= {"lab_wall_ratio": None, "lab_wall": {"status": "not measured (--lab-reps 0)"}}
+        bench |= data_figures(args, Path(scratch), log)
     bench["growth"] = growth(bench["presets"])
     bench["machine"] = {
         "cpus": os.cpu_count(),

@@ -32,6 +32,11 @@ def _mb(value: float) -> str:
     return f"{value / 1e6:,.0f}"
 
 
+def _save_every(presets: list[dict]) -> str:
+    measured = [p["async_throughput"]["save_every"] for p in presets if "save_every" in p.get("async_throughput", {})]
+    return str(measured[0]) if measured else "1"
+
+
 def ratio_rows(bench: dict) -> list[tuple[str, str, list[str]]]:
     presets, names = list(bench["presets"].values()), list(bench["presets"])
     lab = bench.get("lab_wall")
@@ -71,13 +76,38 @@ def ratio_rows(bench: dict) -> list[tuple[str, str, list[str]]]:
         ),
         ("5 async save: loop blocked ÷ synchronous save", "≤ 0.1", [_ranged(p.get("async_block")) for p in presets]),
         (
-            "   async save: steps/s with --save-every 5 ÷ no saving",
+            f"   async save: steps/s with --save-every {_save_every(presets)} ÷ no saving",
             "≥ 0.95",
             [_ranged(p.get("async_throughput")) for p in presets],
         ),
         ("6 lab wall time ÷ (training steps × step time)", "≤ 1.3", [_ranged(lab)] + ["—"] * (len(presets) - 1)),
+        *data_rows(bench, len(presets)),
     ]
     return rows
+
+
+def data_rows(bench: dict, columns: int) -> list[tuple[str, str, list[str]]]:
+    """Streaming prepare (bench/prepare.py) and the restart after kill -9 (bench/recovery.py): one column."""
+    prepare, recovery = bench.get("prepare") or {}, bench.get("recovery") or {}
+    rest = ["—"] * (columns - 1)
+    if "throughput_ratio" in prepare:
+        mark = "" if prepare["throughput_ratio"] >= 0.8 else " ✗"
+        speed = f"{prepare['throughput_ratio']:.2f}{mark} ({prepare['corpus_mb']:,.0f} MB corpus)"
+        mark = "" if prepare["prepare_peak_rss_mb"] <= 1000 else " ✗"
+        memory = f"{prepare['prepare_peak_rss_mb']:,.0f}{mark} ({prepare['corpus_mb']:,.0f} MB corpus)"
+    else:
+        speed = memory = prepare.get("status", NOT_MEASURED)
+    if "recovery_ratio" in recovery:
+        mark = "" if recovery["recovery_ratio"] <= 1.15 else " ✗"
+        ratios = recovery["round_ratios"]
+        restart = f"{recovery['recovery_ratio']:.2f} ({min(ratios):.2f}–{max(ratios):.2f}){mark} ({recovery['preset']})"
+    else:
+        restart = recovery.get("status", NOT_MEASURED)
+    return [
+        ("9 prepare: MB/s ÷ tokenizers' encode_batch on the same bytes", "≥ 0.8", [speed, *rest]),
+        ("   prepare: peak RSS MB", "≤ 1,000 (2 GB corpus)", [memory, *rest]),
+        ("10 restart after kill -9 ÷ fresh start, to the end of step 1", "≤ 1.15 (26M)", [restart, *rest]),
+    ]
 
 
 def raw_rows(bench: dict) -> list[tuple[str, list[str]]]:

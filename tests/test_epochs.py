@@ -3,11 +3,16 @@ O(1) mid-epoch resume that loads no skipped sample."""
 
 from __future__ import annotations
 
+import tracemalloc
+
+import numpy as np
 import pytest
 import torch
 
+from exactresume.core import epochs
 from exactresume.core.data import load_tokens
-from exactresume.core.epochs import EpochLoader, step_indices
+from exactresume.core.epochs import EpochLoader, epoch_order, epoch_seed, step_indices
+from exactresume.core.permutation import permute, round_keys
 from exactresume.errors import CheckpointError
 
 SEQ_LEN, BATCH, SEED = 16, 4, 7
@@ -98,3 +103,62 @@ def test_a_state_from_another_run_is_refused(tokens, change, needle):
     state = loader(tokens).state_dict() | change
     with pytest.raises(CheckpointError, match=needle):
         loader(tokens).load_state_dict(state)
+
+
+def test_an_epoch_within_the_limit_keeps_the_randperm_order_of_earlier_releases():
+    assert epochs.PERMUTATION_LIMIT == 1 << 24
+    expected = torch.randperm(1000, generator=torch.Generator().manual_seed(epoch_seed(SEED, 3)))
+    assert torch.equal(epoch_order(SEED, 3, 1000).take(0, 1000), expected)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 17, 1000, 4099])
+def test_the_large_epoch_order_is_a_permutation(count):
+    values = permute(np.arange(count, dtype=np.uint64), count, round_keys(99)).tolist()
+    assert sorted(values) == list(range(count))
+    assert count < 17 or values != sorted(values)
+
+
+def test_hundreds_of_millions_of_samples_need_no_epoch_sized_memory(monkeypatch):
+    samples = 400_000_000  # a randperm of them would be 3.2 GB
+    tokens = np.broadcast_to(np.zeros(1, dtype=np.uint16), (samples * SEQ_LEN + 1,))  # no memory either
+    monkeypatch.setattr(torch, "randperm", None)
+    tracemalloc.start()
+    try:
+        straight = EpochLoader(tokens, BATCH, SEQ_LEN, SEED)
+        batches = [indices(straight.next_batch()) for _ in range(3)]
+        resumed = EpochLoader(tokens, BATCH, SEQ_LEN, SEED)
+        resumed.load_state_dict(straight.state_dict() | {"cursor": 2})
+        again = indices(resumed.next_batch())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2_000_000, f"{peak / 1e6:.1f} MB"
+    flat = sum(batches, [])
+    assert len(set(flat)) == 3 * BATCH and all(0 <= index < samples for index in flat)
+    assert again == batches[2] == step_indices(SEED, samples, BATCH, 2).tolist()
+    assert straight.state_dict() == resumed.state_dict() and straight.state_dict()["samples"] == samples
+
+
+def test_random_windows_draw_from_a_memory_mapped_stream_larger_than_ram(tmp_path):
+    from exactresume.core.batches import RandomWindows
+    from exactresume.core.tokenfile import HEADER_BYTES, npy_header, open_tokens
+
+    count, path = 5 * 10**9, tmp_path / "huge.npy"  # 10 GB of tokens, as a sparse file: no disk used
+    with open(path, "wb") as file:
+        file.write(npy_header(np.uint16, count))
+        file.truncate(HEADER_BYTES + 2 * count)
+        file.seek(HEADER_BYTES + 2 * (count - 3))
+        file.write(np.array([5, 6, 7], dtype="<u2").tobytes())
+    stream = open_tokens(path)
+    assert len(stream) == count and stream[-3:].tolist() == [5, 6, 7]
+    tracemalloc.start()
+    try:
+        windows = RandomWindows(stream, BATCH, SEQ_LEN, SEED)
+        batch = windows.next_batch()
+        inputs, targets = windows.windows(torch.tensor([count - SEQ_LEN - 1]))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000 and batch.inputs.dtype == torch.int64
+    assert int(batch.starts.max()) > 2**32  # offsets beyond any 32-bit index
+    assert targets[0, -3:].tolist() == [5, 6, 7] and inputs[0, -2:].tolist() == [5, 6]

@@ -17,7 +17,7 @@ from exactresume import summaries
 from exactresume.errors import UserError
 from exactresume.flags import config_from_args
 from exactresume.guards import check_plan, lock_out
-from exactresume.progress import mode_from_args
+from exactresume.progress import ByteProgress, mode_from_args
 
 
 def emit(args: argparse.Namespace, summary: dict, render: Callable[[dict], list[str]], gap: bool = True) -> None:
@@ -42,7 +42,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         PrepareConfig(corpus=args.corpus, tokenizer=args.tokenizer, vocab_size=args.vocab_size),
         args.out,
         log=print if mode != "none" else lambda message: None,
-        progress_mode=mode,
+        progress=ByteProgress("prepare: encode", mode),
     )
     after = manifest.stat()
     # A reused folder's manifest is the file that was there; a new one was renamed into place.

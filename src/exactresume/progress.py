@@ -97,7 +97,8 @@ class Progress:
         parts = [f"{self.label}: {self.unit} {self.done}/{self.total}"]
         parts += [f"{name} {value:.4f}" for name, value in self.fields.items()]
         rate = self.rate()
-        parts.append(f"{rate:.2f} {self.unit}s/s" if rate is not None else f"- {self.unit}s/s")
+        units = self.unit if self.unit.endswith("B") else self.unit + "s"  # MB/s, steps/s
+        parts.append(f"{rate:.2f} {units}/s" if rate is not None else f"- {units}/s")
         return " ".join(parts)
 
     def _draw_bar(self) -> None:
@@ -112,3 +113,18 @@ class Progress:
     def _write(self, text: str) -> None:
         self.stream.write(text)
         self.stream.flush()
+
+
+class ByteProgress:
+    """A `(bytes done, bytes in all)` progress callback shown in MB; the bar starts at the first call."""
+
+    def __init__(self, label: str, mode: str, stream: TextIO | None = None):
+        self.label, self.mode, self.stream = label, mode, stream
+        self.bar: Progress | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = Progress(max(1, round(total / 1e6)), self.label, self.mode, unit="MB", stream=self.stream)
+        self.bar.update(self.bar.total if done >= total else min(round(done / 1e6), self.bar.total))
+        if done >= total:
+            self.bar.close()

@@ -38,10 +38,10 @@ class RandomWindows:
                 f"the corpus has {len(tokens)} training tokens, too few for --seq-len {seq_len} "
                 f"(need at least {seq_len + 2})"
             )
-        self.tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+        self.tokens = tokens  # a numpy array, usually a memory map: windows are read when drawn
         self.batch, self.seq_len = batch, seq_len
         self.generator = torch.Generator().manual_seed(seed)
-        self._window = torch.arange(seq_len + 1)
+        self._window = np.arange(seq_len + 1)
 
     def draw_starts(self) -> torch.Tensor:
         """The next batch's window offsets (batch,), advancing the generator."""
@@ -49,7 +49,7 @@ class RandomWindows:
 
     def windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token windows at `starts` as (inputs, targets), each (batch, seq_len)."""
-        rows = self.tokens[starts[:, None] + self._window]
+        rows = torch.from_numpy(self.tokens[starts.numpy()[:, None] + self._window].astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 
     def next_batch(self) -> Batch:

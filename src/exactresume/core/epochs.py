@@ -13,6 +13,11 @@ batches of that epoch already trained). Restoring it builds the DataLoader to st
 cursor: O(1) in the batches already trained, nothing fast-forwarded, no skipped sample loaded.
 Worker processes only load; the order is decided in this process, so --workers never changes
 the result.
+
+An epoch of up to PERMUTATION_LIMIT samples is ordered by `torch.randperm` (one int64 per
+sample). A larger one, say hundreds of millions of samples from a memory-mapped corpus larger than
+RAM, is ordered by a keyed bijection (`core.permutation`) computed for each batch's positions only:
+nothing the size of the epoch is ever built.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from exactresume.core.batches import Batch
+from exactresume.core.permutation import permute, round_keys
 from exactresume.errors import CheckpointError, UserError
 
 STATE_VERSION = 1
+PERMUTATION_LIMIT = 1 << 24  # samples per epoch up to which the order is torch.randperm's
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -35,9 +42,31 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def epoch_order(seed: int, epoch: int, count: int) -> torch.Tensor:
-    """The sample indices of `epoch` in training order, (count,)."""
-    return torch.randperm(count, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
+class EpochOrder:
+    """The sample indices of one epoch in training order; `take(first, stop)` computes only those."""
+
+    def __init__(self, seed: int, epoch: int, count: int):
+        self.count = count
+        permutation_seed = epoch_seed(seed, epoch)
+        if count <= PERMUTATION_LIMIT:
+            self.table = torch.randperm(count, generator=torch.Generator().manual_seed(permutation_seed))
+        else:
+            self.table, self.keys = None, round_keys(permutation_seed)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def take(self, first: int, stop: int) -> torch.Tensor:
+        """The indices at positions first .. stop - 1 of the order (fewer past its end), (n,) int64."""
+        if self.table is not None:
+            return self.table[first:stop]
+        positions = np.arange(first, min(stop, self.count), dtype=np.uint64)
+        return torch.from_numpy(permute(positions, self.count, self.keys).astype(np.int64))
+
+
+def epoch_order(seed: int, epoch: int, count: int) -> EpochOrder:
+    """The sample indices of `epoch` in training order."""
+    return EpochOrder(seed, epoch, count)
 
 
 def steps_per_epoch(count: int, batch: int) -> int:
@@ -47,11 +76,14 @@ def steps_per_epoch(count: int, batch: int) -> int:
 def step_indices(seed: int, count: int, batch: int, step: int) -> torch.Tensor:
     """The sample indices 0-based global `step` trains on: (batch,), fewer in an epoch's last batch."""
     epoch, cursor = divmod(step, steps_per_epoch(count, batch))
-    return epoch_order(seed, epoch, count)[cursor * batch : (cursor + 1) * batch]
+    return epoch_order(seed, epoch, count).take(cursor * batch, (cursor + 1) * batch)
 
 
 class TokenSamples(Dataset):
-    """Sample i of the token stream, as (i, tokens of shape (seq_len + 1,))."""
+    """Sample i of the token stream, as (i, int64 tokens of shape (seq_len + 1,)).
+
+    `tokens` is a numpy array (a memory map: only the sample's tokens are read) or a tensor.
+    """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
@@ -61,18 +93,21 @@ class TokenSamples(Dataset):
 
     def __getitem__(self, index: int) -> tuple[int, torch.Tensor]:
         start = index * self.seq_len
-        return index, self.tokens[start : start + self.seq_len + 1]
+        window = self.tokens[start : start + self.seq_len + 1]
+        if isinstance(window, np.ndarray):
+            window = torch.from_numpy(window.astype(np.int64))
+        return index, window
 
 
 class EpochBatches:
     """The batch sampler of one epoch from batch `cursor` on: lists of sample indices, made lazily."""
 
-    def __init__(self, order: torch.Tensor, batch: int, cursor: int):
+    def __init__(self, order: EpochOrder, batch: int, cursor: int):
         self.order, self.batch, self.cursor = order, batch, cursor
 
     def __iter__(self):
         for first in range(self.cursor * self.batch, len(self.order), self.batch):
-            yield self.order[first : first + self.batch].tolist()
+            yield self.order.take(first, first + self.batch).tolist()
 
     def __len__(self) -> int:
         return steps_per_epoch(len(self.order), self.batch) - self.cursor
@@ -87,7 +122,7 @@ class EpochLoader:
                 f"the corpus has {len(tokens)} training tokens, too few for --seq-len {seq_len} "
                 f"(need at least {seq_len + 1})"
             )
-        self.dataset = TokenSamples(torch.from_numpy(np.asarray(tokens, dtype=np.int64)), seq_len)
+        self.dataset = TokenSamples(tokens, seq_len)
         self.batch, self.seq_len, self.seed, self.workers = batch, seq_len, seed, workers
         self.epoch, self.cursor = 0, 0
         self._iterator = None  # the current epoch's DataLoader iterator, made when first needed

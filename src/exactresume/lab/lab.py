@@ -23,6 +23,7 @@ from exactresume.errors import UserError
 from exactresume.flags import config_flags
 from exactresume.lab import warm_start
 from exactresume.lab.record import RUN_RECORD, run_record
+from exactresume.progress import ByteProgress
 from exactresume.store.export import convert, max_logit_difference
 from exactresume.store.inspect import resume_size_breakdown
 from exactresume.store.lock import held_lock_env
@@ -194,7 +195,7 @@ def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
     warm_start.start_server()
     torch.set_num_threads(config.train.threads)  # for the lab's own figures (fp16 logits) as for its runs
     started = time.perf_counter()
-    ensure_data(config.data, log, progress_mode)
+    ensure_data(config.data, log, ByteProgress("prepare: encode", progress_mode))
     timings = {"prepare": time.perf_counter() - started}
     for number, (name, flags) in enumerate(training_runs(config), start=1):
         label = f"[{number}/8] {name}"

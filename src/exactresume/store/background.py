@@ -21,6 +21,11 @@ staging memory (the copy is kept between saves, so a background-saving run holds
 its state). A failure in the background is raised by the next `save` or `wait` (or by the optimizer
 step that waits for the copy) as BackgroundSaveFailed, naming the step it was saving.
 `blocked_seconds` adds up the time the caller spent waiting in `save` and in the pre-hook.
+
+`save(..., coalesce=True)` (`train --save-every 1 --async-save`) does not wait when the previous save is still being
+written: it skips this one and counts it in `coalesced`, so a disk slower than one checkpoint per
+step costs checkpoints, not training time. Nothing is queued; the next save after the write ends
+takes the state of its own step.
 """
 
 from __future__ import annotations
@@ -101,14 +106,24 @@ class BackgroundSaver:
     def __init__(self, store: CheckpointStore, overlap: bool = True):
         self.store, self.overlap, self.staging = store, overlap, StagingMemory()
         self.blocked_seconds = 0.0
+        self.coalesced = 0  # saves skipped because the previous one was still being written
         self._writer: threading.Thread | None = None
         self._copied = threading.Event()
         self._copied.set()
         self._failure: BackgroundSaveFailed | None = None
         self._hooked: set[int] = set()
 
-    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
-        """Wait for the previous save, start this one; the path the checkpoint will have."""
+    def busy(self) -> bool:
+        """Whether a save is still being copied or written."""
+        return self._writer is not None and self._writer.is_alive()
+
+    def save(self, step: int, parts: Mapping[str, Stateful], coalesce: bool = False) -> Path | None:
+        """Wait for the previous save, start this one; the path the checkpoint will have.
+
+        With `coalesce`, a save asked for while the previous one is still busy is skipped (None)."""
+        if coalesce and self.busy():
+            self.coalesced += 1
+            return None
         started = time.perf_counter()
         self.wait()
         self.store.faults.reached("snapshot")

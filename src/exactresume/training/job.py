@@ -211,7 +211,9 @@ def _run_with_store(job: TrainJob, store: CheckpointStore, on_step, on_start, wo
             logs.record(record)
             on_step(record)
             if job.save_every and run.step.value % job.save_every == 0:
-                saver.save(run)
+                # Every step in the background means as often as the disk allows: a save asked for
+                # while the one before is still being written is skipped, and counted.
+                saver.save(run, coalesce=job.async_save and job.save_every == 1)
             # The ranks agree on a signal any of them caught, so all stop after the same step and save together.
             if world.any(guard.requested):
                 raise Preempted(guard.signal_name or "a signal to another process", run.step.value)
@@ -226,5 +228,7 @@ def _run_with_store(job: TrainJob, store: CheckpointStore, on_step, on_start, wo
         if job.save_every:
             saver.save(run)
             saver.wait()
+            if saver.coalesced and world.is_main:
+                note(f"{saver.coalesced} periodic checkpoint(s) skipped: the one before was still being written")
         write_outputs(run, job.resume_file if job.stop_at is not None else None, job.weights_file, job.sharded, world)
     return run

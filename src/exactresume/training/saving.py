@@ -12,7 +12,7 @@ import contextlib
 from pathlib import Path
 
 from exactresume.store.access import make_saver
-from exactresume.store.background import BackgroundSaveFailed
+from exactresume.store.background import BackgroundSaveFailed, BackgroundSaver
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.resume import per_rank
 from exactresume.store.weights import save_weights
@@ -40,9 +40,18 @@ class Checkpointer:
     ):
         self.store, self.logs, self.saved_step, self.world = store, logs, saved_step, world
         self.saver = make_saver(store, world, background=background)
+        self.coalesced = 0  # periodic saves skipped because the one before was still being written
 
-    def save(self, run: Run) -> Path:
+    def _busy(self) -> bool:
+        writer = getattr(self.saver, "writer", self.saver)  # rank 0's writer under many processes
+        return isinstance(writer, BackgroundSaver) and writer.busy()
+
+    def save(self, run: Run, coalesce: bool = False) -> Path | None:
+        """Save the run's step (at most once); with `coalesce`, skip it (None) while a background save is busy."""
         step = run.step.value
+        if coalesce and self.world.any(self._busy()):  # every rank skips together: the save is collective
+            self.coalesced += 1
+            return None
         if step != self.saved_step:
             self.logs.sync()
             with self._stopping_on_error(step):

@@ -1,0 +1,40 @@
+"""A checkpoint every step in the background (`--save-every 1 --async-save`): a save asked for while
+the one before is still being written is skipped and counted, never queued."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from conftest import SMALL, run_cli
+from exactresume.store.background import BackgroundSaver
+from exactresume.store.folder import CheckpointStore
+
+
+def test_saves_asked_for_while_one_is_written_are_skipped_and_counted(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints", keep=None)
+    released = threading.Event()
+    commit = store.commit
+    store.commit = lambda step, state: (released.wait(10), commit(step, state))[1]  # a slow disk
+    saver = BackgroundSaver(store)
+    parts = {"model": torch.nn.Linear(4, 4)}
+    assert saver.save(1, parts, coalesce=True) == store.path_for(1)
+    assert saver.save(2, parts, coalesce=True) is None and saver.save(3, parts, coalesce=True) is None
+    assert saver.coalesced == 2
+    released.set()
+    saver.wait()
+    assert saver.save(4, parts, coalesce=True) == store.path_for(4)
+    saver.wait()
+    assert [checkpoint.step for checkpoint in store.checkpoints()] == [1, 4]
+    assert saver.save(5, parts) == store.path_for(5)  # without coalesce: waits, as before
+    saver.wait()
+
+
+def test_every_step_with_async_save_ends_with_the_final_checkpoint(tmp_path, kjv_folder):
+    finished = run_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--save-every", 1, "--async-save")
+    assert finished.returncode == 0, finished.stderr
+    steps = [checkpoint.step for checkpoint in CheckpointStore(tmp_path / "checkpoints").checkpoints()]
+    assert steps[-1] == 8 and len(steps) <= 3  # the newest three of those written (--keep 3)
+    skipped = [line for line in finished.stdout.splitlines() if "skipped" in line]
+    assert len(skipped) <= 1
