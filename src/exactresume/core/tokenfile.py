@@ -21,7 +21,7 @@ from typing import BinaryIO
 import numpy as np
 import xxhash
 
-from exactresume.atomic import fsync_folder, tmp_path
+from exactresume.atomic import fsync_path, tmp_path
 from exactresume.errors import UserError
 
 BUFFER_BYTES = 1 << 20  # read, hashed and copied at a time: one buffer, reused
@@ -113,7 +113,7 @@ class TokenWriter:
         for name, tmp, final in (("train", train_tmp, self.train_path), ("val", val_tmp, self.val_path)):
             fields[f"{name}_sha256"], fields[f"{name}_xxh3"] = file_hashes(tmp)
             os.replace(tmp, final)
-        fsync_folder(self.train_path.parent)
+        fsync_path(self.train_path.parent)
         return fields
 
 
