@@ -4,8 +4,9 @@
     cp runs/many/many_processes.json docs/ && python bench/many_processes.py --readme README.md
 
 Writes OUT/many_processes.json: for 2 -> 1 and 1 -> 2 whether the resumed run saw the same samples
-as the run it continues and its weight distance to it, and the distance of the two straight runs
-(the README's figures, rendered into its many-processes block from the copy in docs/); and
+as the run it continues and its weight distance to it, the distance of the two straight runs, and
+the N-independent mode's step time against plain DDP on 2 processes (bench/exact_mode.py) — the
+README's figures, rendered into its many-processes blocks from the copy in docs/; and
 OUT/timings.json, the two labs' wall times. Same-N exactness is each lab's own compare.json.
 """
 
@@ -50,9 +51,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS_JSON = ROOT / "docs" / "many_processes.json"
 BEGIN = "<!-- many-processes:begin (generated from docs/many_processes.json by bench/many_processes.py) -->"
 END = "<!-- many-processes:end -->"
+EXACT_BEGIN = "<!-- exact-mode:begin (generated from docs/many_processes.json by bench/many_processes.py) -->"
+EXACT_END = "<!-- exact-mode:end -->"
 
 
-def figures_json(two_to_one: dict, one_to_two: dict, straight_distance: dict, steps: int, stop_at: int) -> dict:
+def figures_json(
+    two_to_one: dict, one_to_two: dict, straight_distance: dict, exact_mode: dict, steps: int, stop_at: int
+) -> dict:
     """What many_processes.json holds (and docs/many_processes.json, which the README's block renders)."""
 
     def resumed(figures: dict) -> dict:
@@ -67,7 +72,16 @@ def figures_json(two_to_one: dict, one_to_two: dict, straight_distance: dict, st
         "two_to_one": resumed(two_to_one),
         "one_to_two": resumed(one_to_two),
         "straight_1_vs_2": {"max_abs_diff": straight_distance["max_abs_diff"]},
+        "exact_mode": {
+            "processes": exact_mode["processes"],
+            "goal": exact_mode["goal"],
+            **{key: ranged(exact_mode[key]) for key in ("per_rank_micro_batch", "one_sequence_micro_batch")},
+        },
     }
+
+
+def ranged(figure: dict) -> dict:
+    return {key: figure[key] for key in ("ratio", "round_min", "round_max")}
 
 
 def short(value: float) -> str:
@@ -89,10 +103,24 @@ def render(figures: dict) -> str:
     )
 
 
+def render_exact(figures: dict) -> str:
+    """The README's sentence about the N-independent mode's cost, from many_processes.json."""
+    exact = figures["exact_mode"]
+    per_rank, per_sequence = exact["per_rank_micro_batch"], exact["one_sequence_micro_batch"]
+    return (
+        f"on {exact['processes']} processes the step time with one micro-batch per rank (B = 4, DDP's own\n"
+        f"  shapes) is **{per_rank['ratio']:.2f}×** plain DDP's (rounds {per_rank['round_min']:.2f}–"
+        f"{per_rank['round_max']:.2f}; goal {exact['goal']}), and with one sequence per micro-batch (B = 1)\n"
+        f"  {per_sequence['ratio']:.2f}× ({per_sequence['round_min']:.2f}–{per_sequence['round_max']:.2f})"
+    )
+
+
 def update_readme(readme: Path, figures: dict) -> None:
     text = readme.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    readme.write_text(text[:start] + render(figures) + text[end:])
+    for begin, end, block in ((BEGIN, END, render(figures)), (EXACT_BEGIN, EXACT_END, render_exact(figures))):
+        start, stop = text.index(begin) + len(begin), text.index(end)
+        text = text[:start] + block + text[stop:]
+    readme.write_text(text)
 
 
 def measure(data: Path, out: Path) -> dict:
@@ -103,10 +131,12 @@ def measure(data: Path, out: Path) -> dict:
     }
     (out / "timings.json").write_text(json.dumps(wall | {"ratio": wall["lab_nproc2_s"] / wall["lab_nproc1_s"]}) + "\n")
     compare = json.loads((labs[1] / "compare.json").read_text())
+    subprocess.run([sys.executable, "-m", "bench.exact_mode", "--data", str(data), "--out", str(out)], check=True)
     return figures_json(
         resume_elsewhere(labs[2], 1, out / "two_to_one", data),
         resume_elsewhere(labs[1], 2, out / "one_to_two", data),
         weight_distance(read_weights(labs[1] / "straight.pth")[0], read_weights(labs[2] / "straight.pth")[0]),
+        json.loads((out / "exact_mode.json").read_text()),
         steps=compare["steps"],
         stop_at=compare["stop_at"],
     )

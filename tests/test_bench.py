@@ -104,14 +104,17 @@ def keys_of(value):
 
 
 def test_readme_many_processes_figures_are_rendered_from_docs_json():
-    from bench.many_processes import BEGIN, DOCS_JSON, END, figures_json, render
+    from bench.many_processes import BEGIN, DOCS_JSON, END, EXACT_BEGIN, EXACT_END, figures_json, render, render_exact
 
     figures = json.loads(DOCS_JSON.read_text())
     readme = (ROOT / "README.md").read_text()
     assert readme.split(BEGIN, 1)[1].split(END, 1)[0] == render(figures)
+    assert readme.split(EXACT_BEGIN, 1)[1].split(EXACT_END, 1)[0] == render_exact(figures)
     # docs/ holds what bench/many_processes.py writes: the same fields, of the same types.
     resumed = {"same_samples": True, "steps_resumed": 30, "max_abs_diff": 1.0, "rel_l2": 1.0, "extra": 0}
-    written = figures_json(resumed, resumed, {"max_abs_diff": 1.0, "rel_l2": 1.0}, steps=60, stop_at=30)
+    ratio = {"ratio": 1.0, "round_min": 1.0, "round_max": 1.0, "candidate_s": {}}
+    exact = {"processes": 2, "goal": "<= 1.15", "per_rank_micro_batch": ratio, "one_sequence_micro_batch": ratio}
+    written = figures_json(resumed, resumed, {"max_abs_diff": 1.0, "rel_l2": 1.0}, exact, steps=60, stop_at=30)
     assert keys_of(written) == keys_of(figures)
     figures["two_to_one"]["max_abs_diff"] = 2.04e-7
     assert "**2.0e-7** max abs for 2 -> 1" in render(figures)  # the README's form of a figure

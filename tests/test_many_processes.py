@@ -99,7 +99,7 @@ def test_an_epoch_whose_last_batch_does_not_split_over_the_processes_is_refused(
 
 
 def fake_run(device: str, loader=None) -> SimpleNamespace:
-    config = SimpleNamespace(batch=4, grad_accum=1)
+    config = SimpleNamespace(batch=4, grad_accum=1, micro_batch=0)
     return SimpleNamespace(config=config, device=torch.device(device), batches=loader, replicas=None)
 
 

@@ -63,19 +63,14 @@ def check_plan(args: argparse.Namespace) -> bool:
     if args.dry_run:
         print("\n".join(plan.lines()))
     # The job's own check first, so a folder that cannot be made is named as that, not as a full disk.
+    # A folder made for the check is removed again: the job makes it when it starts, and a refused or
+    # planned-only run leaves nothing behind.
     made = not args.out.exists()
     ensure_writable_folder(args.out)
     try:
         preflight(plan, folder, force=args.force, retained=args.keep != 0, report=print if args.dry_run else None)
-    except UserError:
-        _remove_if_made(args.out, made)  # a refused run leaves nothing behind
-        raise
-    if args.dry_run:
-        _remove_if_made(args.out, made)
+    finally:
+        if made:
+            with contextlib.suppress(OSError):
+                args.out.rmdir()  # only while still empty
     return args.dry_run
-
-
-def _remove_if_made(folder, made: bool) -> None:
-    if made:
-        with contextlib.suppress(OSError):
-            folder.rmdir()  # only while still empty
