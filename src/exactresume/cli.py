@@ -1,4 +1,4 @@
-"""The `exactresume` command: prepare | train | lab | ablate | diff | inspect | export.
+"""The `exactresume` command: prepare | train | lab | ablate | diff | inspect | export | doctor.
 
     exactresume prepare --out data/kjv
     exactresume train --data data/kjv --out runs/a --stop-at 30
@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from exactresume.config import DEVICES, DTYPES, LOADERS, PRESETS, TrainConfig
+from exactresume.doctor.command import add_doctor_command
 from exactresume.errors import UserError
 from exactresume.progress import add_progress_flags, mode_from_args
 
@@ -415,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--clamp", action="store_true", help="saturate values beyond fp16's ±65504 instead of refusing")
     export.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder with val.npy for the logit check")
     export.set_defaults(func=cmd_export)
+    add_doctor_command(commands)
     return parser
 
 
