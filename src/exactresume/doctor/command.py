@@ -36,17 +36,22 @@ def add_doctor_command(commands) -> None:
         "--resume-args", default="", metavar="ARGS", help="arguments added to COMMAND to resume, e.g. '--from_resume 1'"
     )
     doctor.add_argument(
-        "--out", type=Path, default=Path("doctor"), help="folder for doctor.json, report.md, traces, logs, moved files"
+        "--out",
+        type=Path,
+        default=Path("doctor"),
+        help="folder for doctor.json, report.md, verdict.txt, traces, logs, the files moved aside",
     )
     doctor.add_argument("--timeout", type=float, metavar="S", help="give up on a run after S seconds")
-    doctor.add_argument("command", nargs=argparse.REMAINDER, help="-- then your training command")
+    doctor.add_argument(
+        "user_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your training command, after --"
+    )
     doctor.set_defaults(func=cmd_doctor)
 
 
 def plan_from(args: argparse.Namespace):
     from exactresume.doctor.examine import Plan
 
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.user_command[1:] if args.user_command[:1] == ["--"] else args.user_command
     if not command:
         raise UserError("give the training command after --, e.g. -- python train.py")
     if args.steps < 2:
@@ -73,7 +78,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     diagnosis = diagnose(runs)
     write_json(plan.out / "doctor.json", plan, runs, diagnosis)
     write_report(plan.out, plan, runs, diagnosis)
-    print(verdict(plan, runs, diagnosis))
+    text = verdict(plan, runs, diagnosis)
+    (plan.out / "verdict.txt").write_text(text + "\n")
+    print(text)
     return diagnosis.exit_code
 
 

@@ -73,14 +73,12 @@ def failed(run: Run) -> bool:
 
 def check_straight(run: Run, plan: Plan) -> None:
     if failed(run):
-        raise UserError(
-            f"the command failed (exit code {run.rc}) in the straight run; its last lines:\n{run.last_lines()}"
-        )
-    if not run.steps:
-        raise UserError("the straight run took no optimizer step (the doctor counts torch.optim optimizers' step())")
+        raise UserError(run.failure())
     early = [load["path"] for load in run.loads if load["step"] == 0 and load["path"]]
     if early:
         raise UserError(f"the straight run was not fresh: it loaded {early[0]} before its first step; move it away")
+    if not run.steps:
+        raise UserError("the straight run took no optimizer step (the doctor counts torch.optim optimizers' step())")
     if len(run.steps) < plan.steps:
         raise UserError(
             f"the straight run ended after {len(run.steps)} optimizer steps, fewer than --steps {plan.steps}"
@@ -91,9 +89,7 @@ def check_interrupted(run: Run, plan: Plan) -> int:
     if run.crashed:
         return run.saves[-1]["step"]
     if failed(run):
-        raise UserError(
-            f"the command failed (exit code {run.rc}) in the interrupted run; its last lines:\n{run.last_lines()}"
-        )
+        raise UserError(run.failure())
     saved = sorted({s["step"] for s in run.saves})
     said = f"it saved at steps {', '.join(map(str, saved))}" if saved else "it saved nothing the doctor could see"
     raise UserError(
@@ -103,9 +99,7 @@ def check_interrupted(run: Run, plan: Plan) -> int:
 
 def check_resumed(run: Run, interrupted: Run, plan: Plan) -> None:
     if failed(run):
-        raise UserError(
-            f"the command failed (exit code {run.rc}) in the resumed run; its last lines:\n{run.last_lines()}"
-        )
+        raise UserError(run.failure())
     written = {s["path"] for s in interrupted.saves}
     if not any(load["path"] in written for load in run.loads):
         hint = f"the resume arguments {' '.join(plan.resume_args)!r}" if plan.resume_args else "no --resume-args"

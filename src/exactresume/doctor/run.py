@@ -49,9 +49,11 @@ class Run:
         seen = dict.fromkeys(s["path"] for s in self.saves if s["path"])
         return [p for p in seen if os.path.isfile(p)]
 
-    def last_lines(self, count: int = 8) -> str:
-        lines = self.log.read_text(errors="replace").splitlines()[-count:] if self.log.exists() else []
-        return "\n".join("    " + line for line in lines) or "    (no output)"
+    def failure(self) -> str:
+        """One line: the exit code, the last line the command printed, and where all of it is."""
+        lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        last = f"its last line: {lines[-1]!r}" if lines else "it printed nothing"
+        return f"the command failed (exit code {self.rc}) in the {self.name} run; {last}; its output: {self.log}"
 
 
 def child_env(trace: Path, limit: int, crash_from: int | None) -> dict[str, str]:
