@@ -34,6 +34,7 @@ EXPECTED = {
     "lr_from_zero": ("lr_from_zero", "restarts at 0"),
     "correct_handwritten": ("exact", "bit-identical"),
     "correct_store": ("exact", "bit-identical"),
+    "exactresume_train": ("exact", "bit-identical"),
 }
 
 
@@ -43,14 +44,23 @@ def doctor_args(folder: Path, script: str, *extra: str, resume: str = "--resume"
     return ["doctor", *flags, *([f"--resume-args={resume}"] if resume else []), "--", *command]
 
 
+def train_args(folder: Path, data: Path) -> list[str]:
+    """`exactresume train` itself as the doctor's subject, resumed with --resume auto."""
+    train = ["train", "--data", str(data), "--out", str(folder / "run"), "--save-every", "2", "--keep", "0"]
+    command = [sys.executable, "-m", "exactresume.cli", *train, "--steps", "8", "--batch", "2", "--seq-len", "16"]
+    flags = ["--steps", "8", "--stop-after", "4", "--out", str(folder / "doctor"), "--resume-args=--resume auto"]
+    return ["doctor", *flags, "--", *command]
+
+
 @pytest.fixture(scope="session")
-def doctored(tmp_path_factory) -> dict[str, tuple]:
+def doctored(tmp_path_factory, tiny_folder) -> dict[str, tuple]:
     """Every script through the doctor once: script -> (exit code, stdout, doctor.json, its folder)."""
     root = tmp_path_factory.mktemp("doctor")
 
     def run(script: str):
         folder = root / script
-        code = main(doctor_args(folder, script))  # threads share sys.stdout: read what it printed from verdict.txt
+        args = train_args(folder, tiny_folder) if script == "exactresume_train" else doctor_args(folder, script)
+        code = main(args)  # threads share sys.stdout: read what it printed from verdict.txt
         facts = json.loads((folder / "doctor" / "doctor.json").read_text())
         return script, (code, (folder / "doctor" / "verdict.txt").read_text(), facts, folder)
 

@@ -89,11 +89,21 @@ def verdict(plan, runs, diagnosis) -> str:
     lines += [f"  evidence: {line}" for line in diagnosis.evidence]
     lines += [f"  missing from the checkpoint: {r['name']} ({r['detail']}); fix: {r['fix']}" for r in diagnosis.missing]
     lines += [f"  note: {line}" for line in diagnosis.notes if "not seeded" not in line]
-    files = sorted({Path(m["from"]).parent.as_posix() for m in runs.moves})
+    files = sorted({shown(Path(m["from"]).parent) for m in runs.moves})
     if files:
         lines.append(f"  the script's checkpoints are in {', '.join(files)} (the straight run's, put back)")
-    lines.append(f"  the doctor's runs' files: {plan.out / 'files' / 'resumed'}; details: {plan.out / 'report.md'}")
+    lines.append(
+        f"  the doctor's runs' files: {shown(plan.out / 'files' / 'resumed')}; details: {shown(plan.out / 'report.md')}"
+    )
     return "\n".join(lines)
+
+
+def shown(path: Path) -> str:
+    """A path relative to the working folder when it is inside it."""
+    try:
+        return str(Path(path).relative_to(Path.cwd())) or "."
+    except ValueError:
+        return str(path)
 
 
 def write_json(path: Path, plan, runs, diagnosis) -> None:

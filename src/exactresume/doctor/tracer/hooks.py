@@ -93,7 +93,7 @@ class Tracer:
             "grads": fp.digest([p.grad for p in params]),
             "data": fp.digest(self.live.data_state()),
             "sampler_epochs": [row[1] for row in self.live.data_state()],
-            "scaler": fp.digest([s.state_dict() for s in list(self.live.scalers)]),
+            "scaler": fp.digest([s.state_dict() for s in list(self.live.scalers) if s.is_enabled()]),
             "scale": [float(s.get_scale()) for s in list(self.live.scalers) if s.is_enabled()],
             "loss": sum(self.losses) if self.losses else None,
         } | fp.rng_digests()

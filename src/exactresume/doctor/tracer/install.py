@@ -1,6 +1,7 @@
 """Start the tracer in this process: PyTorch's global optimizer hooks and thin wrappers around
 Module.__call__, Tensor.backward, torch.save / torch.load, safetensors and os.replace / os.rename.
-Every wrapper calls the original unchanged and only records what went through it.
+Every wrapper calls the original unchanged and only records what went through it; `install`
+returns the function that takes them all off again (the overhead bench uses it).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -24,22 +26,41 @@ def start_from_environment() -> Tracer | None:
         folder, int(os.environ.get("EXACTRESUME_DOCTOR_LIMIT", "1000000000")), int(crash_from) if crash_from else None
     )
     install(tracer)
+    atexit.register(lambda: tracer.close({"event": "exit", "steps": tracer.step}))
     return tracer
 
 
-def install(tracer: Tracer) -> None:
-    tracer.live.install()
-    register_optimizer_step_pre_hook(tracer.before_step)
-    register_optimizer_step_post_hook(tracer.after_step)
-    wrap_module_call(tracer)
-    wrap_backward(tracer)
-    wrap_files(tracer)
-    atexit.register(lambda: tracer.close({"event": "exit", "steps": tracer.step}))
+class Patches:
+    """Attributes replaced on modules and classes, and how to put the originals back."""
+
+    def __init__(self):
+        self.undo: list[Callable[[], None]] = []
+
+    def replace(self, owner, name: str, make: Callable) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, make(original))
+        self.undo.append(lambda: setattr(owner, name, original))
+
+    def remove(self) -> None:
+        while self.undo:
+            self.undo.pop()()
 
 
-def wrap_module_call(tracer: Tracer) -> None:
-    original = torch.nn.Module.__call__
+def install(tracer: Tracer) -> Callable[[], None]:
+    patches = Patches()
+    tracer.live.install(patches.replace)
+    for handle in (
+        register_optimizer_step_pre_hook(tracer.before_step),
+        register_optimizer_step_post_hook(tracer.after_step),
+    ):
+        patches.undo.append(handle.remove)
+    patches.replace(torch.nn.Module, "__call__", lambda original: module_call(tracer, original))
+    patches.replace(torch.Tensor, "backward", lambda original: backward(tracer, original))
+    wrap_files(tracer, patches)
+    return patches.remove
 
+
+def module_call(tracer: Tracer, original):
     def call(module, *args, **kwargs):
         if tracer.depth == 0:
             tracer.on_forward(module, args, kwargs)
@@ -49,58 +70,50 @@ def wrap_module_call(tracer: Tracer) -> None:
         finally:
             tracer.depth -= 1
 
-    torch.nn.Module.__call__ = call
+    return call
 
 
-def wrap_backward(tracer: Tracer) -> None:
-    original = torch.Tensor.backward
-
-    def backward(tensor, *args, **kwargs):
+def backward(tracer: Tracer, original):
+    def traced(tensor, *args, **kwargs):
         tracer.on_backward(tensor)
         return original(tensor, *args, **kwargs)
 
-    torch.Tensor.backward = backward
+    return traced
 
 
-def wrap_files(tracer: Tracer) -> None:
-    save, load, replace, rename = torch.save, torch.load, os.replace, os.rename
-
-    def traced_save(obj, f, *args, **kwargs):
-        result = save(obj, f, *args, **kwargs)
+def saving(tracer: Tracer, original):
+    def traced(obj, f, *args, **kwargs):
+        result = original(obj, f, *args, **kwargs)
         tracer.on_save(obj, file_path(f))
         return result
 
-    def traced_load(f, *args, **kwargs):
+    return traced
+
+
+def loading(tracer: Tracer, original):
+    def traced(f, *args, **kwargs):
         tracer.on_load(file_path(f))
-        return load(f, *args, **kwargs)
+        return original(f, *args, **kwargs)
 
-    def traced_replace(source, target, *args, **kwargs):
-        replace(source, target, *args, **kwargs)
+    return traced
+
+
+def renaming(tracer: Tracer, original):
+    def traced(source, target, *args, **kwargs):
+        original(source, target, *args, **kwargs)
         tracer.on_rename(source, target)
 
-    def traced_rename(source, target, *args, **kwargs):
-        rename(source, target, *args, **kwargs)
-        tracer.on_rename(source, target)
+    return traced
 
-    torch.save = torch.serialization.save = traced_save
-    torch.load = torch.serialization.load = traced_load
-    os.replace, os.rename = traced_replace, traced_rename
+
+def wrap_files(tracer: Tracer, patches: Patches) -> None:
+    for owner in (torch, torch.serialization):
+        patches.replace(owner, "save", lambda original: saving(tracer, original))
+        patches.replace(owner, "load", lambda original: loading(tracer, original))
+    for name in ("replace", "rename"):
+        patches.replace(os, name, lambda original: renaming(tracer, original))
     if importlib.util.find_spec("safetensors") is not None:
-        wrap_safetensors(tracer)
+        import safetensors.torch as st
 
-
-def wrap_safetensors(tracer: Tracer) -> None:
-    import safetensors.torch as st
-
-    save_file, load_file = st.save_file, st.load_file
-
-    def traced_save_file(tensors, filename, *args, **kwargs):
-        result = save_file(tensors, filename, *args, **kwargs)
-        tracer.on_save(tensors, file_path(filename))
-        return result
-
-    def traced_load_file(filename, *args, **kwargs):
-        tracer.on_load(file_path(filename))
-        return load_file(filename, *args, **kwargs)
-
-    st.save_file, st.load_file = traced_save_file, traced_load_file
+        patches.replace(st, "save_file", lambda original: saving(tracer, original))
+        patches.replace(st, "load_file", lambda original: loading(tracer, original))

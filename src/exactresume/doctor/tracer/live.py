@@ -26,12 +26,16 @@ class Live:
         self.scalers: weakref.WeakSet = weakref.WeakSet()
         self.loaders: weakref.WeakSet = weakref.WeakSet()
 
-    def install(self) -> None:
+    def install(self, replace) -> None:
+        """Wrap the constructors through `replace(owner, name, make_wrapper)` (install.Patches)."""
         from torch.optim.lr_scheduler import LRScheduler
 
-        track(LRScheduler, self.schedulers)
-        track(torch.amp.GradScaler, self.scalers)
-        track(torch.utils.data.DataLoader, self.loaders)
+        for cls, registry in (
+            (LRScheduler, self.schedulers),
+            (torch.amp.GradScaler, self.scalers),
+            (torch.utils.data.DataLoader, self.loaders),
+        ):
+            replace(cls, "__init__", lambda original, registry=registry: tracking(original, registry))
 
     def dropout(self) -> bool:
         """Whether a model draws random numbers in its forward (a dropout with p > 0)."""
@@ -50,15 +54,12 @@ class Live:
         return rows
 
 
-def track(cls: type, registry: weakref.WeakSet) -> None:
-    original = cls.__init__
-
+def tracking(original, registry: weakref.WeakSet):
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
         registry.add(self)
 
-    init.__wrapped__ = original
-    cls.__init__ = init
+    return init
 
 
 def loader_source(loader) -> str:
@@ -88,7 +89,7 @@ def coverage(saved, live: Live) -> list[dict]:
     for sched in list(live.schedulers):
         found = any("last_epoch" in d and d.get("last_epoch") == sched.last_epoch for d in dicts)
         rows.append(row("lr_scheduler", sched, found, "" if found else "its state_dict() is not in the file"))
-    for scaler in list(live.scalers):
+    for scaler in [s for s in list(live.scalers) if s.is_enabled()]:
         found = any("_growth_tracker" in d and "scale" in d for d in dicts)
         rows.append(row("grad_scaler", scaler, found, "" if found else "its state_dict() is not in the file"))
     states = {tuple(t.shape) for _, t in tensors_in(saved) if t.dtype == torch.uint8}
