@@ -101,14 +101,20 @@ def weights_only(c: Context):
         return None
     names = ", ".join(Path(f["path"]).name for f in loaded)
     lost = [NAMES_LOST[f] for f in ("batch", "lr", "optim") if f in c.diff]
+    lost[-1:] = [f"{lost[-1]} were" if len(lost) > 1 else f"{lost[-1]} was"] if lost else []
     return (
         "weights_only",
-        f"the checkpoint holds only the model's weights ({names}): {' and '.join(lost) or 'the training state'} lost",
+        f"the checkpoint holds only the model's weights ({names}): {listed(lost) or 'the training state was'} lost",
         position_evidence(c),
     )
 
 
 NAMES_LOST = {"batch": "the data position", "lr": "the lr schedule", "optim": "the optimizer state"}
+
+
+def listed(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 2 else items)
 
 
 def flat_state(f: dict) -> bool:

@@ -145,7 +145,7 @@ FIXES = {
     "generator": "save the generator's get_state() at the epoch's start and set_state() it before iterating",
     "global_rng": "save torch.get_rng_state() (and the numpy, python, CUDA states) and set them on resume",
 }
-STORE_FIX = "or keep each as a part of exactresume's CheckpointStore (store.save(step, parts); store.restore(parts))"
+STORE_FIX = "or make it a part of exactresume's CheckpointStore"
 
 
 def missing_state(runs: Runs) -> list[dict]:

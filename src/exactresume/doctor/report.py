@@ -25,22 +25,18 @@ FLOOR = 1e-12
 def draw(diagnosis) -> Figure:
     fields = list(diagnosis.equal)
     steps = len(next(iter(diagnosis.equal.values()), []))
-    grid = np.array([[0 if ok else 1 for ok in diagnosis.equal[f]] for f in fields], dtype=float).reshape(
-        len(fields), steps
-    )
-    figure = Figure(figsize=(max(6.0, 0.35 * steps + 3), 5.5), layout="constrained")
+    ignored = set(diagnosis.unseeded)
+    grid = np.array(
+        [[2 if f in ignored else (0 if ok else 1) for ok in diagnosis.equal[f]] for f in fields], dtype=float
+    ).reshape(len(fields), steps)
+    figure = Figure(figsize=(max(6.5, 0.35 * steps + 3.5), 5.5), layout="constrained")
     top, bottom = figure.subplots(2, 1, height_ratios=(3, 2), sharex=True)
-    top.imshow(
-        grid,
-        aspect="auto",
-        cmap=ListedColormap(["#4caf50", "#e53935"]),
-        vmin=0,
-        vmax=1,
-        extent=(0.5, steps + 0.5, len(fields) - 0.5, -0.5),
-        interpolation="nearest",
-    )
-    top.set_yticks(range(len(fields)), [NAMES[f] for f in fields], fontsize=8)
-    top.set_title("fingerprints equal (green) / different (red) to the straight run")
+    colours = ListedColormap(["#4caf50", "#e53935", "#bdbdbd"])
+    extent = (0.5, steps + 0.5, len(fields) - 0.5, -0.5)
+    top.imshow(grid, aspect="auto", cmap=colours, vmin=0, vmax=2, extent=extent, interpolation="nearest")
+    labels = [NAMES[f] + (" (not seeded)" if f in ignored else "") for f in fields]
+    top.set_yticks(range(len(fields)), labels, fontsize=8)
+    top.set_title("vs the straight run: equal (green), different (red), ignored (grey)", fontsize=10)
     distance = [FLOOR if d == 0 else (np.nan if d is None else d) for d in diagnosis.distance]
     xs = np.arange(1, len(distance) + 1)
     bottom.semilogy(xs, distance, marker="o", color="#1f77b4")
