@@ -75,13 +75,19 @@ def weights(c: Context):
     halves = [(f, ts) for f, ts in halves if ts]
     if halves:
         f, ts = halves[0]
-        full = [g for g in c.runs.files if g not in loaded and not any(t["dtype"] in HALF for t in g["tensors"])]
+        shapes = {tuple(t["shape"]) for t in ts}
+        full = [
+            g
+            for g in c.runs.files
+            if g is not f and any(t["dtype"] not in HALF and tuple(t["shape"]) in shapes for t in g["tensors"])
+        ]
         name, dtype = Path(f["path"]).name, ts[0]["dtype"].removeprefix("torch.")
-        also = (
-            f"; {Path(full[0]['path']).name} holds them in full precision but the resume loads {name}" if full else ""
-        )
         evidence = [f"{name}: {len(ts)} tensors in {dtype}, e.g. {ts[0]['key']}"]
-        return "weights_rounded", f"the weights were not restored exactly: stored in {dtype} in {name}{also}", evidence
+        if full:
+            other = Path(full[0]["path"]).name
+            headline = f"the weights were loaded from the {dtype} weights file {name} rather than from {other}"
+            return "weights_file", headline + ", which holds them in full precision", evidence
+        return "weights_rounded", f"the weights were not restored exactly: stored in {dtype} in {name}", evidence
     if c.resumed["params"] == c.runs.straight.steps[0]["params"]:
         return (
             "weights_not_loaded",
