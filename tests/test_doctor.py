@@ -138,9 +138,13 @@ def test_a_short_straight_run_is_refused(tmp_path):
 
 
 def test_a_script_that_never_saves_after_stop_after(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "resume.pt").write_bytes(b"the user's own file")
     finished = call_cli(*doctor_args(tmp_path, "correct_handwritten", "--save-every", "3", stop_after=7))
     assert_one_line_error(finished, "--stop-after 7", "saved at steps 3, 6")
-    assert (tmp_path / "ckpt" / "resume.pt").is_file()  # the straight run's file, put back
+    # the straight run replaced a file that was there before: that file is back, the run's is kept aside
+    assert (tmp_path / "ckpt" / "resume.pt").read_bytes() == b"the user's own file"
+    assert (tmp_path / "doctor" / "files" / "straight" / "000-resume.pt").stat().st_size > 1000
 
 
 def test_ignored_resume_arguments_are_named(tmp_path):

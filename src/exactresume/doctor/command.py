@@ -89,9 +89,15 @@ def verdict(plan, runs, diagnosis) -> str:
     lines += [f"  evidence: {line}" for line in diagnosis.evidence]
     lines += [f"  missing from the checkpoint: {r['name']} ({r['detail']}); fix: {r['fix']}" for r in diagnosis.missing]
     lines += [f"  note: {line}" for line in diagnosis.notes if "not seeded" not in line]
-    files = sorted({shown(Path(m["from"]).parent) for m in runs.moves})
+    files = sorted({shown(Path(m["from"]).parent) for m in runs.moves if "aside" in m})
     if files:
         lines.append(f"  the script's checkpoints are in {', '.join(files)} (the straight run's, put back)")
+    restored = [m for m in runs.moves if "restored" in m]
+    if restored:
+        lines.append(
+            f"  {len(restored)} file(s) there before the doctor, replaced by the straight run, are back in place; "
+            f"the straight run's: {shown(plan.out / 'files' / 'straight')}"
+        )
     lines.append(
         f"  the doctor's runs' files: {shown(plan.out / 'files' / 'resumed')}; details: {shown(plan.out / 'report.md')}"
     )

@@ -7,7 +7,9 @@
 
 What the straight run saved is moved into OUT/files/straight before the interrupted run, so the
 resume can only find the interrupted run's checkpoint; at the end the interrupted and resumed runs'
-files go to OUT/files/resumed and the straight run's come back where the script wrote them.
+files go to OUT/files/resumed and the straight run's come back where the script wrote them. A file
+that was there before the doctor and that the straight run replaced was copied to OUT/files/before
+first, and it is what comes back (the straight run's stays in OUT/files/straight).
 OUT/files/moved.json lists every move before it is made.
 """
 
@@ -49,11 +51,12 @@ def examine(plan: Plan) -> Runs:
     ledger = plan.out / "files" / "moved.json"
     if ledger.exists():
         raise UserError(f"{ledger} lists files a previous doctor run put aside: put them back, or use another --out")
-    straight = run_traced("straight", plan.command, plan.out, plan.steps, timeout=plan.timeout)
-    check_straight(straight, plan)
-    moves = move_aside(straight.written(), plan.out / "files" / "straight", ledger)
+    keep = plan.out / "files" / "before"
+    straight = run_traced("straight", plan.command, plan.out, plan.steps, timeout=plan.timeout, keep=keep)
+    moves = move_aside(straight.written(), plan.out / "files" / "straight", ledger, straight.kept)
     written: list[str] = []
     try:
+        check_straight(straight, plan)
         interrupted = run_traced("interrupted", plan.command, plan.out, plan.steps, plan.stop_after, plan.timeout)
         written += interrupted.written()
         resume_step = check_interrupted(interrupted, plan)
@@ -63,7 +66,7 @@ def examine(plan: Plan) -> Runs:
         written += resumed.written()
         check_resumed(resumed, interrupted, plan)
     finally:
-        moves += put_back(moves, written, plan.out / "files" / "resumed", ledger)
+        moves += put_back(moves, written, plan.out / "files" / "resumed", ledger, straight.kept)
     return Runs(straight, interrupted, resumed, resume_step, files, moves)
 
 
@@ -124,27 +127,36 @@ def read_files(run: Run, step: int) -> list[dict]:
     return rows
 
 
-def move_aside(paths: list[str], folder: Path, ledger: Path) -> list[dict]:
+def move_aside(paths: list[str], folder: Path, ledger: Path, kept: dict[str, str]) -> list[dict]:
+    """Move the straight run's files into `folder`; `kept` (path -> copy) are files the script
+    replaced that were there before the doctor: they go back at the end, not the straight run's."""
     folder.mkdir(parents=True, exist_ok=True)
     moves = [{"from": p, "aside": str(folder / f"{i:03d}-{Path(p).name}")} for i, p in enumerate(paths)]
-    ledger.write_text(json.dumps(moves, indent=1))
+    ledger.write_text(json.dumps({"moves": moves, "kept": kept}, indent=1))
     for move in moves:
         shutil.move(move["from"], move["aside"])
     return moves
 
 
-def put_back(moves: list[dict], written: list[str], folder: Path, ledger: Path) -> list[dict]:
-    """The doctor's own runs' files into `folder`, then the straight run's files back in their places.
+def put_back(moves: list[dict], written: list[str], folder: Path, ledger: Path, kept: dict[str, str]) -> list[dict]:
+    """The doctor's own runs' files into `folder`, then the files that were there before the doctor
+    back in their places, then the straight run's other files.
 
     Returns the moves of the doctor's runs' files (from, to); OUT/files/moves.json lists them all."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = [p for p in dict.fromkeys(written + [m["from"] for m in moves]) if Path(p).is_file()]
     ours = [{"from": p, "to": str(folder / f"{i:03d}-{Path(p).name}")} for i, p in enumerate(paths)]
-    ledger.write_text(json.dumps(moves + ours, indent=1))
+    ledger.write_text(json.dumps({"moves": moves + ours, "kept": kept}, indent=1))
     for move in ours:
         shutil.move(move["from"], move["to"])
+    for path, copy in kept.items():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(copy, path)
     for move in moves:
-        shutil.move(move["aside"], move["from"])
-    ledger.with_name("moves.json").write_text(json.dumps(moves + ours, indent=1))
+        if move["from"] not in kept:
+            Path(move["from"]).parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(move["aside"], move["from"])
+    restored = [{"from": copy, "to": path, "restored": "was there before the doctor"} for path, copy in kept.items()]
+    ledger.with_name("moves.json").write_text(json.dumps(moves + ours + restored, indent=1))
     ledger.unlink()
-    return ours
+    return ours + restored

@@ -34,6 +34,7 @@ class Run:
     steps: list[dict] = field(default_factory=list)
     saves: list[dict] = field(default_factory=list)
     loads: list[dict] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # a file that was there before -> its copy
     weights: np.ndarray | None = None
 
     @property
@@ -56,22 +57,30 @@ class Run:
         return f"the command failed (exit code {self.rc}) in the {self.name} run; {last}; its output: {self.log}"
 
 
-def child_env(trace: Path, limit: int, crash_from: int | None) -> dict[str, str]:
+def child_env(trace: Path, limit: int, crash_from: int | None, keep: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), env.get("PYTHONPATH", "")) if p)
     env["EXACTRESUME_DOCTOR_TRACER_DIR"] = str(TRACER_DIR)
     env["EXACTRESUME_DOCTOR_TRACE"] = str(trace)
     env["EXACTRESUME_DOCTOR_LIMIT"] = str(limit)
-    env.pop("EXACTRESUME_DOCTOR_CRASH_FROM", None)
-    if crash_from is not None:
-        env["EXACTRESUME_DOCTOR_CRASH_FROM"] = str(crash_from)
+    for name, value in (("EXACTRESUME_DOCTOR_CRASH_FROM", crash_from), ("EXACTRESUME_DOCTOR_KEEP", keep)):
+        env.pop(name, None)
+        if value is not None:
+            env[name] = str(value)
     return env
 
 
 def run_traced(
-    name: str, command: list[str], out: Path, limit: int, crash_from: int | None = None, timeout: float | None = None
+    name: str,
+    command: list[str],
+    out: Path,
+    limit: int,
+    crash_from: int | None = None,
+    timeout: float | None = None,
+    keep: Path | None = None,
 ) -> Run:
-    """Run `command` once under the tracer, cut as its optimizer step `limit + 1` begins."""
+    """Run `command` once under the tracer, cut as its optimizer step `limit + 1` begins; with `keep`,
+    a file that was there before and that the command replaces is copied there first."""
     trace, log = out / "traces" / name, out / "logs" / f"{name}.log"
     for stale in trace.glob("*") if trace.is_dir() else ():
         stale.unlink()
@@ -80,7 +89,7 @@ def run_traced(
     with open(log, "wb") as sink:
         try:
             child = subprocess.Popen(
-                command, stdout=sink, stderr=subprocess.STDOUT, env=child_env(trace, limit, crash_from)
+                command, stdout=sink, stderr=subprocess.STDOUT, env=child_env(trace, limit, crash_from, keep)
             )
         except OSError as error:
             raise UserError(f"cannot start the command {command[0]!r}: {error.strerror}") from error
@@ -132,6 +141,8 @@ def follow_renames(run: Run, events: list[dict]) -> None:
             run.saves.append(event)
         elif kind == "load":
             run.loads.append(event)
+        elif kind == "kept":
+            run.kept[event["path"]] = event["copy"]
         elif kind == "rename":
             for save in reversed(run.saves):
                 if save["path"] == event["source"] or save["path"] is None:

@@ -5,6 +5,8 @@ Environment (set by the doctor):
     EXACTRESUME_DOCTOR_LIMIT       end the process as optimizer step LIMIT+1 begins (exit code CUT)
     EXACTRESUME_DOCTOR_CRASH_FROM  end it abruptly (exit code CRASH) as the first optimizer step
                                    after a checkpoint saved at or after this step begins
+    EXACTRESUME_DOCTOR_KEEP        copy a file that was there before this process into this folder
+                                   before a save or rename replaces it (the doctor puts it back)
 
 A record per step holds the fingerprints of: the batch (the inputs of the outermost training
 forward calls since the last step), each param group's lr and hyperparameters, the parameters
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -27,8 +30,9 @@ CRASH = 87  # the process was ended as a crash would end it, right after its che
 
 
 class Tracer:
-    def __init__(self, folder: str, limit: int, crash_from: int | None):
-        self.limit, self.crash_from = limit, crash_from
+    def __init__(self, folder: str, limit: int, crash_from: int | None, keep: str | None = None):
+        self.limit, self.crash_from, self.keep = limit, crash_from, keep
+        self.created: set[str] = set()
         os.makedirs(folder, exist_ok=True)
         self.out = open(os.path.join(folder, f"trace-{os.getpid()}.jsonl"), "w")
         self.weights = open(os.path.join(folder, f"weights-{os.getpid()}.f32"), "wb")
@@ -131,6 +135,17 @@ class Tracer:
 
     def on_load(self, path: str | None) -> None:
         self.write({"event": "load", "path": path, "step": self.step})
+
+    def before_write(self, path: str | None) -> None:
+        """Keep a copy of a file this process did not write before it is replaced."""
+        if path is None or path in self.created:
+            return
+        self.created.add(path)
+        if self.keep and os.path.isfile(path):
+            os.makedirs(self.keep, exist_ok=True)
+            copy = os.path.join(self.keep, f"{len(self.created):03d}-{os.path.basename(path)}")
+            shutil.copy2(path, copy)
+            self.write({"event": "kept", "path": path, "copy": copy})
 
     def on_rename(self, source, target) -> None:
         self.write({"event": "rename", "source": os.path.abspath(source), "target": os.path.abspath(target)})

@@ -22,9 +22,9 @@ def start_from_environment() -> Tracer | None:
     if not folder:
         return None
     crash_from = os.environ.get("EXACTRESUME_DOCTOR_CRASH_FROM")
-    tracer = Tracer(
-        folder, int(os.environ.get("EXACTRESUME_DOCTOR_LIMIT", "1000000000")), int(crash_from) if crash_from else None
-    )
+    limit = int(os.environ.get("EXACTRESUME_DOCTOR_LIMIT", "1000000000"))
+    keep = os.environ.get("EXACTRESUME_DOCTOR_KEEP")
+    tracer = Tracer(folder, limit, int(crash_from) if crash_from else None, keep)
     install(tracer)
     atexit.register(lambda: tracer.close({"event": "exit", "steps": tracer.step}))
     return tracer
@@ -83,6 +83,8 @@ def backward(tracer: Tracer, original):
 
 def saving(tracer: Tracer, original):
     def traced(obj, f, *args, **kwargs):
+        if isinstance(f, str | os.PathLike):
+            tracer.before_write(file_path(f))
         result = original(obj, f, *args, **kwargs)
         tracer.on_save(obj, file_path(f))
         return result
@@ -100,6 +102,7 @@ def loading(tracer: Tracer, original):
 
 def renaming(tracer: Tracer, original):
     def traced(source, target, *args, **kwargs):
+        tracer.before_write(os.path.abspath(target))
         original(source, target, *args, **kwargs)
         tracer.on_rename(source, target)
 
