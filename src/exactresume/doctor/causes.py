@@ -51,7 +51,13 @@ def cause_of(c: Context) -> tuple[str, str, list[str]]:
 
 
 def later(c: Context) -> str:
-    return "" if c.index == 0 else f"equal through step {c.step - 1}, then at step {c.step}: "
+    """How a cause found after the first resumed step begins: where the runs were still equal."""
+    if c.index == 0:
+        return ""
+    steps = c.runs.straight.steps
+    epochs = [s.get("sampler_epochs") for s in steps[c.step - 2 : c.step]]
+    boundary = " (an epoch boundary)" if len(epochs) == 2 and epochs[0] != epochs[1] else ""
+    return f"equal through step {c.step - 1}, then at step {c.step}{boundary}: "
 
 
 def accumulation_window(c: Context):
