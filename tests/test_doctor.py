@@ -23,6 +23,7 @@ SCRIPTS = Path(__file__).parent / "doctor_scripts"
 # script -> (the cause the doctor must name, a phrase its headline must hold)
 EXPECTED = {
     "weights_only": ("weights_only", "only the model's weights"),
+    "dcp_weights_only": ("weights_only", "only the model's weights (model.dcp)"),
     "fp16_weights": ("weights_rounded", "stored in float16"),
     "fresh_optimizer": ("optimizer_lost", "fresh optimizer"),
     "scheduler_not_saved": ("scheduler_lost", "CosineAnnealingLR"),

@@ -144,12 +144,16 @@ def put_back(moves: list[dict], written: list[str], folder: Path, ledger: Path, 
 
     Returns the moves of the doctor's runs' files (from, to); OUT/files/moves.json lists them all."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [p for p in dict.fromkeys(written + [m["from"] for m in moves]) if Path(p).is_file()]
+    paths = [p for p in dict.fromkeys(written + [m["from"] for m in moves]) if Path(p).exists()]
     ours = [{"from": p, "to": str(folder / f"{i:03d}-{Path(p).name}")} for i, p in enumerate(paths)]
     ledger.write_text(json.dumps({"moves": moves + ours, "kept": kept}, indent=1))
     for move in ours:
         shutil.move(move["from"], move["to"])
-    for path, copy in kept.items():
+    for index, (path, copy) in enumerate(kept.items()):
+        if Path(path).exists():  # replaced by a file the doctor does not move (not a checkpoint)
+            moved = {"from": path, "to": str(folder / f"replaced-{index:03d}-{Path(path).name}")}
+            shutil.move(moved["from"], moved["to"])
+            ours.append(moved)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         shutil.move(copy, path)
     for move in moves:

@@ -46,9 +46,9 @@ class Run:
         return self.rc == CRASH
 
     def written(self) -> list[str]:
-        """The files this run saved that are still on disk, each once, in the order first saved."""
+        """The files (or DCP folders) this run saved that are still on disk, each once, in the order first saved."""
         seen = dict.fromkeys(s["path"] for s in self.saves if s["path"])
-        return [p for p in seen if os.path.isfile(p)]
+        return [p for p in seen if os.path.exists(p)]  # files, and the folders of DCP saves
 
     def failure(self) -> str:
         """One line: the exit code, the last line the command printed, and where all of it is."""

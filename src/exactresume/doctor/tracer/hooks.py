@@ -16,6 +16,7 @@ sampler state and the GradScalers' state; plus the loss passed to backward().
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ class Tracer:
     def __init__(self, folder: str, limit: int, crash_from: int | None, keep: str | None = None):
         self.limit, self.crash_from, self.keep = limit, crash_from, keep
         self.created: set[str] = set()
+        self.inside = 0  # > 0 while a traced save or load runs
         os.makedirs(folder, exist_ok=True)
         self.out = open(os.path.join(folder, f"trace-{os.getpid()}.jsonl"), "w")
         self.weights = open(os.path.join(folder, f"weights-{os.getpid()}.f32"), "wb")
@@ -136,15 +138,23 @@ class Tracer:
     def on_load(self, path: str | None) -> None:
         self.write({"event": "load", "path": path, "step": self.step})
 
+    @contextlib.contextmanager
+    def within(self):
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+
     def before_write(self, path: str | None) -> None:
-        """Keep a copy of a file this process did not write before it is replaced."""
+        """Keep a copy of a file (or DCP folder) this process did not write before it is replaced."""
         if path is None or path in self.created:
             return
         self.created.add(path)
-        if self.keep and os.path.isfile(path):
+        if self.keep and os.path.exists(path):
             os.makedirs(self.keep, exist_ok=True)
-            copy = os.path.join(self.keep, f"{len(self.created):03d}-{os.path.basename(path)}")
-            shutil.copy2(path, copy)
+            copy = os.path.join(self.keep, f"{os.getpid()}-{len(self.created):03d}-{os.path.basename(path)}")
+            (shutil.copytree if os.path.isdir(path) else shutil.copy2)(path, copy)
             self.write({"event": "kept", "path": path, "copy": copy})
 
     def on_rename(self, source, target) -> None:

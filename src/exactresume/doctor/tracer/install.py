@@ -7,8 +7,10 @@ returns the function that takes them all off again (the overhead bench uses it).
 from __future__ import annotations
 
 import atexit
+import importlib.abc
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -83,9 +85,12 @@ def backward(tracer: Tracer, original):
 
 def saving(tracer: Tracer, original):
     def traced(obj, f, *args, **kwargs):
+        if tracer.inside:  # a save within a traced one (DCP writes some items with torch.save)
+            return original(obj, f, *args, **kwargs)
         if isinstance(f, str | os.PathLike):
             tracer.before_write(file_path(f))
-        result = original(obj, f, *args, **kwargs)
+        with tracer.within():
+            result = original(obj, f, *args, **kwargs)
         tracer.on_save(obj, file_path(f))
         return result
 
@@ -94,8 +99,10 @@ def saving(tracer: Tracer, original):
 
 def loading(tracer: Tracer, original):
     def traced(f, *args, **kwargs):
-        tracer.on_load(file_path(f))
-        return original(f, *args, **kwargs)
+        if not tracer.inside:
+            tracer.on_load(file_path(f))
+        with tracer.within():
+            return original(f, *args, **kwargs)
 
     return traced
 
@@ -115,8 +122,66 @@ def wrap_files(tracer: Tracer, patches: Patches) -> None:
         patches.replace(owner, "load", lambda original: loading(tracer, original))
     for name in ("replace", "rename"):
         patches.replace(os, name, lambda original: renaming(tracer, original))
+    if "torch.distributed.checkpoint" in sys.modules:
+        wrap_dcp(tracer, patches, sys.modules["torch.distributed.checkpoint"])
+    else:  # DCP takes half a second to import: wrap it only when the script imports it
+        finder = AfterImport("torch.distributed.checkpoint", lambda module: wrap_dcp(tracer, patches, module))
+        sys.meta_path.insert(0, finder)
+        patches.undo.append(lambda: finder in sys.meta_path and sys.meta_path.remove(finder))
     if importlib.util.find_spec("safetensors") is not None:
         import safetensors.torch as st
 
         patches.replace(st, "save_file", lambda original: saving(tracer, original))
         patches.replace(st, "load_file", lambda original: loading(tracer, original))
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` right after the module `name` is first imported, then steps aside."""
+
+    def __init__(self, name: str, then: Callable):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        execute, then = spec.loader.exec_module, self.then
+
+        def exec_module(module):
+            execute(module)
+            then(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def dcp_path(kwargs: dict, role: str) -> str | None:
+    """The folder a torch.distributed.checkpoint save or load names (checkpoint_id, or its storage's path)."""
+    where = kwargs.get("checkpoint_id") or getattr(kwargs.get(role), "path", None)
+    return os.path.abspath(where) if isinstance(where, str | os.PathLike) else None
+
+
+def wrap_dcp(tracer: Tracer, patches: Patches, module) -> None:
+    def saving_dcp(original):
+        def traced(state_dict, *args, **kwargs):
+            tracer.before_write(dcp_path(kwargs, "storage_writer"))
+            with tracer.within():
+                result = original(state_dict, *args, **kwargs)
+            tracer.on_save(state_dict, dcp_path(kwargs, "storage_writer"))
+            return result
+
+        return traced
+
+    def loading_dcp(original):
+        def traced(state_dict, *args, **kwargs):
+            tracer.on_load(dcp_path(kwargs, "storage_reader"))
+            with tracer.within():
+                return original(state_dict, *args, **kwargs)
+
+        return traced
+
+    patches.replace(module, "save", saving_dcp)
+    patches.replace(module, "load", loading_dcp)
