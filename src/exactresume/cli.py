@@ -31,6 +31,7 @@ from exactresume.commands import (
     cmd_train,
     resume_source,
 )
+from exactresume.doctor.command import DOCTOR_HELP, cmd_doctor, doctor_parser
 from exactresume.errors import UserError
 from exactresume.flags import (
     ABLATION_GROUP,
@@ -56,6 +57,7 @@ COMMANDS = {
     "diff": ("two weights or resume files compared bit for bit, tensor by tensor", "exactresume diff a.pth b.pth"),
     "inspect": ("what a checkpoint is: kind, step, config, parts, sizes", "exactresume inspect runs/a/resume.pth"),
     "export": ("inference weights in fp16/bf16/fp32, .pt or .safetensors", "exactresume export r.pth -o m.safetensors"),
+    "doctor": DOCTOR_HELP,
     "help": ("these commands, or one command's flags", "exactresume help train"),
 }
 
@@ -247,6 +249,7 @@ PARSERS = {
     "diff": (diff_parser, cmd_diff),
     "inspect": (inspect_parser, cmd_inspect),
     "export": (export_parser, cmd_export),
+    "doctor": (doctor_parser, cmd_doctor),
     "help": (help_parser, None),
 }
 

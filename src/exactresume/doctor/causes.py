@@ -1,0 +1,225 @@
+"""From the first differing fingerprints to a cause in the user's words, with its evidence.
+
+Each rule reads the straight and resumed records of the first step where they part, the files
+the interrupted run saved at the resume step (what they hold, which live objects they lack) and
+the files the resumed run loaded. The first rule that applies names the cause.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from exactresume.doctor.examine import Runs
+
+HALF = ("torch.float16", "torch.bfloat16")
+
+
+@dataclass
+class Context:
+    runs: Runs
+    index: int  # 0 at the first resumed step
+    straight: dict
+    resumed: dict
+    diff: list[str]
+
+    @property
+    def step(self) -> int:
+        return self.runs.resume_step + self.index + 1
+
+    def loaded(self) -> list[dict]:
+        paths = {load["path"] for load in self.runs.resumed.loads}
+        return [f for f in self.runs.files if f["path"] in paths]
+
+    def unsaved(self, kind: str) -> list[dict]:
+        return [r for f in self.runs.files for r in f["live"] if r["kind"] == kind and not r["saved"]]
+
+    def live(self, kind: str) -> list[dict]:
+        return [r for f in self.runs.files for r in f["live"] if r["kind"] == kind]
+
+    def straight_step_with(self, name: str, value) -> int | None:
+        """The first straight step whose fingerprint `name` equals `value`."""
+        return next((s["step"] for s in self.runs.straight.steps if s.get(name) == value), None)
+
+
+def cause_of(c: Context) -> tuple[str, str, list[str]]:
+    for rule in (accumulation_window, weights, weights_only, data_position, schedule, rng, optimizer, scaler):
+        found = rule(c)
+        if found:
+            return found
+    return "state_differs", f"the {', '.join(c.diff)} differ from step {c.step} on", []
+
+
+def later(c: Context) -> str:
+    """How a cause found after the first resumed step begins: where the runs were still equal."""
+    if c.index == 0:
+        return ""
+    steps = c.runs.straight.steps
+    epochs = [s.get("sampler_epochs") for s in steps[c.step - 2 : c.step]]
+    boundary = " (an epoch boundary)" if len(epochs) == 2 and epochs[0] != epochs[1] else ""
+    return f"equal through step {c.step - 1}, then at step {c.step}{boundary}: "
+
+
+def accumulation_window(c: Context):
+    inside = [f for f in c.runs.files if f["pending_micro"]]
+    if not inside or not {"batch", "grads"} & set(c.diff):
+        return None
+    name, pending = Path(inside[0]["path"]).name, inside[0]["pending_micro"]
+    micro, resumed = len(c.straight.get("micro", [])), len(c.resumed.get("micro", []))
+    headline = (
+        f"the checkpoint was written inside a gradient-accumulation window: {name} was saved after {pending} of "
+        f"step {c.runs.resume_step + 1}'s {micro} micro-batches, whose gradients it does not hold"
+    )
+    return "accumulation_window", headline, [f"micro-batches in step {c.step}: {resumed} resumed, {micro} straight"]
+
+
+def weights(c: Context):
+    if "params" not in c.diff or c.index:
+        return None
+    loaded = c.loaded()
+    halves = [(f, [t for t in f["tensors"] if t["dtype"] in HALF]) for f in loaded]
+    halves = [(f, ts) for f, ts in halves if ts]
+    if halves:
+        f, ts = halves[0]
+        shapes = {tuple(t["shape"]) for t in ts}
+        full = [
+            g
+            for g in c.runs.files
+            if g is not f and any(t["dtype"] not in HALF and tuple(t["shape"]) in shapes for t in g["tensors"])
+        ]
+        name, dtype = Path(f["path"]).name, ts[0]["dtype"].removeprefix("torch.")
+        evidence = [f"{name}: {len(ts)} tensors in {dtype}, e.g. {ts[0]['key']}"]
+        if full:
+            other = Path(full[0]["path"]).name
+            headline = f"the weights were loaded from the {dtype} weights file {name} rather than from {other}"
+            return "weights_file", headline + ", which holds them in full precision", evidence
+        return "weights_rounded", f"the weights were not restored exactly: stored in {dtype} in {name}", evidence
+    if c.resumed["params"] == c.runs.straight.steps[0]["params"]:
+        return (
+            "weights_not_loaded",
+            "the weights were not loaded: the resumed run starts from the fresh initialization",
+            [],
+        )
+    return (
+        "weights_differ",
+        f"the weights at the resume differ from the straight run's at step {c.runs.resume_step}",
+        [],
+    )
+
+
+def weights_only(c: Context):
+    loaded = c.loaded()
+    if not loaded or not all(flat_state(f) for f in loaded) or not c.unsaved("optimizer"):
+        return None
+    names = ", ".join(Path(f["path"]).name for f in loaded)
+    lost = [NAMES_LOST[f] for f in ("batch", "lr", "optim") if f in c.diff]
+    lost[-1:] = [f"{lost[-1]} were" if len(lost) > 1 else f"{lost[-1]} was"] if lost else []
+    return (
+        "weights_only",
+        f"the checkpoint holds only the model's weights ({names}): {listed(lost) or 'the training state was'} lost",
+        position_evidence(c),
+    )
+
+
+NAMES_LOST = {"batch": "the data position", "lr": "the lr schedule", "optim": "the optimizer state"}
+
+
+def listed(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 2 else items)
+
+
+def flat_state(f: dict) -> bool:
+    """A bare model.state_dict(): every top-level key is a tensor."""
+    return bool(f["keys"]) and {t["key"] for t in f["tensors"]} == set(f["keys"])
+
+
+def position_evidence(c: Context) -> list[str]:
+    found = c.straight_step_with("batch", c.resumed["batch"])
+    if found == 1:
+        return [f"restarted from the first batch: the resumed step {c.step} drew step 1's batch"]
+    if found:
+        gap = f"{c.step - found} steps back" if found < c.step else f"{found - c.step} steps ahead"
+        return [f"the resumed step {c.step} drew the batch of step {found} ({gap})"]
+    return [f"the resumed step {c.step} drew a batch the straight run never drew: the order was reshuffled"]
+
+
+def data_position(c: Context):
+    if "batch" not in c.diff:
+        return None
+    evidence = position_evidence(c)
+    epochs_a, epochs_b = c.straight.get("sampler_epochs"), c.resumed.get("sampler_epochs")
+    if epochs_a != epochs_b and any(e is not None for e in epochs_a or []):
+        return (
+            "epoch_lost",
+            f"{later(c)}the sampler's epoch was not restored: set_epoch({epochs_b[0]}) in the resumed run, "
+            f"set_epoch({epochs_a[0]}) in the straight run, so it replays another epoch's order",
+            evidence,
+        )
+    sources = sorted({s for f in c.runs.files for s in f.get("loaders", [])})
+    gens = c.unsaved("generator")
+    source = f"; the order comes from {sources[0]}" if sources else ""
+    lost = "; its generator state is not in the checkpoint" if gens else ""
+    return "data_position_lost", f"{later(c)}the data position was lost{source}{lost}", evidence
+
+
+def schedule(c: Context):
+    if "lr" not in c.diff:
+        return None
+    a, b = c.straight["lr"], c.resumed["lr"]
+    evidence = [f"lr {b[0]:.6g} in the resumed step {c.step}, {a[0]:.6g} in the straight one"]
+    first = c.runs.straight.steps[0]["lr"]
+    restarted = b == first
+    if restarted:
+        evidence.append("the resumed lr is step 1's: the schedule restarted from step 0")
+    if c.unsaved("lr_scheduler"):
+        name = c.unsaved("lr_scheduler")[0]["name"]
+        return (
+            "scheduler_lost",
+            f"{later(c)}the LR scheduler's state was not saved ({name}): its schedule restarted",
+            evidence,
+        )
+    if not c.live("lr_scheduler") and restarted:
+        return (
+            "lr_from_zero",
+            f"{later(c)}the script computes the lr from a step count that restarts at 0 after the resume",
+            evidence,
+        )
+    return (
+        "lr_differs",
+        f"{later(c)}the lr differs: the schedule did not continue from step {c.runs.resume_step}",
+        evidence,
+    )
+
+
+def rng(c: Context):
+    if "grads" not in c.diff or {"batch", "params", "lr"} & set(c.diff):
+        return None
+    evidence = ["same batch, weights and lr, other gradients"]
+    if "rng_torch" in c.diff:
+        evidence.append("the torch RNG state differs")
+    return (
+        "rng_lost",
+        f"{later(c)}the forward's randomness (dropout) was not restored: the RNG state was not saved",
+        evidence,
+    )
+
+
+def optimizer(c: Context):
+    if "optim" not in c.diff:
+        return None
+    a, b = c.straight.get("optim_step"), c.resumed.get("optim_step")
+    evidence = (
+        [f"the optimizer's step counter is {b:g} in the resumed run, {a:g} in the straight one"] if a and b else []
+    )
+    fresh = " (a fresh optimizer: moments and step counter start from zero)" if b == c.index + 1 else ""
+    unsaved = " not saved in the checkpoint" if c.unsaved("optimizer") else " not restored"
+    return "optimizer_lost", f"{later(c)}the optimizer state was{unsaved}{fresh}", evidence
+
+
+def scaler(c: Context):
+    if "scaler" not in c.diff:
+        return None
+    a, b = c.straight.get("scale"), c.resumed.get("scale")
+    evidence = [f"loss scale {b[0]:g} in the resumed run, {a[0]:g} in the straight one"] if a and b else []
+    return "scaler_lost", f"{later(c)}the GradScaler's state (scale, growth tracker) was not restored", evidence

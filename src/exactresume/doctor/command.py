@@ -1,0 +1,139 @@
+"""`exactresume doctor`: its flags, and the verdict on the terminal.
+
+    exactresume doctor --steps 8 --stop-after 4 --resume-args "--resume" -- python train.py --out ckpt
+
+Exit 0 when the resume is exact, 1 when it diverges (or the script is not deterministic even without
+a resume), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from dataclasses import asdict
+from pathlib import Path
+
+from exactresume.errors import UserError
+
+DOCTOR_HELP = (
+    "run your own training script straight, interrupted and resumed; name the state its resume loses",
+    "exactresume doctor --steps 40 --stop-after 20 --resume-args '--from_resume 1' -- python train.py",
+)
+
+
+def doctor_parser(doctor: argparse.ArgumentParser) -> None:
+    """The doctor's flags; the command line (cli.py) registers it with `cmd_doctor`."""
+    doctor.add_argument("--steps", type=int, required=True, metavar="N", help="optimizer steps to compare (1..N)")
+    doctor.add_argument(
+        "--stop-after",
+        type=int,
+        required=True,
+        metavar="K",
+        help="interrupt right after the first checkpoint the script saves at or after step K",
+    )
+    doctor.add_argument(
+        "--resume-args", default="", metavar="ARGS", help="arguments added to COMMAND to resume, e.g. '--from_resume 1'"
+    )
+    doctor.add_argument(
+        "--out",
+        type=Path,
+        default=Path("doctor"),
+        help="folder for doctor.json, report.md, verdict.txt, traces, logs, the files moved aside",
+    )
+    doctor.add_argument("--timeout", type=float, metavar="S", help="give up on a run after S seconds")
+    doctor.add_argument(
+        "user_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your training command, after --"
+    )
+
+
+def plan_from(args: argparse.Namespace):
+    from exactresume.doctor.examine import Plan
+
+    command = args.user_command[1:] if args.user_command[:1] == ["--"] else args.user_command
+    if not command:
+        raise UserError("give the training command after --, e.g. -- python train.py")
+    if args.steps < 2:
+        raise UserError(f"--steps must be at least 2, got {args.steps}")
+    if not 1 <= args.stop_after < args.steps:
+        raise UserError(f"--stop-after must be between 1 and --steps - 1 ({args.steps - 1}), got {args.stop_after}")
+    try:
+        resume_args = shlex.split(args.resume_args)
+    except ValueError as error:
+        raise UserError(f"--resume-args: {error}") from None
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out} is a file, not a folder")
+    args.out.mkdir(parents=True, exist_ok=True)
+    return Plan(command, resume_args, args.steps, args.stop_after, args.out.resolve(), args.timeout)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from exactresume.doctor.diagnose import diagnose
+    from exactresume.doctor.examine import examine
+    from exactresume.doctor.report import write_report
+
+    plan = plan_from(args)
+    runs = examine(plan)
+    diagnosis = diagnose(runs)
+    write_json(plan.out / "doctor.json", plan, runs, diagnosis)
+    write_report(plan.out, plan, runs, diagnosis)
+    text = verdict(plan, runs, diagnosis)
+    (plan.out / "verdict.txt").write_text(text + "\n")
+    print(text)
+    return diagnosis.exit_code
+
+
+def verdict(plan, runs, diagnosis) -> str:
+    lines = [f"doctor: {diagnosis.headline}"]
+    lines += [f"  evidence: {line}" for line in diagnosis.evidence]
+    lines += [f"  missing from the checkpoint: {r['name']} ({r['detail']}); fix: {r['fix']}" for r in diagnosis.missing]
+    lines += [f"  note: {line}" for line in diagnosis.notes if "not seeded" not in line]
+    files = sorted({shown(Path(m["from"]).parent) for m in runs.moves if "aside" in m})
+    if files:
+        lines.append(f"  the script's checkpoints are in {', '.join(files)} (the straight run's, put back)")
+    restored = [m for m in runs.moves if "restored" in m]
+    if restored:
+        lines.append(
+            f"  {len(restored)} file(s) there before the doctor, replaced by the straight run, are back in place; "
+            f"the straight run's: {shown(plan.out / 'files' / 'straight')}"
+        )
+    lines.append(
+        f"  the doctor's runs' files: {shown(plan.out / 'files' / 'resumed')}; details: {shown(plan.out / 'report.md')}"
+    )
+    return "\n".join(lines)
+
+
+def shown(path: Path) -> str:
+    """A path relative to the working folder when it is inside it."""
+    try:
+        return str(Path(path).relative_to(Path.cwd())) or "."
+    except ValueError:
+        return str(path)
+
+
+def write_json(path: Path, plan, runs, diagnosis) -> None:
+    def run_facts(run):
+        return {
+            "command": run.command,
+            "exit_code": run.rc,
+            "wall_s": round(run.wall_s, 3),
+            "log": str(run.log),
+            "steps": run.steps,
+            "saves": run.saves,
+            "loads": run.loads,
+        }
+
+    facts = {
+        "plan": {
+            "command": plan.command,
+            "resume_args": plan.resume_args,
+            "steps": plan.steps,
+            "stop_after": plan.stop_after,
+        },
+        "diagnosis": asdict(diagnosis) | {"exit_code": diagnosis.exit_code},
+        "resume_step": runs.resume_step,
+        "files": runs.files,
+        "moves": runs.moves,
+        "runs": {name: run_facts(getattr(runs, name)) for name in ("straight", "interrupted", "resumed")},
+    }
+    path.write_text(json.dumps(facts, indent=1))

@@ -1,0 +1,161 @@
+"""Align the runs step by step, find the first fingerprint where they part, and name the cause.
+
+Steps 1..K of the interrupted run against the straight run are the determinism check; steps
+K+1..N of the resumed run against the straight run are the resume check. A fingerprint that
+differs between two fresh runs but never changes a result (an unseeded python `random` no one
+draws from) is left out of the resume check, with a note.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from exactresume.doctor.causes import Context, cause_of
+from exactresume.doctor.examine import Runs
+
+FIELDS = ("batch", "lr", "hparams", "params", "grads", "optim", "scaler", "data")
+RNG_FIELDS = ("rng_torch", "rng_cuda", "rng_numpy", "rng_python")
+DECISIVE = ("batch", "lr", "hparams", "params", "grads", "optim")
+NAMES = {
+    "batch": "batch",
+    "lr": "lr",
+    "hparams": "optimizer hyperparameters",
+    "params": "weights before the step",
+    "grads": "gradients",
+    "optim": "optimizer state after the step",
+    "scaler": "GradScaler state",
+    "data": "DataLoader sampler state",
+    "rng_torch": "torch RNG",
+    "rng_cuda": "CUDA RNG",
+    "rng_numpy": "numpy RNG",
+    "rng_python": "python RNG",
+}
+
+
+@dataclass
+class Diagnosis:
+    verdict: str  # exact | diverges | not_deterministic
+    cause: str
+    headline: str
+    resume_step: int
+    first_step: int | None = None
+    differs: list[str] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    unseeded: list[str] = field(default_factory=list)  # fingerprints two fresh runs already disagree on
+    missing: list[dict] = field(default_factory=list)
+    equal: dict[str, list[bool]] = field(default_factory=dict)  # field -> per straight step 1..N
+    distance: list[float | None] = field(default_factory=list)  # weight sample max |a - b| per step
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.verdict == "exact" else 1
+
+
+def differing(a: dict, b: dict, fields) -> list[str]:
+    return [f for f in fields if a.get(f) != b.get(f)]
+
+
+def diagnose(runs: Runs) -> Diagnosis:
+    straight, interrupted, resumed, k = (
+        runs.straight.steps,
+        runs.interrupted.steps,
+        runs.resumed.steps,
+        runs.resume_step,
+    )
+    fields = FIELDS + tuple(f for f in RNG_FIELDS if any(f in s for s in straight))
+    unseeded = [
+        f for f in fields if f not in DECISIVE and any(differing(a, b, [f]) for a, b in zip(straight, interrupted[:k]))
+    ]
+    kept = tuple(f for f in fields if f not in unseeded)
+    notes = [
+        f"the {NAMES[f]} differs between two fresh runs (not seeded); it is left out of the comparison"
+        for f in unseeded
+    ]
+    pairs = list(zip(straight, interrupted[:k])) + list(zip(straight[k:], resumed))
+    equal = {f: [a.get(f) == b.get(f) for a, b in pairs] for f in fields}
+    diagnosis = first_difference(runs, kept, notes) or Diagnosis(
+        "exact",
+        "exact",
+        f"exact: steps {k + 1}..{k + len(resumed)} are bit-identical to the straight run",
+        k,
+        notes=notes,
+    )
+    diagnosis.equal, diagnosis.distance, diagnosis.unseeded = equal, distances(runs), unseeded
+    diagnosis.missing = missing_state(runs)
+    if len(resumed) < len(straight) - k:
+        diagnosis.notes.append(
+            f"the resumed run took only {len(resumed)} of the {len(straight) - k} steps after the resume"
+        )
+    return diagnosis
+
+
+def first_difference(runs: Runs, fields: tuple, notes: list[str]) -> Diagnosis | None:
+    straight, interrupted, k = runs.straight.steps, runs.interrupted.steps, runs.resume_step
+    for index, (a, b) in enumerate(zip(straight, interrupted[:k])):
+        diff = differing(a, b, DECISIVE)
+        if diff:
+            return not_deterministic(index + 1, diff, k, notes)
+    for index, (a, b) in enumerate(zip(straight[k:], runs.resumed.steps)):
+        diff = differing(a, b, fields)
+        if diff:
+            context = Context(runs, index, a, b, diff)
+            cause, headline, evidence = cause_of(context)
+            evidence = [f"differs at step {k + index + 1}: " + ", ".join(NAMES[f] for f in diff)] + evidence
+            return Diagnosis("diverges", cause, headline, k, k + index + 1, diff, evidence, notes)
+    return None
+
+
+def not_deterministic(step: int, diff: list[str], k: int, notes: list[str]) -> Diagnosis:
+    if "params" in diff and step == 1:
+        why = "the initial weights differ: the model's initialization is not seeded"
+    elif "batch" in diff:
+        why = "the batch differs: the data order is not seeded"
+    elif "grads" in diff:
+        why = "the same batch and weights give other gradients: an unseeded dropout, a non-deterministic kernel"
+        why += " or another thread count"
+    else:
+        why = f"the {NAMES[diff[0]]} differs"
+    headline = f"not deterministic even without a resume: two fresh runs part at step {step} ({why})"
+    evidence = [f"differs at step {step}: " + ", ".join(NAMES[f] for f in diff)]
+    return Diagnosis("not_deterministic", "not_deterministic", headline, k, step, diff, evidence, notes)
+
+
+def distances(runs: Runs) -> list[float | None]:
+    """Max |straight - other| over the weight sample, per straight step (interrupted to K, then resumed)."""
+    k = runs.resume_step
+    straight, interrupted, resumed = runs.straight.weights, runs.interrupted.weights, runs.resumed.weights
+    rows: list[float | None] = []
+    for step in range(len(runs.straight.steps)):
+        other, at = (interrupted, step) if step < k else (resumed, step - k)
+        if straight is None or other is None or at >= len(other) or other.shape[1] != straight.shape[1]:
+            rows.append(None)
+        else:
+            rows.append(float(np.max(np.abs(straight[step] - other[at]), initial=0.0)))
+    return rows
+
+
+FIXES = {
+    "model": "save model.state_dict() as it is (fp32), and load it back with model.load_state_dict()",
+    "optimizer": "save optimizer.state_dict() and call optimizer.load_state_dict() on resume",
+    "lr_scheduler": "save scheduler.state_dict() and call scheduler.load_state_dict() on resume",
+    "grad_scaler": "save scaler.state_dict() and call scaler.load_state_dict() on resume",
+    "generator": "save the generator's get_state() at the epoch's start and set_state() it before iterating",
+    "global_rng": "save torch.get_rng_state() (and the numpy, python, CUDA states) and set them on resume",
+}
+STORE_FIX = "or make it a part of exactresume's CheckpointStore"
+
+
+def missing_state(runs: Runs) -> list[dict]:
+    """Each live stateful object whose state none of the files saved at the resume step holds."""
+    saved, rows = set(), {}
+    for file in runs.files:
+        for row in file["live"]:
+            key = (row["kind"], row["name"])
+            if row["saved"]:
+                saved.add(key)
+            else:
+                rows.setdefault(key, row | {"fix": FIXES.get(row["kind"], "save its state_dict()") + ", " + STORE_FIX})
+    return [row for key, row in rows.items() if key not in saved]

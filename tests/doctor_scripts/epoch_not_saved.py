@@ -1,0 +1,47 @@
+"""Bug: a DistributedSampler's epoch counter is kept apart from the step and not saved: a resume in
+the second epoch calls set_epoch(0) and replays the first epoch's order."""
+
+import argparse
+import os
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", default="ckpt")
+parser.add_argument("--steps", type=int, default=8)
+parser.add_argument("--save-every", type=int, default=3)
+parser.add_argument("--resume", action="store_true")
+args = parser.parse_args()
+torch.set_num_threads(1)
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+loader = DataLoader(data, batch_size=8, sampler=sampler)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+path, step, epoch = os.path.join(args.out, "resume.pt"), 0, 0
+if args.resume:
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    step, epoch = state["step"], state.get("epoch", 0)
+
+skip = step % len(loader)
+while step < args.steps:
+    sampler.set_epoch(epoch)
+    for x, y in loader:
+        if skip:
+            skip -= 1
+            continue
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if step % args.save_every == 0:
+            os.makedirs(args.out, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path)
+        if step == args.steps:
+            break
+    epoch += 1

@@ -1,0 +1,41 @@
+"""Bug: training with a GradScaler whose state (scale, growth tracker) is not saved: a resume starts
+from the initial scale again."""
+
+import argparse
+import os
+
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", default="ckpt")
+parser.add_argument("--steps", type=int, default=8)
+parser.add_argument("--save-every", type=int, default=2)
+parser.add_argument("--resume", action="store_true")
+args = parser.parse_args()
+torch.set_num_threads(1)
+torch.manual_seed(0)
+inputs, targets = torch.randn(64, 8), torch.randn(64, 1)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+batches = torch.Generator().manual_seed(1)
+path, step = os.path.join(args.out, "resume.pt"), 0
+if args.resume:
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    batches.set_state(state["batches"])
+    step = state["step"]
+
+while step < args.steps:
+    rows = torch.randint(0, 64, (8,), generator=batches)
+    loss = torch.nn.functional.mse_loss(model(inputs[rows]), targets[rows])
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    step += 1
+    if step % args.save_every == 0:
+        os.makedirs(args.out, exist_ok=True)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "batches": batches.get_state()}
+        torch.save(state | {"step": step}, path)
