@@ -33,7 +33,7 @@ ablation: data
 
 # All tests, then the habits: lint, format and the import layers (pyproject.toml holds their rules).
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
