@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from exactresume.cli import main
 from exactresume.core.data import PrepareConfig, prepare
@@ -68,3 +69,42 @@ def tiny_folder(tmp_path_factory) -> Path:
     corpus.write_text(TINY_TEXT)
     prepare(PrepareConfig(corpus=corpus, vocab_size=270, val_fraction=0.25), folder / "data", log=lambda message: None)
     return folder / "data"
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """In-process runs on one thread, as the CLI's own runs are (the result depends on the count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_same_run(folder: Path, reference: Path) -> None:
+    """`folder`'s run ended bit-identical to `reference`'s: every weight `torch.equal`, and its loss log
+    (and samples log, when the reference kept one) byte for byte."""
+    from exactresume.store.weights import read_weights
+
+    ours, theirs = read_weights(folder / "final.pth")[0], read_weights(reference / "final.pth")[0]
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+    for log in ("log.csv", "samples.csv"):
+        if log == "log.csv" or (reference / log).exists():
+            assert (folder / log).read_bytes() == (reference / log).read_bytes(), log
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 30 MB file system (tmpfs): room for one 20 MB checkpoint, not two or three."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)

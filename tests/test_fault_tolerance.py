@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import SMALL, assert_one_line_error, call_cli
+from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread
 from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.folder import CheckpointStore, checkpoint_name
 from exactresume.store.sealed import save_sealed, verify
@@ -36,10 +36,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 @pytest.fixture(autouse=True)
 def one_thread():
     """In-process runs (refusals, injected errors) on one thread too, for speed."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def train_flags(folder: Path, data: Path, *extra: object) -> list:
@@ -63,23 +61,10 @@ def run_child(args, fault: str | None = None) -> subprocess.CompletedProcess:
 def reference(tmp_path_factory, kjv_folder) -> Path:
     """The uninterrupted run, checkpointing as the interrupted ones do (in this process, on one thread)."""
     folder = tmp_path_factory.mktemp("reference")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         finished = call_cli(*chaos_flags(folder, kjv_folder))
-    finally:
-        torch.set_num_threads(threads)
     assert finished.returncode == 0, finished.stderr
     return folder
-
-
-def assert_same_as_reference(folder: Path, reference: Path) -> None:
-    ours, theirs = read_weights(folder / "final.pth")[0], read_weights(reference / "final.pth")[0]
-    assert ours.keys() == theirs.keys()
-    for name in theirs:
-        assert torch.equal(ours[name], theirs[name]), name
-    assert (folder / "log.csv").read_bytes() == (reference / "log.csv").read_bytes()
-    assert (folder / "samples.csv").read_bytes() == (reference / "samples.csv").read_bytes()
 
 
 def checkpoint_files(folder: Path) -> tuple[list[int], list[str]]:
@@ -151,7 +136,7 @@ def test_kills_inside_each_save_stage_then_auto_resume_is_bit_exact(tmp_path, kj
     assert re.search(r"skipping damaged checkpoint .*step-00000008\.pth: checksum mismatch", finished.stderr)
     assert f"resumed from {folder / 'checkpoints' / checkpoint_name(6)} at step 6" in finished.stdout
     assert checkpoint_files(folder) == ([6, 8], [])
-    assert_same_as_reference(folder, reference)
+    assert_same_run(folder, reference)
 
 
 # -- preemption and a kill at a random moment ---------------------------------------------------------
@@ -203,7 +188,7 @@ def test_sigterm_saves_then_kill_at_random_then_auto_resume_is_bit_exact(tmp_pat
     checkpoint_files(folder)  # whatever it had written verifies
     finished = run_child(chaos_flags(folder, kjv_folder))
     assert finished.returncode == 0, finished.stderr
-    assert_same_as_reference(folder, reference)
+    assert_same_run(folder, reference)
 
 
 def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
@@ -229,20 +214,6 @@ def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
 # -- full disk --------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 30 MB file system (tmpfs): room for one 20 MB checkpoint, not two."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
-
-
 def test_full_disk_stops_with_previous_checkpoint_intact_then_resumes(small_disk, kjv_folder, reference):
     folder = small_disk / "run"
     # --force past the disk check before the first checkpoint (test_plan.py): the disk fills mid-run.
@@ -253,7 +224,7 @@ def test_full_disk_stops_with_previous_checkpoint_intact_then_resumes(small_disk
     subprocess.run(["mount", "-o", "remount,size=100m", str(small_disk)], check=True)  # space freed
     finished = run_child(chaos_flags(folder, kjv_folder))
     assert finished.returncode == 0, finished.stderr
-    assert_same_as_reference(folder, reference)
+    assert_same_run(folder, reference)
 
 
 @pytest.mark.parametrize("stage", ["write", "fsync", "rename", "folder-fsync", "verify"])

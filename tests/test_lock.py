@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, assert_one_line_error, call_cli
+from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread
 from exactresume.errors import UserError
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import HELD_ENV, LOCK_NAME, FolderLock, read_holder
-from exactresume.store.weights import read_weights
 from exactresume.training.parts import GlobalRng
 
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -51,23 +50,10 @@ def holding(folder: Path, process: subprocess.Popen) -> subprocess.Popen:
 def reference(tmp_path_factory, kjv_folder) -> Path:
     """The uninterrupted run, in this process on one thread (as the other exactness tests make it)."""
     folder = tmp_path_factory.mktemp("reference")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         finished = call_cli(*flags(folder, kjv_folder))
-    finally:
-        torch.set_num_threads(threads)
     assert finished.returncode == 0, finished.stderr
     return folder
-
-
-def assert_same_as_reference(folder: Path, reference: Path) -> None:
-    ours, theirs = read_weights(folder / "final.pth")[0], read_weights(reference / "final.pth")[0]
-    assert ours.keys() == theirs.keys()
-    for name in theirs:
-        assert torch.equal(ours[name], theirs[name]), name
-    assert (folder / "log.csv").read_bytes() == (reference / "log.csv").read_bytes()
-    assert not (folder / LOCK_NAME).exists() and not (folder / "checkpoints" / LOCK_NAME).exists()
 
 
 def test_second_writer_is_refused_naming_the_holder_and_the_first_ends_exact(tmp_path, kjv_folder, reference):
@@ -84,7 +70,7 @@ def test_second_writer_is_refused_naming_the_holder_and_the_first_ends_exact(tmp
         first.send_signal(signal.SIGCONT)
     assert_one_line_error(second, f"{folder} is being written by pid {first.pid} on host", "wait for it or stop it")
     assert first.wait(timeout=120) == 0, first.communicate()
-    assert_same_as_reference(folder, reference)
+    assert_same_run(folder, reference)
 
 
 def test_wait_lock_takes_over_when_the_first_writer_stops(tmp_path, kjv_folder, reference):
@@ -101,7 +87,7 @@ def test_wait_lock_takes_over_when_the_first_writer_stops(tmp_path, kjv_folder, 
     out, err = second.communicate(timeout=120)
     assert second.returncode == 0, err
     assert "resumed from" in out or "starting at step 0" in out
-    assert_same_as_reference(folder, reference)
+    assert_same_run(folder, reference)
 
 
 def test_a_kill_9_holder_leaves_no_stale_lock(tmp_path, kjv_folder, reference):
@@ -117,7 +103,7 @@ def test_a_kill_9_holder_leaves_no_stale_lock(tmp_path, kjv_folder, reference):
         env=CHILD_ENV,
     )
     assert second.returncode == 0, second.stderr
-    assert_same_as_reference(folder, reference)
+    assert_same_run(folder, reference)
 
 
 class Counter:

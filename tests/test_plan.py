@@ -94,20 +94,6 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, kjv_folder):
     assert not folder.exists()
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 30 MB file system (tmpfs), as in test_fault_tolerance.py: room for one checkpoint, not three."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
-
-
 def test_disk_that_cannot_hold_the_kept_checkpoints_is_refused_before_the_first(small_disk, kjv_folder):
     folder = small_disk / "run"
     finished = call_cli("train", "--out", folder, "--data", kjv_folder, *SMALL, "--save-every", 2, "--keep", 2)

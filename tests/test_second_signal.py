@@ -12,20 +12,17 @@ import os
 import signal
 
 import pytest
-import torch
 
 import exactresume.training.job as job_module
-from conftest import SMALL, call_cli
+from conftest import SMALL, call_cli, one_torch_thread
 from exactresume.store.faults import FaultPoints
 from exactresume.store.folder import CheckpointStore
 
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def interrupt_after_step(monkeypatch, step: int, times: int) -> None:
