@@ -28,17 +28,17 @@ from exactresume.dist.exact import ExactReplicas, MicroStep
 from exactresume.store.resume import capture, load_resume, restore
 from exactresume.core.epochs import EpochLoader
 from exactresume.errors import UserError
-from exactresume.dist.launcher import check_batch_split, check_process_count
+from exactresume.dist.launcher import check_process_count, check_split
 from exactresume.world import launched_by_torchrun
 from exactresume.store.resume import Stateful
 from exactresume.store.sealed import save_sealed
 
 def replicate(run, world: World) -> None:
     """Make `run` this rank's replica: its share of each global batch (N-independent with --micro-batch)."""
-    if run.config.micro_batch:
-        check_exact_split(run, world.size)
-    else:
-        check_batch_split(run.config.batch, world.size, run.config.grad_accum)
+    config = run.config
+    check_split(config.batch, world.size, config.grad_accum, config.micro_batch)  # the launcher's check, again here
+    if config.micro_batch:
+        check_exact_epoch_end(run, world.size)
     if world.size == 1:
         return
     if run.device.type != "cpu":
@@ -62,10 +62,9 @@ def epoch_remainder(run) -> int:
     return len(run.batches.dataset) % run.batches.batch if isinstance(run.batches, EpochLoader) else 0
 
 
-def check_exact_split(run, nproc: int) -> None:
-    """Every batch the run trains on, the short last batch of an epoch included, splits the same way on N."""
+def check_exact_epoch_end(run, nproc: int) -> None:
+    """The short last batch of an epoch, when the run reaches one, splits over N as the full batches do."""
     config = run.config
-    check_process_count(config.micro_batch, nproc, config.batch)
     remainder = epoch_remainder(run)
     if remainder and config.steps * config.batch >= len(run.batches.dataset):  # the run reaches an epoch's end
         if remainder % config.micro_batch:
