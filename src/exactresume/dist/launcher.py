@@ -22,7 +22,7 @@ import re
 import signal
 import subprocess
 import sys
-from typing import Collection, Iterator
+from collections.abc import Collection, Iterator
 
 from exactresume.errors import UserError
 
@@ -46,13 +46,19 @@ def check_batch_split(batch: int, nproc: int, grad_accum: int = 1) -> None:
     if batch % nproc:
         raise UserError(f"--batch {batch} is not divisible by {nproc} processes; the global batch is split evenly")
     if grad_accum >= 1 and (batch // nproc) % grad_accum:  # grad_accum < 1 is TrainConfig's refusal
-        raise UserError(f"--batch {batch} on {nproc} processes leaves {batch // nproc} sequences per process, "
-                        f"not a multiple of --grad-accum {grad_accum}")
+        raise UserError(
+            f"--batch {batch} on {nproc} processes leaves {batch // nproc} sequences per process, "
+            f"not a multiple of --grad-accum {grad_accum}"
+        )
 
 
 def allowed_process_counts(micro_batches: int) -> list[int]:
     """The N a step of `micro_batches` micro-batches can run on: one process, or N blocks of 2^k micro-batches."""
-    return [n for n in range(1, micro_batches + 1) if n == 1 or (micro_batches % n == 0 and _power_of_two(micro_batches // n))]
+    return [
+        n
+        for n in range(1, micro_batches + 1)
+        if n == 1 or (micro_batches % n == 0 and _power_of_two(micro_batches // n))
+    ]
 
 
 def check_process_count(micro_batch: int, nproc: int, rows: int) -> None:
@@ -81,8 +87,17 @@ def check_split(batch: int, nproc: int, grad_accum: int = 1, micro_batch: int = 
 def launch_command(argv: Collection[str], nproc: int) -> list[str]:
     """`exactresume ARGV` under PyTorch's launcher with N processes on this machine."""
     # `--` keeps torchrun's parser off our flags: it takes --log and --nproc for ambiguous prefixes of its own.
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "exactresume.cli", "--", *argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "exactresume.cli",
+        "--",
+        *argv,
+    ]
 
 
 def first_error(stderr: str) -> str | None:
@@ -96,8 +111,9 @@ def launch(argv: Collection[str], nproc: int) -> int:
     # torchrun would set 1 and warn; split this machine's cores between the processes instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # Its own session: a terminal's Ctrl-C reaches the ranks once, through torchrun, not twice.
-    process = subprocess.Popen(launch_command(argv, nproc), stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        launch_command(argv, nproc), stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     with _passing_signals_to(process):
         _, stderr = process.communicate()
     error = first_error(stderr) if process.returncode else None
