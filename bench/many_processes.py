@@ -5,9 +5,13 @@
 
 Writes OUT/many_processes.json: for 2 -> 1 and 1 -> 2 whether the resumed run saw the same samples
 as the run it continues and its weight distance to it, the distance of the two straight runs, and
-the N-independent mode's step time against plain DDP on 2 processes (bench/exact_mode.py) — the
-README's figures, rendered into its many-processes blocks from the copy in docs/; and
-OUT/timings.json, the two labs' wall times. Same-N exactness is each lab's own compare.json.
+the N-independent mode's step time against plain DDP on 2 processes (bench/exact_mode.py), and
+FSDP2's memory per rank and resumes on another N (bench/fsdp.py) — the README's figures, rendered
+into its many-processes blocks from the copy in docs/; and OUT/timings.json, the two labs' wall
+times. Same-N exactness is each lab's own compare.json.
+
+    python bench/many_processes.py --data data/kjv --out runs/many --only fsdp   # FSDP2's figures only,
+                                                          # the others kept from docs/many_processes.json
 """
 
 from __future__ import annotations
@@ -53,6 +57,14 @@ BEGIN = "<!-- many-processes:begin (generated from docs/many_processes.json by b
 END = "<!-- many-processes:end -->"
 EXACT_BEGIN = "<!-- exact-mode:begin (generated from docs/many_processes.json by bench/many_processes.py) -->"
 EXACT_END = "<!-- exact-mode:end -->"
+FSDP_RESUMES = (
+    "<!-- fsdp-resumes:begin (generated from docs/many_processes.json by bench/many_processes.py) -->",
+    "<!-- fsdp-resumes:end -->",
+)
+FSDP_MEMORY = (
+    "<!-- fsdp-memory:begin (generated from docs/many_processes.json by bench/many_processes.py) -->",
+    "<!-- fsdp-memory:end -->",
+)
 
 
 def figures_json(
@@ -115,9 +127,45 @@ def render_exact(figures: dict) -> str:
     )
 
 
+def render_fsdp_resumes(figures: dict) -> str:
+    """The README's sentence about FSDP2's resumes on the same and on another N."""
+    resumes = figures["fsdp"]["resumes"]
+    same = resumes["two_to_two"]
+    names = {"two_to_one": "2 -> 1", "two_to_four": "2 -> 4", "one_to_two": "1 -> 2"}
+    moved = [(name, resumes[key]) for key, name in names.items()]
+    samples = "the same samples at every step" if all(r["same_samples"] for _, r in moved) else "other samples"
+    ends = "**bit-identical** to" if same["bit_identical"] else "differing from"
+    distances = ", ".join(f"{short(r['max_abs_diff'])} for {name}" for name, r in moved)
+    return (
+        f"stopped at {resumes['stop_at']} of {resumes['steps']} steps (batch {resumes['batch']} × "
+        f"{resumes['seq_len']}) and resumed on 2 processes, the run ends {ends} the\n  uninterrupted one; "
+        f"resumed on another N it differs from it by {distances} (max abs),\n  with {samples}. "
+        f"Whole runs on 1 and on 2 processes differ by {short(resumes['straight_1_vs_2']['max_abs_diff'])}, "
+        "for the reason given for DDP above"
+    )
+
+
+def render_fsdp_memory(figures: dict) -> str:
+    """The README's table of FSDP2's memory per rank."""
+    rows = [
+        "| processes | mode | glibc malloc | weights | gradients | AdamW state | after set-up | peak in training |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for rank in figures["fsdp"]["memory"]["per_rank"]:
+        mode = "FSDP2" if rank["shard"] == "fsdp" else "DDP"
+        keys = ("weights_bytes", "gradient_bytes", "optimizer_bytes", "setup_rss_bytes", "training_peak_rss_bytes")
+        sizes = " | ".join(f"{rank[key] / 1e6:,.0f} MB" for key in keys)
+        malloc = f"`{rank['malloc']}`" if rank["malloc"] else "default"
+        rows.append(f"| {rank['processes']} | {mode} | {malloc} | {sizes} |")
+    return "\n\n  " + "\n  ".join(rows) + "\n\n  "  # indented: the table sits inside a list item
+
+
 def update_readme(readme: Path, figures: dict) -> None:
     text = readme.read_text()
-    for begin, end, block in ((BEGIN, END, render(figures)), (EXACT_BEGIN, EXACT_END, render_exact(figures))):
+    blocks = [(BEGIN, END, render(figures)), (EXACT_BEGIN, EXACT_END, render_exact(figures))]
+    if "fsdp" in figures:
+        blocks += [(*FSDP_RESUMES, render_fsdp_resumes(figures)), (*FSDP_MEMORY, render_fsdp_memory(figures))]
+    for begin, end, block in blocks:
         start, stop = text.index(begin) + len(begin), text.index(end)
         text = text[:start] + block + text[stop:]
     readme.write_text(text)
@@ -139,7 +187,13 @@ def measure(data: Path, out: Path) -> dict:
         json.loads((out / "exact_mode.json").read_text()),
         steps=compare["steps"],
         stop_at=compare["stop_at"],
-    )
+    ) | {"fsdp": measure_fsdp(data, out / "fsdp")}
+
+
+def measure_fsdp(data: Path, out: Path) -> dict:
+    """bench/fsdp.py's figures, measured in processes of their own (as bench.exact_mode's are)."""
+    subprocess.run([sys.executable, "-m", "bench.fsdp", "--data", str(data), "--out", str(out)], check=True, cwd=ROOT)
+    return json.loads((out / "fsdp.json").read_text())
 
 
 def main() -> None:
@@ -147,11 +201,16 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("data/kjv"))
     parser.add_argument("--out", type=Path, default=Path("runs/many"))
     parser.add_argument("--readme", type=Path, help="measure nothing: rewrite this README's block from docs/")
+    parser.add_argument("--only", choices=("fsdp",), help="measure FSDP2's figures only; keep the rest from docs/")
     args = parser.parse_args()
     if args.readme:
         update_readme(args.readme, json.loads(DOCS_JSON.read_text()))
         return
-    figures = measure(args.data, args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.only:
+        figures = json.loads(DOCS_JSON.read_text()) | {"fsdp": measure_fsdp(args.data, args.out / "fsdp")}
+    else:
+        figures = measure(args.data, args.out)
     (args.out / "many_processes.json").write_text(json.dumps(figures, indent=2) + "\n")
     print(json.dumps(figures, indent=2))
 

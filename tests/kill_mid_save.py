@@ -18,7 +18,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
-from exactresume.dist.replicas import process_group, replicate
+from exactresume.dist.replicas import process_group
+from exactresume.dist.replicate import replicate
 from exactresume.store.access import save_checkpoint
 from exactresume.store.resume import per_rank
 from exactresume.training.loop import build_run, train

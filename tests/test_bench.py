@@ -104,12 +104,20 @@ def keys_of(value):
 
 
 def test_readme_many_processes_figures_are_rendered_from_docs_json():
+    from bench import many_processes as many
     from bench.many_processes import BEGIN, DOCS_JSON, END, EXACT_BEGIN, EXACT_END, figures_json, render, render_exact
 
     figures = json.loads(DOCS_JSON.read_text())
     readme = (ROOT / "README.md").read_text()
     assert readme.split(BEGIN, 1)[1].split(END, 1)[0] == render(figures)
     assert readme.split(EXACT_BEGIN, 1)[1].split(EXACT_END, 1)[0] == render_exact(figures)
+    for (begin, end), rendered in (
+        (many.FSDP_RESUMES, many.render_fsdp_resumes),
+        (many.FSDP_MEMORY, many.render_fsdp_memory),
+    ):
+        assert readme.split(begin, 1)[1].split(end, 1)[0] == rendered(figures)
+    fsdp = figures.pop("fsdp")  # bench/fsdp.py's json, measured in its own processes
+    assert [rank["processes"] for rank in fsdp["memory"]["per_rank"]] == [1, 2, 4, 2] * 2
     # docs/ holds what bench/many_processes.py writes: the same fields, of the same types.
     resumed = {"same_samples": True, "steps_resumed": 30, "max_abs_diff": 1.0, "rel_l2": 1.0, "extra": 0}
     ratio = {"ratio": 1.0, "round_min": 1.0, "round_max": 1.0, "candidate_s": {}}

@@ -23,7 +23,7 @@ import torch
 
 from conftest import assert_one_line_error, call_cli, run_cli
 from exactresume.core.epochs import EpochLoader
-from exactresume.dist.replicas import replicate
+from exactresume.dist.replicate import replicate
 from exactresume.errors import UserError
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.steplog import read_divergence

@@ -122,3 +122,13 @@ def test_the_plan_takes_the_tokenizers_vocabulary(tmp_path, tiny_folder):
     params = parameter_count(replace(PRESETS["default"], vocab_size=270))  # tiny_folder's tokenizer
     finished = call_cli("train", "--out", tmp_path, "--data", tiny_folder, "--dry-run")
     assert finished.returncode == 0 and f"{params:,} parameters" in finished.stdout, finished.stdout
+
+
+def test_fsdp_divides_the_weights_gradients_and_adamw_among_the_processes():
+    config = TrainConfig(preset="minimind-26m", shard="fsdp")
+    whole, sharded = plan_module.plan_run(config, processes=1), plan_module.plan_run(config, processes=4)
+    for part in ("weights", "gradients", "adamw"):
+        assert sharded.memory[part] == -(-whole.memory[part] // 4 // 4) * 4  # a quarter, rounded up to a float
+    assert "gathered" in sharded.memory and "gathered" not in whole.memory
+    ddp = plan_module.plan_run(replace(config, shard="none"), processes=4)
+    assert ddp.memory["adamw"] == whole.memory["adamw"]

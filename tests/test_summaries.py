@@ -111,3 +111,8 @@ def test_the_continue_command_drops_the_stop_however_it_was_spelled():
         continue_command(typed, Path("a b/resume.dcp"))
         == "exactresume train --out 'a b' --steps 8 --resume 'a b/resume.dcp'"
     )
+
+
+def test_the_continue_command_keeps_the_sharding_mode():
+    typed = ["train", "--shard", "fsdp", "--stop-at", "3", "--shard=fsdp"]
+    assert continue_command(typed, Path("r")) == "exactresume train --shard fsdp --shard=fsdp --resume r"

@@ -85,6 +85,7 @@ def preset(name: str) -> ModelConfig:
 DTYPES = ("fp32", "bf16", "fp16")
 LOADERS = ("random", "epoch")
 DEVICES = ("cpu", "cuda")
+SHARDINGS = ("none", "fsdp")
 
 
 # The groups of a command's --help. TrainConfig's fields name theirs in their metadata, so the
@@ -119,6 +120,13 @@ class TrainConfig:
         "the same on any allowed --nproc (0: off, DDP's average)",
         FEATURES_GROUP,
     )
+    # FSDP2 (dist/fsdp.py): each rank holds 1/N of the weights, gradients and AdamW state.
+    shard: str = flag_field(
+        "none",
+        "fsdp: each process holds 1/N of the weights, gradients and optimizer state (FSDP2; resume state in DCP)",
+        FEATURES_GROUP,
+        SHARDINGS,
+    )
     # The model's dropout masks come from the torch RNG, a resume part.
     dropout: float = flag_field(0.0, "dropout probability of the model", FEATURES_GROUP)
     dtype: str = flag_field(
@@ -152,7 +160,7 @@ class TrainConfig:
         self._check_features()
 
     def _check_features(self) -> None:
-        for name, allowed in (("dtype", DTYPES), ("loader", LOADERS), ("device", DEVICES)):
+        for name, allowed in (("dtype", DTYPES), ("loader", LOADERS), ("device", DEVICES), ("shard", SHARDINGS)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.batch % self.grad_accum:
@@ -173,6 +181,9 @@ class TrainConfig:
             raise UserError(f"--micro-batch {self.micro_batch} must be 0 (off) or divide --batch {self.batch}")
         if self.micro_batch and self.grad_accum != 1:
             raise UserError("--micro-batch sets the micro-batches of a step itself: leave --grad-accum at 1")
+        if self.micro_batch and self.shard == "fsdp":
+            # FSDP2 reduce-scatters every micro-batch's gradient over the ranks as it comes, in an order N sets.
+            raise UserError("--micro-batch (the N-independent mode) does not combine with --shard fsdp")
 
     @property
     def model(self) -> ModelConfig:

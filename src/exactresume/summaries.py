@@ -81,7 +81,7 @@ def continue_command(argv: list[str], resume: Path) -> str:
             skip_value = False
         elif names(token, "--stop-at") or names(token, "--resume"):
             skip_value = "=" not in token
-        elif not names(token, "--sharded"):
+        elif not names(token, "--sharded") or token.split("=", 1)[0] == "--shard":  # argparse: an exact name wins
             kept.append(token)
     return shlex.join(["exactresume", *kept, "--resume", str(resume)])
 

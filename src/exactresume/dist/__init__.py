@@ -1,2 +1,3 @@
-"""Many processes: DDP replicas and the torchrun launcher. Imports store, core and the base layer.
-"""
+"""Many processes: DDP and FSDP2 replicas, the N-independent mode, the torchrun launcher.
+
+Imports store, core and the base layer."""

@@ -13,10 +13,7 @@ with one entry per rank; a resume on another N takes rank r's entry, or rank 0's
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,55 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from exactresume.config import TrainConfig
 from exactresume.core.batches import Batch, micro_batches
-from exactresume.dist.exact import ExactReplicas, MicroStep
-from exactresume.store.resume import capture, load_resume, restore
-from exactresume.core.epochs import EpochLoader
-from exactresume.errors import UserError
-from exactresume.dist.launcher import check_process_count, check_split
-from exactresume.world import launched_by_torchrun
-from exactresume.store.resume import Stateful
-from exactresume.store.sealed import save_sealed
-
-def replicate(run, world: World) -> None:
-    """Make `run` this rank's replica: its share of each global batch (N-independent with --micro-batch)."""
-    config = run.config
-    check_split(config.batch, world.size, config.grad_accum, config.micro_batch)  # the launcher's check, again here
-    if config.micro_batch:
-        check_exact_epoch_end(run, world.size)
-    if world.size == 1:
-        return
-    if run.device.type != "cpu":
-        raise UserError(
-            f"--device {run.device.type} with --nproc {world.size}: many processes run on the CPU (gloo) only"
-        )
-    if run.config.micro_batch:
-        run.replicas = ExactReplicas(run.model, world)
-        return
-    remainder = epoch_remainder(run)
-    if remainder % world.size:
-        raise UserError(
-            f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not divisible by "
-            f"{world.size} processes; choose another --batch"
-        )
-    run.replicas = Replicas(run.model, world)
-
-
-def epoch_remainder(run) -> int:
-    """The sequences of the short batch that ends each epoch (0 for random windows or whole batches)."""
-    return len(run.batches.dataset) % run.batches.batch if isinstance(run.batches, EpochLoader) else 0
-
-
-def check_exact_epoch_end(run, nproc: int) -> None:
-    """The short last batch of an epoch, when the run reaches one, splits over N as the full batches do."""
-    config = run.config
-    remainder = epoch_remainder(run)
-    if remainder and config.steps * config.batch >= len(run.batches.dataset):  # the run reaches an epoch's end
-        if remainder % config.micro_batch:
-            raise UserError(
-                f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not a multiple of "
-                f"--micro-batch {config.micro_batch}; choose another --batch or --micro-batch"
-            )
-        check_process_count(config.micro_batch, nproc, remainder)
+from exactresume.dist.exact import MicroStep
+from exactresume.world import World
 
 
 def backend_for(device: torch.device) -> str:
@@ -128,16 +78,12 @@ def accumulate(batch: Batch, rows: int, micro_step: MicroStep) -> float:
     return loss
 
 
-class Replicas:
-    """The run's model under DistributedDataParallel: this rank's slice of a batch, its loss, means over ranks."""
+class DataParallel:
+    """What DDP's and FSDP2's replicas share: this rank's slice of a batch, averaged over ranks."""
 
-    def __init__(self, model: torch.nn.Module, world: World):
+    def __init__(self, world: World):
         self.rank, self.size = world.rank, world.size
-        # find_unused_parameters keeps the gradient buckets as built here: otherwise DDP rebuilds them
-        # after the first step, so the first step after a resume would sum gradients in another layout
-        # than the uninterrupted run does (on 3+ ranks, gloo's ring then adds in another order).
-        # The only buffers are the RoPE tables, derived from the config on every rank: nothing to sync.
-        self.module = DistributedDataParallel(_LossOf(model), find_unused_parameters=True, forward_sync_buffers=False)
+        self.loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # set by the subclass
 
     def local(self, batch: Batch) -> Batch:
         """This rank's contiguous slice of the global batch (`replicate` checked that slices are equal).
@@ -148,12 +94,8 @@ class Replicas:
         """
         return Batch(*(rows.tensor_split(self.size)[self.rank] for rows in (batch.starts, batch.inputs, batch.targets)))
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's loss; its backward all-reduces the gradients (their mean over ranks)."""
-        return self.module(inputs, targets)
-
     def gradient(self, batch: Batch, config: TrainConfig, micro_step: MicroStep) -> float:
-        """This rank's slice in `grad_accum` micro-batches, averaged over ranks by DDP; the global batch's loss."""
+        """This rank's slice in `grad_accum` micro-batches, its gradient the mean over ranks; the batch's loss."""
         return self.mean(accumulate(self.local(batch), config.batch // self.size // config.grad_accum, micro_step))
 
     def mean(self, value: float) -> float:
@@ -161,3 +103,19 @@ class Replicas:
         total = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(total)  # gloo has no AVG
         return total.item() / self.size
+
+
+class Replicas(DataParallel):
+    """The run's model under DistributedDataParallel: a whole copy on every rank, gradients all-reduced."""
+
+    def __init__(self, model: torch.nn.Module, world: World):
+        super().__init__(world)
+        # find_unused_parameters keeps the gradient buckets as built here: otherwise DDP rebuilds them
+        # after the first step, so the first step after a resume would sum gradients in another layout
+        # than the uninterrupted run does (on 3+ ranks, gloo's ring then adds in another order).
+        # The only buffers are the RoPE tables, derived from the config on every rank: nothing to sync.
+        self.module = DistributedDataParallel(_LossOf(model), find_unused_parameters=True, forward_sync_buffers=False)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's loss; its backward all-reduces the gradients (their mean over ranks)."""
+        return self.module(inputs, targets)

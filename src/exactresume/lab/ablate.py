@@ -112,6 +112,8 @@ class AblationConfig:
 
     def __post_init__(self) -> None:
         check_stop_at(self.stop_at, self.train.steps)
+        if self.train.shard != "none":  # its runs resume from one resume.pth; FSDP2 writes a DCP folder
+            raise UserError("the ablation runs without --shard fsdp (exactresume train takes it)")
         if not 0.0 < self.dropout < 1.0:
             raise UserError(f"--ablation-dropout must be in (0, 1), got {self.dropout}")
 

@@ -47,6 +47,8 @@ class LabConfig:
 
     def __post_init__(self) -> None:
         check_stop_at(self.stop_at, self.train.steps)
+        if self.train.shard != "none":  # its runs resume from one resume.pth; FSDP2 writes a DCP folder
+            raise UserError("the lab runs without --shard fsdp (exactresume train takes it)")
 
 
 def _train_flags(config: LabConfig) -> list[str]:

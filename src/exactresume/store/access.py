@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from exactresume.errors import CheckpointError
 from exactresume.store.background import BackgroundSaver
@@ -37,6 +37,9 @@ from exactresume.store.resume import (
     saved_world_size,
 )
 from exactresume.world import World
+
+if TYPE_CHECKING:  # DCP takes a second to import: only when a sharded folder is read
+    from exactresume.store.sharded import Destination
 
 __all__ = [
     "AUTO",
@@ -96,6 +99,7 @@ def open_resume(
     checkpoints: Path | str | None = None,
     needs: Collection[str] = REQUIRED_PARTS,
     notify: Callable[[str], None] = print_to_stderr,
+    destination: Destination | None = None,
 ) -> Resumed | None:
     """Verify and read `source`: a resume file, a sharded folder, a checkpoint folder, or AUTO.
 
@@ -103,6 +107,7 @@ def open_resume(
     the damaged ones skipped on the way are passed to `notify`. AUTO reads the folder `checkpoints`
     (a run's own) the same way, and gives None when it holds no valid checkpoint: a fresh start.
     Anything else that is not a complete resume state raises a one-line CheckpointError.
+    `destination` tells a sharded folder's reader where this rank's shards go (dist/fsdp.py).
     """
     if source == AUTO:
         if checkpoints is None:
@@ -115,7 +120,7 @@ def open_resume(
     if kind == "sharded":
         from exactresume.store.sharded import load_sharded
 
-        state = load_sharded(path)
+        state = load_sharded(path, destination)
         return Resumed(state, int(state["step"]), path, "sharded")
     state = load_resume(path)  # a missing path, safetensors or any torch file: refused with its reason
     return Resumed(state, int(state["step"]), path, "file")

@@ -10,8 +10,10 @@ It is written as NAME.tmp/ and renamed to NAME only once committed, so a rank ki
 leaves the previous NAME as it was; a folder without its commit marker is never trusted, and every
 file's checksum is checked before DCP reads it. DCP itself reads `.metadata` with `pickle` and
 non-tensor values with `torch.load(weights_only=False)`; here both go through allow-lists, so
-loading never runs code from a file. The model is replicated (DDP), so each rank loads the whole
-checkpoint: any number of processes can resume it, one included, without a process group.
+loading never runs code from a file. A replicated model (DDP) loads the whole checkpoint on each
+rank: any number of processes can resume it, one included, without a process group. A sharded
+model (FSDP2) names a `destination` for its weights and their optimizer moments, a DTensor laid out
+as this run shards them, and DCP reads only this rank's rows from whatever layout was saved.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -191,8 +193,15 @@ def verify_sharded(folder: Path) -> dict:
     return marker
 
 
-def load_sharded(folder: Path) -> dict:
-    """Verify, then read the whole sharded checkpoint into a resume state dict (as load_resume returns)."""
+# (the saved item's path in the nested state, its shape) -> the tensor to read it into, or None: whole.
+Destination = Callable[[tuple, torch.Size], torch.Tensor | None]
+
+
+def load_sharded(folder: Path, destination: Destination | None = None) -> dict:
+    """Verify, then read the sharded checkpoint into a resume state dict (as load_resume returns).
+
+    Each tensor is read whole into a new tensor, or into what `destination` gives for it.
+    """
     folder = Path(folder)
     marker = verify_sharded(folder)
     reader = _VerifiedReader(folder)
@@ -201,7 +210,9 @@ def load_sharded(folder: Path) -> dict:
     if unlisted:
         raise CheckpointError(f"{folder}: its metadata names files its commit marker does not: {sorted(unlisted)}")
     try:
-        flat = {key: _placeholder(item) for key, item in metadata.state_dict_metadata.items()}
+        paths = metadata.planner_data or {}
+        saved = metadata.state_dict_metadata.items()
+        flat = {key: _target(item, paths.get(key, (key,)), destination) for key, item in saved}
         with _quiet_single_process(), _first_failure():
             dcp.load(flat, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
     except CheckpointError:
@@ -209,12 +220,17 @@ def load_sharded(folder: Path) -> dict:
     except Exception as error:  # DCP's many refusals of an inconsistent folder
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{folder}: not a loadable sharded checkpoint ({reason[:200]})") from None
-    return check_resume_state(folder, unflatten(flat, metadata.planner_data or {}))
+    return check_resume_state(folder, unflatten(flat, paths))
 
 
-def _placeholder(item: Any) -> Any:
-    """An empty tensor of the saved shape for DCP to read into; None for a value it will unpickle."""
-    return torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+def _target(item: Any, path: tuple, destination: Destination | None) -> Any:
+    """What DCP reads a saved item into: a tensor of its shape (`destination`'s, or a new one); None for a value."""
+    if not isinstance(item, TensorStorageMetadata):
+        return None  # a value DCP unpickles
+    chosen = destination(path, item.size) if destination is not None else None
+    if chosen is not None and chosen.dtype == item.properties.dtype:
+        return chosen
+    return torch.empty(item.size, dtype=item.properties.dtype)
 
 
 def unflatten(flat: Mapping[str, Any], paths: Mapping[str, tuple]) -> dict:

@@ -31,6 +31,8 @@ class DivergenceLog:
     def __init__(self, job: TrainJob, path: Path):
         if job.resume is None:
             raise UserError("--divergence measures a resumed run against a full restore; it needs --resume")
+        if job.config.shard == "fsdp":  # the twin is one whole model on rank 0; the run's weights are shards
+            raise UserError("--divergence does not combine with --shard fsdp")
         ensure_writable_folder(Path(path).parent)  # refuse before training, not after
         self.job, self.path = job, Path(path)
         self.run: Run | None = None

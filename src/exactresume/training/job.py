@@ -9,7 +9,7 @@ The source is opened by the store's one way in (store/access.py `open_resume`); 
 through its one save interface (saving.py); the logs and the job's lines are joblog.py's. Under many
 processes (dist/) every rank runs the job: every rank builds and restores its replica and takes
 part in each save (the per-rank parts are gathered from all), only rank 0 writes the files and the
-logs; with `sharded` every rank writes its shard of OUT/resume.dcp.
+logs; with `sharded` (always under `--shard fsdp`) every rank writes its shard of OUT/resume.dcp.
 
 Exit paths: done (0); a user's mistake (UserError, 2); a disk that refuses a write (StorageError,
 74: the previous checkpoint is intact and nothing half-written is left); SIGTERM/SIGINT (Preempted,
@@ -24,7 +24,8 @@ from pathlib import Path
 from exactresume.atomic import ensure_writable_folder, tmp_path
 from exactresume.config import TrainConfig, check_stop_at
 from exactresume.core.data import load_tokens
-from exactresume.dist.replicas import replicate
+from exactresume.dist.fsdp import full_parts, shard_destinations
+from exactresume.dist.replicate import replicate
 from exactresume.errors import UserError
 from exactresume.store.access import AUTO, open_resume
 from exactresume.store.folder import CheckpointStore
@@ -83,10 +84,18 @@ class TrainJob:
             raise UserError(f"--allow-change {unknown[0]}: only {', '.join(ALLOWED_CHANGES)} may change on resume")
         if self.sharded and self.stop_at is None:
             raise UserError("--sharded only makes sense with --stop-at (it is how the resume state is written)")
+        if self.async_save and self.config.shard == "fsdp":
+            # Gathering a sharded model is a collective: it cannot run in rank 0's writer thread alone.
+            raise UserError("--async-save does not combine with --shard fsdp: its checkpoints are saved synchronously")
+
+    @property
+    def writes_sharded(self) -> bool:
+        """The resume state goes to a DCP folder: asked for, or the only way an FSDP2 run's shards are kept."""
+        return self.sharded or self.config.shard == "fsdp"
 
     @property
     def resume_file(self) -> Path:
-        return self.out / ("resume.dcp" if self.sharded else "resume.pth")
+        return self.out / ("resume.dcp" if self.writes_sharded else "resume.pth")
 
     @property
     def checkpoint_folder(self) -> Path:
@@ -128,14 +137,18 @@ def resume_run(job: TrainJob, run: Run, world: World = World()) -> int:
     """
     if job.resume is None:
         return 0
-    parts = per_rank(run.parts(), world)
-    needs = [name for name in parts if name not in job.skip_parts]
-    resumed = open_resume(job.resume, job.checkpoint_folder, needs, notify=warn if world.is_main else ignore)
+    needs = [name for name in run.parts() if name not in job.skip_parts]
+    notify = warn if world.is_main else ignore
+    # A sharded folder is read straight into this rank's shards; a single file holds the full state.
+    into = shard_destinations(run.model)
+    resumed = open_resume(job.resume, job.checkpoint_folder, needs, notify=notify, destination=into)
     if resumed is None:
         if world.is_main:
             note(f"no checkpoint in {job.checkpoint_folder}; starting at step 0")
         return 0
-    resumed.restore(parts, skip=job.skip_parts)
+    fsdp = run.config.shard == "fsdp"
+    parts = run.parts() if resumed.kind == "sharded" else full_parts(run.parts(), fsdp)
+    resumed.restore(per_rank(parts, world), skip=job.skip_parts)
     change = resumed.world_change(world)
     if world.is_main and resumed.kind == "store":
         note(f"resumed from {resumed.path} at step {resumed.step}")
@@ -230,5 +243,6 @@ def _run_with_store(job: TrainJob, store: CheckpointStore, on_step, on_start, wo
             saver.wait()
             if saver.coalesced and world.is_main:
                 note(f"{saver.coalesced} periodic checkpoint(s) skipped: the one before was still being written")
-        write_outputs(run, job.resume_file if job.stop_at is not None else None, job.weights_file, job.sharded, world)
+        resume_file = job.resume_file if job.stop_at is not None else None
+        write_outputs(run, resume_file, job.weights_file, job.writes_sharded, world)
     return run

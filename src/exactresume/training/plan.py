@@ -14,7 +14,10 @@ The memory estimate of one process is the sum of its largest residents during a 
     head         the chunked cross-entropy's saved gradients and one chunk of logits
     staging      --async-save's copy of the state (weights and AdamW), kept between saves
 
-Under --nproc N each of N processes holds all of it for its 1/N of the batch. The estimate errs on
+Under --nproc N each of N processes holds all of it for its 1/N of the batch; with --shard fsdp
+it holds 1/N of the weights, gradients and AdamW state, plus the whole weights and gradients of the
+root (the embedding) and of two blocks, which FSDP2 gathers while one runs and the next is
+fetched. The estimate errs on
 the high side (what backward keeps is counted as if nothing were freed early); it is a guard
 against runs that are many times too big, not an allocator.
 """
@@ -93,16 +96,25 @@ def plan_run(
     model = replace(config.model, vocab_size=vocab_size or config.model.vocab_size)
     params = parameter_count(model)
     checkpoint = 3 * params * FP32 + CHECKPOINT_OVERHEAD  # weights, exp_avg, exp_avg_sq
+    shards = processes if config.shard == "fsdp" else 1  # what each process holds 1/shards of
     memory = {
-        "weights": params * FP32 + (params * 2 if config.dtype != "fp32" else 0),
-        "gradients": params * FP32,
-        "adamw": 2 * params * FP32,
+        "weights": -(-params // shards) * FP32 + (params * 2 if config.dtype != "fp32" else 0),
+        "gradients": -(-params // shards) * FP32,
+        "adamw": 2 * -(-params // shards) * FP32,
+        **({"gathered": 2 * gathered_parameters(model) * FP32} if shards > 1 else {}),
         **step_memory(config, model, processes),
     }
     if async_save:
         memory["staging"] = checkpoint
     disk, what = disk_need(config, checkpoint, params, save_every, keep, stop_at)
     return RunPlan(config, processes, params, memory, checkpoint, disk, what)
+
+
+def gathered_parameters(model: ModelConfig) -> int:
+    """The parameters FSDP2 holds whole at once: the root's (the embedding, tied to the head) and two blocks'."""
+    blocks = model.num_hidden_layers
+    per_block = (parameter_count(model) - model.vocab_size * model.hidden_size - model.hidden_size) // blocks
+    return model.vocab_size * model.hidden_size + min(2, blocks) * per_block
 
 
 def step_memory(config: TrainConfig, model: ModelConfig, processes: int) -> dict[str, int]:
@@ -125,7 +137,7 @@ def disk_need(
 ) -> tuple[int, str]:
     """Free bytes the run's files need at their peak, and what they are."""
     final = checkpoint if stop_at is not None else params * FP32
-    final_what = "resume.pth" if stop_at is not None else "final.pth"
+    final_what = ("resume.dcp" if config.shard == "fsdp" else "resume.pth") if stop_at is not None else "final.pth"
     if save_every is None:
         return final, f"{final_what}"
     if keep is None:

@@ -2,8 +2,10 @@
 
 Both go through the store's one save interface (store/access.py `make_saver`): the checkpoints into
 OUT/checkpoints, synchronously or by a background thread (`--async-save`); the final resume state as
-a sealed file or, with `--sharded`, a DCP folder every rank writes its shard of. A disk that refuses
-a write becomes one StorageError line saying what is intact.
+a sealed file or, with `--sharded`, a DCP folder every rank writes its shard of. Under `--shard fsdp`
+a single file (a checkpoint, the weights) holds the full state, gathered from every rank's shards,
+and the resume state is a DCP folder. A disk that refuses a write becomes one StorageError line
+saying what is intact.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from exactresume.dist.fsdp import full_model_state, full_parts
 from exactresume.store.access import make_saver
 from exactresume.store.background import BackgroundSaveFailed, BackgroundSaver
 from exactresume.store.folder import CheckpointStore
@@ -55,7 +58,7 @@ class Checkpointer:
         if step != self.saved_step:
             self.logs.sync()
             with self._stopping_on_error(step):
-                self.saver.save(step, per_rank(run.parts(), self.world))
+                self.saver.save(step, per_rank(full_parts(run.parts(), run.config.shard == "fsdp"), self.world))
             self.saved_step = step
         return self.store.path_for(step)
 
@@ -85,12 +88,15 @@ class Checkpointer:
 
 
 def write_outputs(run: Run, resume_file: Path | None, weights_file: Path, sharded: bool, world: World) -> None:
-    """The resume file or folder when given (every rank takes part), else the weights file (rank 0)."""
+    """The resume file or folder when given, else the weights file (rank 0 writes it); every rank takes part."""
     path = resume_file or weights_file
     try:
         if resume_file is not None:
-            make_saver(resume_file, world, sharded=sharded).save(run.step.value, per_rank(run.parts(), world))
-        elif world.is_main:
-            save_weights(weights_file, run.model.state_dict())
+            parts = run.parts() if sharded else full_parts(run.parts(), run.config.shard == "fsdp")
+            make_saver(resume_file, world, sharded=sharded).save(run.step.value, per_rank(parts, world))
+        else:
+            weights = full_model_state(run.model)  # gathered from every rank under FSDP2
+            if world.is_main:
+                save_weights(weights_file, weights)
     except OSError as error:
         raise storage_error(str(path), error, "; nothing half-written was left") from None

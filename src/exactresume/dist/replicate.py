@@ -1,0 +1,62 @@
+"""Which replica a rank runs: one process, DDP, FSDP2 (`--shard fsdp`) or the N-independent mode.
+
+`replicate(run, world)` checks first that the run's batches split over N as its mode needs (the
+launcher's check, again here, so a hand-started torchrun meets the same line), then swaps the
+run's one-process replica for the one its config asks for.
+"""
+
+from __future__ import annotations
+
+from exactresume.core.epochs import EpochLoader
+from exactresume.dist.exact import ExactReplicas
+from exactresume.dist.launcher import check_process_count, check_split
+from exactresume.dist.replicas import Replicas
+from exactresume.errors import UserError
+from exactresume.world import World
+
+
+def replicate(run, world: World) -> None:
+    """Make `run` this rank's replica: its share of each global batch (N-independent with --micro-batch)."""
+    config = run.config
+    check_split(config.batch, world.size, config.grad_accum, config.micro_batch)
+    if config.micro_batch:
+        check_exact_epoch_end(run, world.size)
+    if world.size == 1:
+        return  # FSDP2 over one rank is the plain model: nothing to wrap
+    if run.device.type != "cpu":
+        raise UserError(
+            f"--device {run.device.type} with --nproc {world.size}: many processes run on the CPU (gloo) only"
+        )
+    if config.micro_batch:
+        run.replicas = ExactReplicas(run.model, world)
+        return
+    remainder = epoch_remainder(run)
+    if remainder % world.size:
+        raise UserError(
+            f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not divisible by "
+            f"{world.size} processes; choose another --batch"
+        )
+    if config.shard == "fsdp":
+        from exactresume.dist.fsdp import ShardedReplicas  # FSDP2 costs half a second to import
+
+        run.replicas = ShardedReplicas(run.model, run.optimizer, world)
+    else:
+        run.replicas = Replicas(run.model, world)
+
+
+def epoch_remainder(run) -> int:
+    """The sequences of the short batch that ends each epoch (0 for random windows or whole batches)."""
+    return len(run.batches.dataset) % run.batches.batch if isinstance(run.batches, EpochLoader) else 0
+
+
+def check_exact_epoch_end(run, nproc: int) -> None:
+    """The short last batch of an epoch, when the run reaches one, splits over N as the full batches do."""
+    config = run.config
+    remainder = epoch_remainder(run)
+    if remainder and config.steps * config.batch >= len(run.batches.dataset):  # the run reaches an epoch's end
+        if remainder % config.micro_batch:
+            raise UserError(
+                f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not a multiple of "
+                f"--micro-batch {config.micro_batch}; choose another --batch or --micro-batch"
+            )
+        check_process_count(config.micro_batch, nproc, remainder)

@@ -1,0 +1,57 @@
+"""Run by test_fsdp, alone and under torchrun: one FSDP2 backward of a fixed batch, its full gradient saved.
+
+    python tests/fsdp_gradient.py OUT.pt                                                     # one process
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/fsdp_gradient.py OUT.pt
+
+The gradient is compared against the one-process one, not only against itself: gloo's AVG
+reduction under FSDP2 was reported to give gradients N times too large (pytorch #162338), which
+AdamW and clipping would hide from a comparison of weights.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from exactresume.config import TrainConfig
+from exactresume.core.batches import Batch
+from exactresume.core.model import MiniMindLM
+from exactresume.dist.fsdp import ShardedReplicas
+from exactresume.dist.replicas import OneProcess, process_group
+from exactresume.world import World
+
+CONFIG = TrainConfig(batch=4, seq_len=16)
+
+
+def main(out: str) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = MiniMindLM(CONFIG.model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    rows = torch.randint(
+        0, CONFIG.model.vocab_size, (CONFIG.batch, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1)
+    )
+    batch = Batch(torch.arange(CONFIG.batch), rows[:, :-1], rows[:, 1:])
+    with process_group(World.from_env()) as world:
+        replica = OneProcess(model) if world.size == 1 else ShardedReplicas(model, optimizer, world)
+        replica.gradient(
+            batch, CONFIG, lambda inputs, targets, share, index: _backward(replica, inputs, targets, share)
+        )
+        gradient = {name: _whole(param.grad) for name, param in model.named_parameters()}
+        if world.is_main:
+            torch.save(gradient, out)
+
+
+def _backward(replica, inputs: torch.Tensor, targets: torch.Tensor, share: float) -> float:
+    loss = replica.loss(inputs, targets)
+    (loss * share).backward()
+    return loss.item()
+
+
+def _whole(gradient: torch.Tensor) -> torch.Tensor:
+    return gradient.full_tensor() if hasattr(gradient, "full_tensor") else gradient
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,155 @@
+"""`--shard fsdp` (FSDP2 on gloo): against one process, resumed on the same N and resharded to another,
+and stopped on two torchrun nodes (two agents on this machine) then resumed on one.
+
+Every run is a new process. The two-node run is also the stopped run the resumes start from: on
+2 processes on one node it must continue bit-identically to the single-node straight run, on 1
+and 4 processes with the same samples and weights equal up to the reduction order.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_one_line_error, run_cli
+from exactresume.core.compare import weight_distance
+from exactresume.store.steplog import read_samples
+from exactresume.store.weights import read_weights
+
+FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16"]  # a batch of 4 splits over 1, 2 and 4 processes
+STOP = 3
+# What only the order of floating-point reduction moves: measured 1.2e-5 to 3.5e-5 over these 8 steps.
+CROSS_N_ATOL = 1e-4
+ENV = os.environ | {"OMP_NUM_THREADS": "1"}
+
+
+def train(out: Path, data: Path, *flags: object) -> None:
+    run_cli("train", "--out", out, "--data", data, *FLAGS, *flags, check=True)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def train_on_two_nodes(out: Path, data: Path, *flags: object) -> None:
+    """Two torchrun agents, one process each, meeting through a c10d rendezvous as two machines would."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    agent += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes"]
+    command = [*agent, "-m", "exactresume.cli", "--", "train", "--out", str(out), "--data", str(data)]
+    command += [*FLAGS, *map(str, flags)]
+    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)]
+    agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV))
+    for process in agents:
+        output, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, output
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, kjv_folder):
+    """One process without FSDP (the reference), FSDP2 straight on 2, stopped on two nodes and on 1 process."""
+    folder = tmp_path_factory.mktemp("fsdp")
+    train(folder / "reference", kjv_folder, "--samples", folder / "reference" / "samples.csv")
+    train(folder / "straight2", kjv_folder, "--nproc", 2, "--shard", "fsdp")
+    train_on_two_nodes(folder / "nodes", kjv_folder, "--shard", "fsdp", "--stop-at", STOP, "--save-every", 2)
+    train(folder / "stop1", kjv_folder, "--shard", "fsdp", "--stop-at", STOP)
+    return folder
+
+
+def resumed(runs: Path, tmp_path: Path, data: Path, source: str, nproc: int) -> Path:
+    """`source`'s resume.dcp resumed on `nproc` processes in a folder of its own; that folder."""
+    out = tmp_path / f"{source}-on-{nproc}"
+    out.mkdir()
+    shutil.copytree(runs / source / "resume.dcp", out / "resume.dcp")
+    train(out, data, "--nproc", nproc, "--shard", "fsdp", "--resume", out / "resume.dcp", "--samples", out / "s.csv")
+    return out
+
+
+def max_abs_difference(a: Path, b: Path) -> float:
+    return weight_distance(read_weights(a)[0], read_weights(b)[0])["max_abs_diff"]
+
+
+def test_two_processes_compute_the_gradient_one_process_does(tmp_path):
+    """The gradient itself, not only the weights: AdamW and clipping would hide one N times too large."""
+    worker = Path(__file__).with_name("fsdp_gradient.py")
+    subprocess.run([sys.executable, worker, tmp_path / "one.pt"], check=True, env=ENV)
+    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    subprocess.run([*two, worker, tmp_path / "two.pt"], check=True, env=ENV, capture_output=True)
+    one, sharded = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert one.keys() == sharded.keys()
+    for name in one:
+        scale = one[name].abs().max()
+        assert (sharded[name] - one[name]).abs().max() <= 1e-5 * scale, name
+
+
+def test_two_processes_train_as_one_does(runs):
+    assert max_abs_difference(runs / "reference" / "final.pth", runs / "straight2" / "final.pth") < CROSS_N_ATOL
+
+
+def test_stopped_on_two_nodes_resumed_on_one_node_is_bit_identical(runs, tmp_path, kjv_folder):
+    out = resumed(runs, tmp_path, kjv_folder, "nodes", 2)
+    straight, again = read_weights(runs / "straight2" / "final.pth")[0], read_weights(out / "final.pth")[0]
+    assert straight.keys() == again.keys()
+    for name in straight:
+        assert torch.equal(straight[name], again[name]), name
+
+
+def test_a_single_file_checkpoint_holds_the_whole_state_and_resumes_bit_identically(runs, tmp_path, kjv_folder):
+    """--save-every under FSDP2 writes one file per checkpoint, gathered from every rank's shards."""
+    checkpoints = runs / "nodes" / "checkpoints"
+    assert sorted(path.name for path in checkpoints.glob("*.pth")) == ["step-00000002.pth", "step-00000003.pth"]
+    train(tmp_path, kjv_folder, "--nproc", 2, "--shard", "fsdp", "--resume", checkpoints)
+    straight, again = read_weights(runs / "straight2" / "final.pth")[0], read_weights(tmp_path / "final.pth")[0]
+    assert all(torch.equal(straight[name], again[name]) for name in straight)
+
+
+@pytest.mark.parametrize(("source", "nproc"), [("nodes", 1), ("nodes", 4), ("stop1", 2)])
+def test_a_resume_on_another_number_of_processes_reshards(runs, tmp_path, kjv_folder, source, nproc):
+    out = resumed(runs, tmp_path, kjv_folder, source, nproc)
+    reference = read_samples(runs / "reference" / "samples.csv")
+    assert read_samples(out / "s.csv") == {step: reference[step] for step in range(STOP + 1, 9)}
+    assert max_abs_difference(runs / "reference" / "final.pth", out / "final.pth") < CROSS_N_ATOL
+
+
+def test_a_folder_of_another_sharding_mode_is_refused(runs, tmp_path, kjv_folder):
+    finished = run_cli(
+        "train", "--out", tmp_path, "--data", kjv_folder, *FLAGS, "--resume", runs / "nodes" / "resume.dcp"
+    )
+    assert_one_line_error(finished, "different run", "train.shard 'fsdp' in file, 'none' now")
+    assert not (tmp_path / "final.pth").exists()
+
+
+def test_a_missing_shard_is_refused_before_anything_is_written(runs, tmp_path, kjv_folder):
+    shutil.copytree(runs / "nodes" / "resume.dcp", tmp_path / "resume.dcp")
+    (tmp_path / "resume.dcp" / "__1_0.distcp").unlink()
+    finished = run_cli(
+        "train", "--out", tmp_path, "--data", kjv_folder, *FLAGS, "--shard", "fsdp", "--resume", tmp_path / "resume.dcp"
+    )
+    assert_one_line_error(finished, "__1_0.distcp is missing")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["resume.dcp"]
+
+
+def test_what_fsdp_does_not_combine_with_is_refused(tmp_path, kjv_folder):
+    for flags, needle in (
+        (["--micro-batch", "1"], "does not combine with --shard fsdp"),
+        (["--save-every", "2", "--async-save"], "--async-save does not combine"),
+        (["--resume", "auto", "--divergence", tmp_path / "d.csv"], "--divergence does not combine"),
+    ):
+        finished = run_cli("train", "--out", tmp_path, "--data", kjv_folder, *FLAGS, "--shard", "fsdp", *flags)
+        assert_one_line_error(finished, needle)
+
+
+@pytest.mark.parametrize("command", ["lab", "ablate"])
+def test_the_lab_and_the_ablation_refuse_fsdp(tmp_path, kjv_folder, command):
+    finished = run_cli(command, "--out", tmp_path / "out", "--data", kjv_folder, "--shard", "fsdp")
+    assert_one_line_error(finished, "without --shard fsdp")
+    assert not (tmp_path / "out").exists()
