@@ -14,7 +14,7 @@ from exactresume.core.data import load_tokens
 from exactresume.errors import CheckpointError
 from exactresume.store.folder import CheckpointStore, snapshot
 from exactresume.store.inspect import inspect_checkpoint
-from exactresume.store.packed import is_packed, pack, unpack
+from exactresume.store.packed import is_packed, pack, packing, unpack
 from exactresume.store.resume import capture, load_resume, restore, save_resume
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.training.loop import build_run, train
@@ -226,3 +226,12 @@ def test_a_damaged_structure_is_one_checkpoint_error():
     packed["structure"] = '{"regions":[0,0,16],"state":["exec","x"]}'
     with pytest.raises(CheckpointError, match="unknown node"):
         unpack(packed)
+
+
+def test_writing_from_the_state_itself_gives_the_bytes_of_the_copied_layout(tmp_path, fp16_run):
+    """Save writes each tensor's bytes straight into the file (no packed copy first): the same file."""
+    state = odd_state() | {"run": capture(fp16_run.parts())}
+    save_sealed(tmp_path / "copied.pth", pack(state))
+    save_sealed(tmp_path / "direct.pth", packing(state))
+    assert (tmp_path / "copied.pth").read_bytes() == (tmp_path / "direct.pth").read_bytes()
+    assert_identical(state, load_sealed(tmp_path / "direct.pth"))

@@ -43,7 +43,7 @@ from exactresume.errors import CheckpointError, ReadBackError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format
 from exactresume.store.lock import FolderLock
-from exactresume.store.packed import pack
+from exactresume.store.packed import packing
 from exactresume.store.resume import Stateful, capture
 from exactresume.store.resume import restore as restore_parts
 from exactresume.store.sealed import load_sealed, verify, write_sealed
@@ -158,7 +158,9 @@ class CheckpointStore:
             self.faults.reached(name)
 
         try:
-            atomic_write(path, lambda file: write_sealed(file, pack(state)), stage, expected_bytes=_tensor_bytes(state))
+            atomic_write(
+                path, lambda file: write_sealed(file, packing(state)), stage, expected_bytes=_tensor_bytes(state)
+            )
         except BaseException:
             if "folder-fsync" in reached:
                 _remove_quietly(path)  # a rename we could not make durable is not a checkpoint

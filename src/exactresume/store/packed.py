@@ -34,6 +34,7 @@ import gc
 import json
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -109,25 +110,52 @@ class _Packer:
         self.seen[identity] = len(self.sources) - 1
         return len(self.sources) - 1
 
-    def storages(self) -> list[torch.Tensor]:
-        """The buffers, each region's bytes copied in (the one copy packing costs)."""
-        buffers = [torch.empty(end, dtype=torch.uint8) for end in self.ends]
-        filled = [0] * len(buffers)
+    def pieces(self, buffer: int) -> Iterator[torch.Tensor]:
+        """Buffer `buffer`'s bytes in order, as CPU uint8 tensors: each region's storage, zeros between."""
+        end = 0
         for index, source in enumerate(self.sources):
-            buffer, start, nbytes = self.regions[3 * index : 3 * index + 3]
-            buffers[buffer][filled[buffer] : start].zero_()  # the alignment gap: the same bytes every save
-            filled[buffer] = max(filled[buffer], start + nbytes)
+            where, start, nbytes = self.regions[3 * index : 3 * index + 3]
+            if where != buffer:
+                continue
+            if start > end:  # the alignment gap: the same bytes every save
+                yield torch.zeros(start - end, dtype=torch.uint8)
             if nbytes:
                 as_bytes = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source)
-                buffers[buffer][start : start + nbytes].copy_(as_bytes)
-        return buffers
+                yield as_bytes if as_bytes.device.type == "cpu" else as_bytes.cpu()
+            end = start + nbytes
 
 
 SEQUENCE_TAGS = {list: "list", tuple: "tuple", torch.Size: "size"}
 
 
-def pack(state: Any) -> dict:
-    """`state` in the packed layout (its "format" and "version", when it has them, stay readable keys)."""
+@dataclass(frozen=True)
+class Packing:
+    """A state laid out for writing without copying it first.
+
+    `layout` is what torch.save pickles, but its buffers are placeholders: memory allocated and never
+    touched. A writer that meets a placeholder's bytes writes `pieces(index)` in their place, straight
+    from the state's own tensors (sealed.write_sealed does), so the file is the one `pack` would give."""
+
+    layout: dict
+    placeholders: list[torch.Tensor]
+    packer: _Packer
+
+    def pieces(self, index: int) -> Iterator[torch.Tensor]:
+        return self.packer.pieces(index)
+
+    def filled(self) -> dict:
+        """The layout with real buffers: each region's bytes copied in."""
+        buffers = [torch.empty_like(placeholder) for placeholder in self.placeholders]
+        for index, buffer in enumerate(buffers):
+            done = 0
+            for piece in self.pieces(index):
+                buffer[done : done + piece.numel()].copy_(piece)
+                done += piece.numel()
+        return self.layout | {"storages": buffers}
+
+
+def packing(state: Any) -> Packing:
+    """`state` laid out for writing (its "format" and "version", when it has them, stay readable keys)."""
     packer = _Packer()
     if type(state) is dict and all(type(key) is str for key in state):
         structure = {key: packer.node(value, key) for key, value in state.items()}
@@ -135,7 +163,13 @@ def pack(state: Any) -> dict:
         structure = packer.node(state, UNGROUPED)
     header = {key: state[key] for key in ("format", "version") if isinstance(state, dict) and key in state}
     text = json.dumps({"regions": packer.regions, "state": structure}, separators=(",", ":"))
-    return header | {"layout": LAYOUT, "structure": text, "storages": packer.storages()}
+    placeholders = [torch.empty(end, dtype=torch.uint8) for end in packer.ends]
+    return Packing(header | {"layout": LAYOUT, "structure": text, "storages": placeholders}, placeholders, packer)
+
+
+def pack(state: Any) -> dict:
+    """`state` in the packed layout, as a dict torch.save can write (the tensors' bytes copied once)."""
+    return packing(state).filled()
 
 
 class _Unpacker:

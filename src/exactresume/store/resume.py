@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from exactresume.errors import CheckpointError
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, RESUME_VERSIONS, check_format
-from exactresume.store.packed import pack
+from exactresume.store.packed import packing
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.world import World
 
@@ -61,7 +61,7 @@ def restore(state: Mapping, parts: Mapping[str, Stateful], skip: Collection[str]
 
 def save_resume(path: Path, parts: Mapping[str, Stateful]) -> None:
     """Write the resume file atomically, with its checksum, in the packed layout."""
-    save_sealed(path, pack(capture(parts)))
+    save_sealed(path, packing(capture(parts)))
 
 
 def check_resume_state(path: Path, state: object) -> dict:

@@ -21,15 +21,18 @@ Files in the packed layout (packed.py) come back unpacked: `load_sealed` returns
 
 from __future__ import annotations
 
+import functools
 import io
 import mmap
 import os
 import struct
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy
 import torch
 import torch.utils.serialization.config as serialization_config
 import xxhash
@@ -37,7 +40,7 @@ from torch import _weights_only_unpickler
 
 from exactresume.atomic import atomic_write
 from exactresume.errors import CheckpointError
-from exactresume.store.packed import unpack
+from exactresume.store.packed import Packing, unpack
 
 SEAL_PREFIX = b"exactresume-xxh3-128:"
 SEAL_LENGTH = len(SEAL_PREFIX) + 32  # prefix + 128-bit digest in hex
@@ -46,32 +49,79 @@ EOCD_SIZE = 22  # the zip end record without its comment; its last two bytes are
 
 
 PIECE = 1 << 20  # hashed, then written while still in cache: a tensor's bytes leave memory once
+SMALL_PIECE = PIECE // 4  # a packed piece below this is gathered with its neighbours into one write
 
 
 class _HashingWriter:
-    """A write-only file that hashes what passes through it (so the bytes are read once)."""
+    """A write-only file that hashes what passes through it (so the bytes are read once).
 
-    def __init__(self, file: BinaryIO):
+    A write of a placeholder's bytes (packed.Packing: memory torch.save was given but that holds
+    nothing) writes the pieces it stands for instead."""
+
+    def __init__(self, file: BinaryIO, packing: Packing | None = None):
         self.file, self.digest = file, xxhash.xxh3_128()
+        self.placeholders = [] if packing is None else _placeholders(packing)
+        self.gathering = bytearray(PIECE if packing is not None else 0)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        stand_in = self._stand_in(view) if self.placeholders and len(view) else None
+        if stand_in is None:
+            self._write(view)
+        else:
+            self._write_pieces(stand_in)
+        return len(view)
+
+    def _write_pieces(self, pieces: Iterator[torch.Tensor]) -> None:
+        """Large pieces go out as they are; small ones are gathered first, since a system call for
+        each of a state's many small tensors costs more than copying them into one warm buffer."""
+        gathered, used = memoryview(self.gathering), 0
+        for piece in pieces:
+            view = memoryview(piece.numpy())
+            if used and (len(view) >= SMALL_PIECE or used + len(view) > len(gathered)):
+                self._write(gathered[:used])
+                used = 0
+            if len(view) >= SMALL_PIECE:
+                self._write(view)
+            else:
+                gathered[used : used + len(view)] = view
+                used += len(view)
+        if used:
+            self._write(gathered[:used])
+
+    def _stand_in(self, view: memoryview) -> Iterator[torch.Tensor] | None:
+        address = numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+        for start, nbytes, pieces in self.placeholders:
+            if address == start and len(view) == nbytes:
+                return pieces()
+            if start <= address < start + nbytes:  # never seen: torch.save writing a storage in parts
+                raise RuntimeError("torch.save wrote part of a packed buffer; the file would not hold the state")
+        return None
+
+    def _write(self, view: memoryview) -> None:
         for start in range(0, len(view), PIECE):
             piece = view[start : start + PIECE]
             self.digest.update(piece)
             self.file.write(piece)
-        return len(view)
 
     def flush(self) -> None:
         self.file.flush()
 
 
+def _placeholders(packing: Packing) -> list[tuple[int, int, Callable[[], Iterator[torch.Tensor]]]]:
+    return [
+        (placeholder.data_ptr(), placeholder.numel(), functools.partial(packing.pieces, index))
+        for index, placeholder in enumerate(packing.placeholders)
+        if placeholder.numel()
+    ]
+
+
 def write_sealed(file: BinaryIO, obj: Any) -> None:
-    """torch.save `obj` into the seekable `file` and append its checksum as the zip comment."""
-    writer = _HashingWriter(file)
+    """torch.save `obj` (or a Packing's layout) into the seekable `file` and append its checksum as the zip comment."""
+    writer = _HashingWriter(file, obj if isinstance(obj, Packing) else None)
     try:
         with serialization_config.patch({"save.compute_crc32": False}):
-            torch.save(obj, writer)
+            torch.save(obj.layout if isinstance(obj, Packing) else obj, writer)
     except RuntimeError as error:
         # A Ctrl-C inside one of our write calls: torch's zip writer raises its own RuntimeError on
         # the way out ("unexpected pos"); the interrupt is what happened, and what the CLI answers (130).
@@ -85,7 +135,7 @@ def write_sealed(file: BinaryIO, obj: Any) -> None:
 
 
 def save_sealed(path: Path, obj: Any) -> None:
-    """torch.save `obj` to `path` atomically with its checksum in the zip comment."""
+    """torch.save `obj` (or a Packing's layout) to `path` atomically with its checksum in the zip comment."""
     atomic_write(Path(path), lambda file: write_sealed(file, obj))
 
 
