@@ -25,6 +25,14 @@ packed state, so tensors that shared a storage (tied weights, views) share one a
 never overlap. Each region is its own storage on loading (a slice of its part's buffer, no copy), as
 torch.load would give it, so the optimizer can write its state in place. Tensors on other devices
 are stored from CPU copies and load on the CPU, as `torch.load(map_location="cpu")` loads them.
+
+Writing copies nothing: `packing(state)` lays the state out with placeholder buffers (allocated,
+never touched) and `Packing.pieces` yields each buffer's bytes from the state's own tensors, which
+sealed.write_sealed writes where torch.save writes a placeholder. `pack(state)` is the same layout
+with the bytes copied into real buffers, for a caller that wants to torch.save it itself. Each
+region starts at a multiple of 64 bytes and the gaps are zeros, so the same state gives the same file.
+Memory on loading: a part's buffer lives while any of its tensors does (the optimizer keeps its own
+part's), and a part whose tensors are all copied elsewhere (the model's, by load_state_dict) is freed.
 """
 
 from __future__ import annotations

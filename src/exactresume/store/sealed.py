@@ -5,17 +5,18 @@ digest of every byte `torch.save` wrote into that comment. The file stays a plai
 (`torch.load(path, weights_only=True)` reads it), a single `os.replace` commits file and checksum
 together, and a truncated or bit-flipped file is refused before any of its bytes are deserialized.
 
-Speed: the bytes stream through the hash on their way to the file (never assembled in memory), and
-zip's per-record CRC-32, which costs about as much as the disk write and which torch.load does not
-check, is left out: the seal covers every byte. (A zip tool that checks CRCs, such as Python's
-zipfile reading a member, will complain about them; torch.load does not.) Loading reads the file
-once, in order, hashing each piece while it is still in cache: every storage record goes straight
-into a storage of its own (the memory torch.load would allocate for it), the other records (the
-pickle, torch's version marks) into bytes. Only once the digest matches the seal is the pickle
-unpickled, by torch's own weights_only unpickler (the one torch.load uses), its storages the ones
-already read. A file this reader does not expect (zip64, compression, not one folder of records)
-is verified through a read-only memory map and read by torch.load instead, as is a file written on
-a machine of the other byte order (torch.load swaps its bytes).
+Speed: the bytes stream through the hash on their way to the file (never assembled in memory; a
+packed state's tensors are written straight from the state, in place of the placeholders torch.save
+was given, see packed.Packing), and zip's per-record CRC-32, which costs about as much as the disk
+write and which torch.load does not check, is left out: the seal covers every byte. (A zip tool
+that checks CRCs, such as Python's zipfile reading a member, will complain about them; torch.load
+does not.) Loading reads the file once, in order, hashing each piece while it is still in cache:
+every storage record goes straight into a storage of its own (the memory torch.load would allocate
+for it), the other records (the pickle, torch's version marks) into bytes. Only once the digest
+matches the seal is the pickle unpickled, by torch's own weights_only unpickler (the one torch.load
+uses), its storages the ones already read. A file this reader does not expect (zip64, compression,
+not one folder of records) is verified through a read-only memory map and read by torch.load
+instead, as is a file written on a machine of the other byte order (torch.load swaps its bytes).
 Files in the packed layout (packed.py) come back unpacked: `load_sealed` returns the nested state.
 """
 
