@@ -52,6 +52,7 @@ from exactresume.errors import CheckpointError
 LAYOUT = "packed"
 ALIGNMENT = 64  # each region starts at a multiple of 64 bytes: aligned for any dtype's view
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
+DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in DTYPES.values()}  # torch's own names, no aliases
 SLICE = torch._C.StorageBase.__getitem__
 UNGROUPED = ""  # the buffer of tensors not under a top-level key (a state that is not a dict)
 
@@ -95,25 +96,29 @@ class _Packer:
     def tensor(self, tensor: torch.Tensor, group: str) -> list:
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_conj() or tensor.is_neg():
             raise TypeError(f"cannot pack a tensor of layout {tensor.layout} (or with a lazy conj/neg bit)")
-        if tensor.device.type == "meta":
+        device = tensor.device
+        if device.type == "meta":
             raise TypeError("cannot pack a meta tensor: it has no data")
-        region = self.region(tensor.untyped_storage(), group)
-        node = ["tensor", region, str(tensor.dtype).removeprefix("torch."), tensor.storage_offset(), list(tensor.shape)]
+        region = self.region(tensor.untyped_storage(), device, group)
+        node = ["tensor", region, DTYPE_NAMES[tensor.dtype], tensor.storage_offset(), list(tensor.shape)]
         if tensor.requires_grad or not tensor.is_contiguous():  # contiguous strides follow from the shape
             node.append(list(tensor.stride()))
-        return node + ([True] if tensor.requires_grad else [])
+            if tensor.requires_grad:
+                node.append(True)
+        return node
 
-    def region(self, storage: torch.UntypedStorage, group: str) -> int:
-        identity = (storage.device, storage.data_ptr(), storage.nbytes())
-        if storage.nbytes() and identity in self.seen:
+    def region(self, storage: torch.UntypedStorage, device: torch.device, group: str) -> int:
+        nbytes = storage.nbytes()
+        identity = (device, storage.data_ptr(), nbytes)
+        if nbytes and identity in self.seen:
             return self.seen[identity]
-        if group not in self.buffers:
-            self.buffers[group] = len(self.ends)
+        buffer = self.buffers.get(group)
+        if buffer is None:
+            buffer = self.buffers[group] = len(self.ends)
             self.ends.append(0)
-        buffer = self.buffers[group]
         start = -(-self.ends[buffer] // ALIGNMENT) * ALIGNMENT
-        self.ends[buffer] = start + storage.nbytes()
-        self.regions += [buffer, start, storage.nbytes()]
+        self.ends[buffer] = start + nbytes
+        self.regions += [buffer, start, nbytes]
         self.sources.append(storage)
         self.seen[identity] = len(self.sources) - 1
         return len(self.sources) - 1
