@@ -226,6 +226,10 @@ def test_a_damaged_structure_is_one_checkpoint_error():
     packed["structure"] = '{"regions":[0,0,16],"state":["exec","x"]}'
     with pytest.raises(CheckpointError, match="unknown node"):
         unpack(packed)
+    for reach in ('[0,0,16],"state":["tensor",0,"float32",0,[5]]', '[0,16,0],"state":["tensor",0,"uint8",0,[9]]'):
+        packed["structure"] = '{"regions":' + reach + "}"  # past its region, or growing an empty one
+        with pytest.raises(CheckpointError, match="damaged packed structure"):
+            unpack(packed)
 
 
 def test_writing_from_the_state_itself_gives_the_bytes_of_the_copied_layout(tmp_path, fp16_run):

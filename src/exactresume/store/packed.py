@@ -200,8 +200,9 @@ class _Unpacker:
         if not (0 <= buffer < len(self.buffers) and 0 <= start and start + nbytes <= self.buffers[buffer].nbytes()):
             raise CheckpointError(f"packed region {region} lies outside its buffer")
         # The C slice itself: UntypedStorage.__getitem__ only adds a check for meta storages, at
-        # several times the cost, and these buffers are on the CPU.
-        storage = SLICE(self.buffers[buffer], slice(start, start + nbytes)) if nbytes else torch.UntypedStorage(0)
+        # several times the cost, and these buffers are on the CPU. A slice cannot be resized, so no
+        # shape or stride in the structure makes a tensor reach past its region (torch refuses it).
+        storage = SLICE(self.buffers[buffer], slice(start, start + nbytes))
         self.storages[region] = storage
         return storage
 
@@ -254,9 +255,9 @@ NESTED = (dict, list)  # the JSON nodes that hold others (or, as lists, stand fo
 def _collector_paused() -> Iterator[None]:
     """No cyclic garbage collection while the structure is built.
 
-    Decoding and rebuilding make about a thousand fresh containers, none in a cycle; each few hundred
-    would start a collection that walks every object of the interpreter (torch's own included),
-    which took several times as long as the rebuild itself."""
+    Decoding and rebuilding make about a thousand fresh containers, none in a cycle; every few hundred
+    would start a collection, and an older generation's walks every object of the interpreter
+    (torch's own included): time that depends on the process, not on the file."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -275,7 +276,7 @@ def unpack(obj: Any) -> Any:
             return _unpack(obj)
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as error:
         raise CheckpointError(f"a damaged packed structure ({type(error).__name__}: {str(error)[:200]})") from None
 
 
