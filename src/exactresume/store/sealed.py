@@ -225,7 +225,10 @@ def _central_directory(file: BinaryIO, size: int) -> tuple[int, list[_Entry]] | 
         method, compressed, plain, name_length, extra, comment = struct.unpack_from("<10xH8xIIHHH", directory, position)
         offset = struct.unpack_from("<I", directory, position + 42)[0]
         name = directory[position + 46 : position + 46 + name_length].decode("utf-8", errors="replace")
-        if method != STORED or compressed != plain or ZIP64_MARK in (plain, offset) or "/" not in name:
+        # A record must lie before the directory: a damaged size is never allocated before the seal is checked.
+        if method != STORED or compressed != plain or ZIP64_MARK in (plain, offset) or offset + plain > start:
+            return None
+        if "/" not in name:
             return None
         found.append(_Entry(name.split("/", 1)[1], offset, plain))
         position += 46 + name_length + extra + comment
@@ -280,8 +283,9 @@ class _Records:
             raise CheckpointError(f"the pickle names a storage {key!r} the file does not hold")
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         storage = self.storages[f"data/{key}"].untyped_storage()
-        if storage.nbytes() != numel * torch._utils._element_size(dtype):
-            raise CheckpointError(f"the record data/{key} holds {storage.nbytes()} bytes, the pickle says more")
+        expected = numel * torch._utils._element_size(dtype)
+        if storage.nbytes() != expected:
+            raise CheckpointError(f"the record data/{key} holds {storage.nbytes()} bytes, the pickle says {expected}")
         return torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
 
