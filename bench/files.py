@@ -7,21 +7,30 @@ the file's bytes into newly allocated memory, both from the page cache (the file
 On this VM fresh memory costs about as much as the copy (MACHINE-NOTES), and torch.load's many
 tensor-sized allocations can reuse memory the allocator kept while one file-sized buffer cannot; so
 the read into memory already touched is reported too, as the page cache's own speed.
+
+`python -m bench.files --presets default,minimind-26m` measures these figures alone (the functions
+`python -m bench` calls, on a run trained one step) and prints them as JSON.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from exactresume.atomic import fsync_path
+from exactresume.config import TrainConfig
+from exactresume.core.data import ensure_data, load_tokens
 from exactresume.store.resume import capture, load_resume, save_resume
-from exactresume.training.loop import Run
+from exactresume.training.loop import Run, build_run, train_step
 
-from .measure import Trial, interleave, ratio, timed
+from .measure import Trial, interleave, load_average, ratio, timed
 
 
 def write_and_fsync(path: Path, data: memoryview) -> None:
@@ -152,3 +161,31 @@ def bench_load(folder: Path, reps: int) -> dict:
             "and copies nothing until a tensor is touched",
         },
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The resume-file figures alone, per preset, on a run trained one step (no training figures)."""
+    parser = argparse.ArgumentParser(description="save and load of the resume file vs the disk, per preset")
+    parser.add_argument("--data", type=Path, default=Path("data/kjv"), help="prepared data (made if missing)")
+    parser.add_argument("--presets", default="default", help="comma-separated preset names")
+    parser.add_argument("--reps", type=int, default=5, help="measured rounds per figure (after one warm-up)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    args = parser.parse_args(argv)
+    ensure_data(args.data)
+    data, figures = load_tokens(args.data), {"load_average_before": load_average()}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.presets.split(","):
+            run = build_run(TrainConfig(steps=10**6, batch=args.batch, seq_len=args.seq_len, preset=name), data)
+            train_step(run)
+            figures[name] = bench_save(run, Path(scratch), args.reps) | bench_load(Path(scratch), args.reps)
+            (Path(scratch) / "resume.pth").unlink()
+            save, load = figures[name]["save_vs_disk_ratio"], figures[name]["load_vs_disk_ratio"]
+            print(f"{name}: save {save:.2f}, load {load:.2f}", file=sys.stderr)
+    figures["load_average_after"] = load_average()
+    print(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,6 +14,7 @@ from exactresume.report.captions import caption_values
 from exactresume.report.figures import FIGURES
 from exactresume.report.report import HEADINGS, render_report
 from exactresume.report.tables import render_table
+from exactresume.store.packed import unpack
 from exactresume.store.steplog import read_divergence, read_loss_log
 from exactresume.store.weights import read_weights
 from exactresume.summaries import lab_summary, render_lab
@@ -69,7 +70,7 @@ def test_lab_ablations_diverge(default_lab):
 
 def test_optimizer_holds_twice_the_weights(default_lab):
     optim = json.loads((default_lab / "optim.json").read_text())
-    state = torch.load(default_lab / "resume.pth", weights_only=True)
+    state = unpack(torch.load(default_lab / "resume.pth", weights_only=True))
     assert optim["model_numel"] == sum(t.numel() for k, t in state["model"].items() if k != "lm_head.weight")
     assert optim["ratio"] == 2.0
 
@@ -191,7 +192,7 @@ def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
     assert len((tmp_path / "resumed_log.csv").read_text().splitlines()) == 1 + 5
     straight, resumed = read_weights(tmp_path / "straight.pth")[0], read_weights(tmp_path / "resumed.pth")[0]
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    state = torch.load(tmp_path / "resume.pth", weights_only=True)
+    state = unpack(torch.load(tmp_path / "resume.pth", weights_only=True))
     assert state["step"] == 4 and state["config"]["train"]["seed"] == 11
     assert state["config"]["train"]["weight_decay"] == 0.02
 

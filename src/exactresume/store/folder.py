@@ -6,8 +6,9 @@
 
 `parts` maps names to objects with `state_dict()` / `load_state_dict()` (a model, an optimizer, a
 batch generator wrapper, `GlobalRng()`, ...). A checkpoint is a resume file (resume.py) plus the
-step it was saved at, sealed with its checksum (sealed.py). `save` is one sequence of stages, each a
-fault-injection point (faults.py; the write itself is atomic.atomic_write's):
+step it was saved at, in the packed layout (packed.py), sealed with its checksum (sealed.py).
+`save` is one sequence of stages, each a fault-injection point (faults.py; the write itself is
+atomic.atomic_write's):
 
     snapshot -> write (serialize + checksum) -> fsync -> rename -> folder fsync -> verify -> retention
 
@@ -40,8 +41,9 @@ import torch
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
 from exactresume.errors import CheckpointError, ReadBackError
 from exactresume.store.faults import FaultPoints
-from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, check_format
+from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format
 from exactresume.store.lock import FolderLock
+from exactresume.store.packed import packing
 from exactresume.store.resume import Stateful, capture
 from exactresume.store.resume import restore as restore_parts
 from exactresume.store.sealed import load_sealed, verify, write_sealed
@@ -156,7 +158,9 @@ class CheckpointStore:
             self.faults.reached(name)
 
         try:
-            atomic_write(path, lambda file: write_sealed(file, state), stage, expected_bytes=_tensor_bytes(state))
+            atomic_write(
+                path, lambda file: write_sealed(file, packing(state)), stage, expected_bytes=_tensor_bytes(state)
+            )
         except BaseException:
             if "folder-fsync" in reached:
                 _remove_quietly(path)  # a rename we could not make durable is not a checkpoint
@@ -236,7 +240,7 @@ def snapshot(step: int, parts: Mapping[str, Stateful]) -> dict:
 def check_checkpoint(checkpoint: Checkpoint, state: Any, names: Collection[str]) -> dict:
     """Raise CheckpointError unless `state` is a store checkpoint of `checkpoint.step` holding `names`."""
     path = checkpoint.path
-    check_format(path, state, RESUME_FORMAT, RESUME_VERSION, "an exactresume checkpoint")
+    check_format(path, state, RESUME_FORMAT, RESUME_VERSIONS, "an exactresume checkpoint")
     if state.get(STEP_KEY) != checkpoint.step:
         raise CheckpointError(f"{path}: holds step {state.get(STEP_KEY)}, not the step its name says")
     missing = [name for name in names if name not in state]

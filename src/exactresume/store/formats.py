@@ -5,7 +5,7 @@
                          and a file's first bytes only
     content_kind(obj)    what a loaded torch object is: "resume", "weights" (a MiniMind state dict)
                          or "torch" (anything else)
-    check_format(...)    a loaded dict is of our `format` and a `version` this exactresume reads
+    check_format(...)    a loaded dict is of our `format` and of a `version` this exactresume reads
 
 `open_resume` (--resume), `read_weights` (load_model, diff, export) and `inspect` all start here.
 """
@@ -20,7 +20,8 @@ from exactresume.errors import CheckpointError
 from exactresume.store.safetensors_weights import is_safetensors
 
 RESUME_FORMAT = "exactresume.resume"
-RESUME_VERSION = 1
+RESUME_VERSION = 2  # written: the packed layout (packed.py)
+RESUME_VERSIONS = (1, 2)  # read: 1 is the layout of one pickle record per tensor, before packing
 MODEL_KEYS = ("model.embed_tokens.weight", "lm_head.weight")  # a MiniMind state dict holds one of these
 CONTENT_NAMES = {"resume": "a resume file", "weights": "a weights file", "torch": "a torch file of another layout"}
 
@@ -60,12 +61,12 @@ def content_kind(obj: object) -> str:
     return "weights" if is_model_state_dict(obj) else "torch"
 
 
-def check_format(path: Path, state: object, format: str, version: int, what: str) -> dict:
-    """`state` if it is a dict of `format` at `version`, else CheckpointError naming what it is instead."""
+def check_format(path: Path, state: object, format: str, version: int | tuple[int, ...], what: str) -> dict:
+    """`state` if it is a dict of `format` at `version` (or one of them), else CheckpointError naming what it is."""
     if not isinstance(state, dict) or state.get("format") != format:
         raise CheckpointError(f"{path}: {CONTENT_NAMES[content_kind(state)]}, not {what}")
-    if state.get("version") != version:
-        raise CheckpointError(
-            f"{path}: {format} version {state.get('version')}; this exactresume reads version {version}"
-        )
+    versions = version if isinstance(version, tuple) else (version,)
+    if state.get("version") not in versions:
+        readable = "version " + " and ".join(str(number) for number in versions)
+        raise CheckpointError(f"{path}: {format} version {state.get('version')}; this exactresume reads {readable}")
     return state

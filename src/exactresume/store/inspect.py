@@ -12,6 +12,10 @@ give); its sizes come from DCP's index, read through sharded.py's allow-list. Fo
 file's top-level key, a sharded folder's first name component, `model` for weights) it counts the
 tensors and the elements and bytes the file stores: a storage two names share (the tied lm_head) is
 counted once, as the file holds it once. A damaged file is one line and exit code 2.
+
+A resume file is described by its state, whatever its layout (packed.py): sealed.load_sealed
+unpacks it, so its parts, tensors and ties read the same in version 1 and 2; the description says
+which layout the file has.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from exactresume.store.sealed import load_sealed, read_seal
 
 SHARDED_KEYS = ("commit", "commit_problem", "processes")  # a sharded folder's report only
 SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+LAYOUTS = {1: ", one record per tensor", 2: ", packed: one buffer per part"}  # a resume file's, by version
 
 
 def _empty_summary() -> dict:
@@ -198,7 +203,8 @@ def _description(info: dict) -> str:
     dtypes = [SHORT_DTYPES.get(d, d) for d in info["total"]["dtypes"] if d in SHORT_DTYPES]
     if info["kind"] == "resume":
         steps = ((info.get("config") or {}).get("train") or {}).get("steps", "?")
-        return f"resume file ({info['format']} version {info['version']}), step {info['step']} of {steps}"
+        layout = LAYOUTS.get(info["version"], "")
+        return f"resume file ({info['format']} version {info['version']}{layout}), step {info['step']} of {steps}"
     if info["kind"] == "weights":
         return "fp32 weights file"
     if info["kind"] == "export":

@@ -1,8 +1,11 @@
 """The resume file: every part a run needs to continue exactly, captured, saved, verified, restored.
 
-Layout (a plain dict of tensors and Python values, so `torch.load(path, weights_only=True)` reads it):
-`{"format", "version", "config", "model", "optimizer", "step", "gen_state", "rng"}`, one key per part,
-and `scaler` (the GradScaler) in fp16 runs only. Weights are stored in fp32 as trained, never
+The state (a plain dict of tensors and Python values): `{"format", "version", "config", "model",
+"optimizer", "step", "gen_state", "rng"}`, one key per part, and `scaler` (the GradScaler) in fp16
+runs only. The file holds it in the packed layout (packed.py, version 2: the structure as one JSON
+string, the tensors' bytes in one buffer per part), a plain torch file that
+`unpack(torch.load(path, weights_only=True))` turns back into the state; files of version 1, the
+state pickled record by record, still load. Weights are stored in fp32 as trained, never
 rounded. `gen_state` is the data position of whichever loader the run uses. A file holds no
 gradients: it is written only between optimizer steps, never inside gradient accumulation.
 `restore(..., skip=...)` leaves parts out on purpose: the lab's `--no-optim` and `--no-skip` are
@@ -16,7 +19,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from exactresume.errors import CheckpointError
-from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, check_format
+from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, RESUME_VERSIONS, check_format
+from exactresume.store.packed import packing
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.world import World
 
@@ -56,13 +60,13 @@ def restore(state: Mapping, parts: Mapping[str, Stateful], skip: Collection[str]
 
 
 def save_resume(path: Path, parts: Mapping[str, Stateful]) -> None:
-    """Write the resume file atomically, with its checksum."""
-    save_sealed(path, capture(parts))
+    """Write the resume file atomically, with its checksum, in the packed layout."""
+    save_sealed(path, packing(capture(parts)))
 
 
 def check_resume_state(path: Path, state: object) -> dict:
     """Raise CheckpointError unless `state` is a complete resume file of a version we read."""
-    check_format(path, state, RESUME_FORMAT, RESUME_VERSION, "a resume file")
+    check_format(path, state, RESUME_FORMAT, RESUME_VERSIONS, "a resume file")
     missing = [name for name in PART_NAMES if name not in state and name not in OPTIONAL_PARTS]
     if missing:
         raise CheckpointError(f"{path} lacks the parts {', '.join(missing)}")
@@ -70,7 +74,7 @@ def check_resume_state(path: Path, state: object) -> dict:
 
 
 def load_resume(path: Path) -> dict:
-    """Verify the checksum, load with weights_only=True, and check it is a complete resume file."""
+    """Verify the checksum, load with weights_only=True, unpack, and check it is a complete resume file."""
     return check_resume_state(path, load_sealed(Path(path)))
 
 
