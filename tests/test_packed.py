@@ -252,3 +252,27 @@ def test_a_zip_the_one_pass_reader_does_not_expect_is_verified_and_read_by_torch
     (tmp_path / "odd.pth").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         load_sealed(tmp_path / "odd.pth")
+
+
+def test_a_wrapped_torch_save_and_load_see_the_state_itself(tmp_path, monkeypatch):
+    """The doctor's tracer wraps torch.save and torch.load: it is given the state, in the first layout."""
+    seen = []
+    original_save, original_load = torch.save, torch.load
+
+    def save(obj, f, *args, **kwargs):
+        seen.append(("save", obj))
+        return original_save(obj, f, *args, **kwargs)
+
+    def load(f, *args, **kwargs):
+        seen.append(("load", None))
+        return original_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(torch, "load", load)
+    state = {"format": "exactresume.resume", "version": 2, "model": {"w": torch.arange(4.0)}}
+    save_sealed(tmp_path / "f.pth", packing(state))
+    kind, saved = seen[0]
+    assert kind == "save" and saved["model"]["w"] is state["model"]["w"] and saved["version"] == 1
+    loaded = load_sealed(tmp_path / "f.pth")
+    assert seen[-1] == ("load", None)
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"]) and loaded["version"] == 1

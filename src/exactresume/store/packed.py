@@ -50,6 +50,7 @@ import torch
 from exactresume.errors import CheckpointError
 
 LAYOUT = "packed"
+FIRST_LAYOUT_VERSION = 1  # formats.RESUME_VERSIONS[0]: one pickle record per tensor
 ALIGNMENT = 64  # each region starts at a multiple of 64 bytes: aligned for any dtype's view
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
 DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in DTYPES.values()}  # torch's own names, no aliases
@@ -152,6 +153,12 @@ class Packing:
     layout: dict
     placeholders: list[torch.Tensor]
     packer: _Packer
+    state: Any  # what is laid out
+
+    def unpacked(self) -> Any:
+        """The state itself, marked as the layout before packing (version 1): for a reader that must see it."""
+        has_version = isinstance(self.state, dict) and "version" in self.state
+        return self.state | {"version": FIRST_LAYOUT_VERSION} if has_version else self.state
 
     def pieces(self, index: int) -> Iterator[torch.Tensor]:
         return self.packer.pieces(index)
@@ -177,7 +184,9 @@ def packing(state: Any) -> Packing:
     header = {key: state[key] for key in ("format", "version") if isinstance(state, dict) and key in state}
     text = json.dumps({"regions": packer.regions, "state": structure}, separators=(",", ":"))
     placeholders = [torch.empty(end, dtype=torch.uint8) for end in packer.ends]
-    return Packing(header | {"layout": LAYOUT, "structure": text, "storages": placeholders}, placeholders, packer)
+    return Packing(
+        header | {"layout": LAYOUT, "structure": text, "storages": placeholders}, placeholders, packer, state
+    )
 
 
 def pack(state: Any) -> dict:
