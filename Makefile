@@ -38,7 +38,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-# Every figure a ratio against a baseline in the same run (about 7 minutes on two cores); the README's
+# Every figure a ratio against a baseline in the same run (about 20 minutes on two cores); the README's
 # Performance table is regenerated from the json kept in docs/.
 bench: data
 	$(BIN)/python -m bench --data $(DATA) --out runs/bench

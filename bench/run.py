@@ -1,6 +1,6 @@
 """`python -m bench` (what `make bench` runs): every figure, written to bench.json and printed as a table.
 
-python -m bench                                   # default, minimind-26m, minimind-64m; about 7 minutes
+python -m bench                                   # default, minimind-26m, minimind-64m; about 20 minutes
 python -m bench --presets default --reps 5        # one preset
 python -m bench --toy --out /tmp/b                # the harness on a toy size, in seconds (figures meaningless)
 """
