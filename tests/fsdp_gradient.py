@@ -10,6 +10,7 @@ AdamW and clipping would hide from a comparison of weights.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -27,20 +28,25 @@ CONFIG = TrainConfig(batch=4, seq_len=16)
 def main(out: str) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = MiniMindLM(CONFIG.model)
-    optimizer = torch.optim.AdamW(model.parameters())
     rows = torch.randint(
         0, CONFIG.model.vocab_size, (CONFIG.batch, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1)
     )
     batch = Batch(torch.arange(CONFIG.batch), rows[:, :-1], rows[:, 1:])
     with process_group(World.from_env()) as world:
-        replica = OneProcess(model) if world.size == 1 else ShardedReplicas(model, optimizer, world)
-        replica.gradient(
-            batch, CONFIG, lambda inputs, targets, share, index: _backward(replica, inputs, targets, share)
-        )
-        gradient = {name: _whole(param.grad) for name, param in model.named_parameters()}
+        gradient = full_gradient(batch, world)
+        gc.collect()  # FSDP's hooks keep the model in reference cycles: collect it while the group is up
         if world.is_main:
             torch.save(gradient, out)
+
+
+def full_gradient(batch: Batch, world: World) -> dict[str, torch.Tensor]:
+    """One backward's gradient, whole. The sharded model is gone when this returns, before the
+    process group is torn down, as in `exactresume train` (its Run is dropped inside the group)."""
+    model = MiniMindLM(CONFIG.model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    replica = OneProcess(model) if world.size == 1 else ShardedReplicas(model, optimizer, world)
+    replica.gradient(batch, CONFIG, lambda inputs, targets, share, index: _backward(replica, inputs, targets, share))
+    return {name: _whole(param.grad) for name, param in model.named_parameters()}
 
 
 def _backward(replica, inputs: torch.Tensor, targets: torch.Tensor, share: float) -> float:
