@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from exactresume.cli import exit_as_rank
 from exactresume.config import TrainConfig
 from exactresume.core.batches import Batch
 from exactresume.core.model import MiniMindLM
@@ -61,3 +62,4 @@ def _whole(gradient: torch.Tensor) -> torch.Tensor:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_as_rank(0)  # as exactresume's ranks end: gloo's threads can abort a rank in interpreter teardown
