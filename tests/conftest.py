@@ -82,6 +82,24 @@ def one_torch_thread():
         torch.set_num_threads(threads)
 
 
+def max_abs_difference(a: Path, b: Path) -> float:
+    """Of two weights files. NaN when a NaN or Inf differs (Python's max would drop a NaN that does not come first)."""
+    from exactresume.core.compare import weight_distance
+    from exactresume.store.weights import read_weights
+
+    return weight_distance(read_weights(a)[0], read_weights(b)[0])["max_abs_diff"]
+
+
+def assert_weights_equal(a: Path, b: Path) -> None:
+    """Two weights files hold the same names, every tensor `torch.equal`."""
+    from exactresume.store.weights import read_weights
+
+    first, second = read_weights(a)[0], read_weights(b)[0]
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
 def assert_same_run(folder: Path, reference: Path) -> None:
     """`folder`'s run ended bit-identical to `reference`'s: every weight `torch.equal`, and its loss log
     (and samples log, when the reference kept one) byte for byte."""

@@ -16,14 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, assert_one_line_error, call_cli, run_cli
-from exactresume.core.compare import weight_distance
+from conftest import SMALL, assert_one_line_error, assert_weights_equal, call_cli, max_abs_difference, run_cli
 from exactresume.dist.launcher import first_error, launch_command
 from exactresume.errors import CheckpointError
 from exactresume.lab.lab import LabConfig, _train_flags
 from exactresume.store.resume import PerRank, load_resume
 from exactresume.store.steplog import read_loss_log, read_samples
-from exactresume.store.weights import read_weights
 from exactresume.world import World
 
 # The issue's bound for a resume on another number of processes: only the reduction order differs.
@@ -32,18 +30,6 @@ CROSS_N_ATOL = 1e-5
 
 def train(out, data, *flags):
     return run_cli("train", "--out", out, "--data", data, *SMALL, *flags, check=True)
-
-
-def max_abs_difference(a: Path, b: Path) -> float:
-    """NaN when a NaN or Inf differs (Python's max would drop a NaN that does not come first)."""
-    return weight_distance(read_weights(a)[0], read_weights(b)[0])["max_abs_diff"]
-
-
-def assert_weights_equal(a: Path, b: Path) -> None:
-    first, second = read_weights(a)[0], read_weights(b)[0]
-    assert first.keys() == second.keys()
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
 
 
 @pytest.fixture(scope="module")

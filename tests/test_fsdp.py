@@ -18,10 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_one_line_error, run_cli
-from exactresume.core.compare import weight_distance
+from conftest import assert_one_line_error, assert_weights_equal, max_abs_difference, run_cli
 from exactresume.store.steplog import read_samples
-from exactresume.store.weights import read_weights
 
 FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16"]  # a batch of 4 splits over 1, 2 and 4 processes
 STOP = 3
@@ -47,8 +45,10 @@ def train_on_two_nodes(out: Path, data: Path, *flags: object) -> None:
     agent += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes"]
     command = [*agent, "-m", "exactresume.cli", "--", "train", "--out", str(out), "--data", str(data)]
     command += [*FLAGS, *map(str, flags)]
-    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)]
-    agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV))
+    agents = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        for _node in range(2)
+    ]
     for process in agents:
         output, _ = process.communicate(timeout=240)
         assert process.returncode == 0, output
@@ -74,10 +74,6 @@ def resumed(runs: Path, tmp_path: Path, data: Path, source: str, nproc: int) -> 
     return out
 
 
-def max_abs_difference(a: Path, b: Path) -> float:
-    return weight_distance(read_weights(a)[0], read_weights(b)[0])["max_abs_diff"]
-
-
 def test_two_processes_compute_the_gradient_one_process_does(tmp_path):
     """The gradient itself, not only the weights: AdamW and clipping would hide one N times too large."""
     worker = Path(__file__).with_name("fsdp_gradient.py")
@@ -97,10 +93,7 @@ def test_two_processes_train_as_one_does(runs):
 
 def test_stopped_on_two_nodes_resumed_on_one_node_is_bit_identical(runs, tmp_path, kjv_folder):
     out = resumed(runs, tmp_path, kjv_folder, "nodes", 2)
-    straight, again = read_weights(runs / "straight2" / "final.pth")[0], read_weights(out / "final.pth")[0]
-    assert straight.keys() == again.keys()
-    for name in straight:
-        assert torch.equal(straight[name], again[name]), name
+    assert_weights_equal(runs / "straight2" / "final.pth", out / "final.pth")
 
 
 def test_a_single_file_checkpoint_holds_the_whole_state_and_resumes_bit_identically(runs, tmp_path, kjv_folder):
@@ -108,8 +101,7 @@ def test_a_single_file_checkpoint_holds_the_whole_state_and_resumes_bit_identica
     checkpoints = runs / "nodes" / "checkpoints"
     assert sorted(path.name for path in checkpoints.glob("*.pth")) == ["step-00000002.pth", "step-00000003.pth"]
     train(tmp_path, kjv_folder, "--nproc", 2, "--shard", "fsdp", "--resume", checkpoints)
-    straight, again = read_weights(runs / "straight2" / "final.pth")[0], read_weights(tmp_path / "final.pth")[0]
-    assert all(torch.equal(straight[name], again[name]) for name in straight)
+    assert_weights_equal(runs / "straight2" / "final.pth", tmp_path / "final.pth")
 
 
 @pytest.mark.parametrize(("source", "nproc"), [("nodes", 1), ("nodes", 4), ("stop1", 2)])

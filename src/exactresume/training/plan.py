@@ -97,10 +97,11 @@ def plan_run(
     params = parameter_count(model)
     checkpoint = 3 * params * FP32 + CHECKPOINT_OVERHEAD  # weights, exp_avg, exp_avg_sq
     shards = processes if config.shard == "fsdp" else 1  # what each process holds 1/shards of
+    held = -(-params // shards)  # this process's parameters, rounded up
     memory = {
-        "weights": -(-params // shards) * FP32 + (params * 2 if config.dtype != "fp32" else 0),
-        "gradients": -(-params // shards) * FP32,
-        "adamw": 2 * -(-params // shards) * FP32,
+        "weights": held * FP32 + (params * 2 if config.dtype != "fp32" else 0),
+        "gradients": held * FP32,
+        "adamw": 2 * held * FP32,
         **({"gathered": 2 * gathered_parameters(model) * FP32} if shards > 1 else {}),
         **step_memory(config, model, processes),
     }
