@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from .files import bench_load, bench_save
 from .growth import growth
 from .labwall import DEFAULT_STOP_AT, bench_lab
 from .measure import load_average
+from .memory import memory_figures
 from .prepare import MINIMIND_TOKENIZER, bench_prepare
 from .recovery import recovery_figures
 from .table import render
@@ -38,36 +38,13 @@ STEPS_PER_REP = {"default": 3, "minimind-26m": 1, "minimind-64m": 1}
 THROUGHPUT_PRESETS = ("default",)  # a 30-step round of the larger presets would take minutes
 
 
-def memory_figures(config: TrainConfig, data: Path, folder: Path) -> dict:
-    """The memory figures of one preset, from a fresh process (this one has freed memory to reuse)."""
-    command = [
-        sys.executable,
-        "-m",
-        "bench.memory",
-        "--preset",
-        config.preset,
-        "--data",
-        str(data),
-        "--folder",
-        str(folder),
-        "--batch",
-        str(config.batch),
-        "--seq-len",
-        str(config.seq_len),
-    ]
-    finished = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-    if finished.returncode != 0:
-        raise RuntimeError(f"bench.memory failed:\n{finished.stderr}")
-    return json.loads(finished.stdout)
-
-
 def bench_preset(name: str, args: argparse.Namespace, data, folder: Path, log) -> dict:
     config = TrainConfig(steps=10**6, batch=args.batch, seq_len=args.seq_len, preset=name)
     steps = 2 if args.toy else STEPS_PER_REP.get(name, 1)
     started = time.perf_counter()
     figures, run = bench_training(config, data, steps, args.reps, matmul_size=256 if args.toy else MATMUL_SIZE)
     log(f"{name}: training {time.perf_counter() - started:.0f} s")
-    figures |= bench_save(run, folder, args.reps) | bench_load(folder, args.reps)
+    figures |= bench_save(run, folder, args.reps) | bench_load(folder, args.reps, name)
     (folder / "resume.pth").unlink()
     figures |= bench_async_block(run, folder / "async", args.reps)
     if name in THROUGHPUT_PRESETS:

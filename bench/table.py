@@ -17,8 +17,23 @@ NOT_MEASURED = "not measured yet"
 def _ranged(figure: dict | None, digits: int = 2) -> str:
     if not figure or figure.get("ratio") is None:
         return (figure or {}).get("status", NOT_MEASURED)
-    mark = "" if figure.get("met", True) else " ✗"
+    mark = " ✗" if figure.get("met") is False else ""  # None: no goal on this preset
     return f"{figure['ratio']:.{digits}f} ({figure['round_min']:.{digits}f}–{figure['round_max']:.{digits}f}){mark}"
+
+
+def _with_ms(figure: dict | None) -> str:
+    """The ratio and its range, then the two medians in milliseconds."""
+    if not figure or figure.get("ratio") is None:
+        return _ranged(figure)
+    times = f"{figure['candidate_s']['median'] * 1e3:,.1f} / {figure['baseline_s']['median'] * 1e3:,.1f} ms"
+    return f"{_ranged(figure)} · {times}"
+
+
+def _resume_memory(memory: dict) -> str:
+    if "resume_vs_train_peak" not in memory:
+        return NOT_MEASURED
+    mark = "" if memory["resume_met"] else " ✗"
+    return f"{memory['resume_vs_train_peak']:.2f}{mark} ({_mb(memory['resume_peak'])} / {_mb(memory['train_peak'])} MB)"
 
 
 def _efficiency(name: str, preset: dict) -> str:
@@ -51,7 +66,12 @@ def ratio_rows(bench: dict) -> list[tuple[str, str, list[str]]]:
             "≥ 0.6 (default)",
             [_efficiency(n, p) for n, p in zip(names, presets)],
         ),
-        ("3 sealed atomic save ÷ one write + fsync", "≤ 1.25", [_ranged(p.get("save")) for p in presets]),
+        ("3 sealed atomic save ÷ one write + fsync", "≤ 1.25 (26M, 64M)", [_ranged(p.get("save")) for p in presets]),
+        (
+            "   sealed atomic save ÷ torch.save + fsync of the same state (ms)",
+            "≤ 1.1 (default)",
+            [_with_ms(p.get("save", {}).get("vs_torch_save")) for p in presets],
+        ),
         (
             "   torch.save + fsync ÷ the same",
             "",
@@ -62,7 +82,12 @@ def ratio_rows(bench: dict) -> list[tuple[str, str, list[str]]]:
             "",
             [_ranged(p.get("save", {}).get("safetensors_vs_disk_ratio")) for p in presets],
         ),
-        ("4 verified load ÷ reading the bytes", "≤ 1.5", [_ranged(p.get("load")) for p in presets]),
+        ("4 verified load ÷ reading the bytes", "≤ 1.5 (26M, 64M)", [_ranged(p.get("load")) for p in presets]),
+        (
+            "   verified load ÷ torch.load + xxh3 of the same dict (ms)",
+            "≤ 1.1 (default)",
+            [_with_ms(p.get("load", {}).get("vs_torch_load_xxh3")) for p in presets],
+        ),
         ("   torch.load ÷ the same", "", [_ranged(p.get("load", {}).get("torch_load_vs_disk_ratio")) for p in presets]),
         (
             "   safetensors load (lazy: maps, copies nothing) ÷ the same",
@@ -81,6 +106,11 @@ def ratio_rows(bench: dict) -> list[tuple[str, str, list[str]]]:
             [_ranged(p.get("async_throughput")) for p in presets],
         ),
         ("6 lab wall time ÷ (training steps × step time)", "≤ 1.3", [_ranged(lab)] + ["—"] * (len(presets) - 1)),
+        (
+            "7 peak RSS while resuming ÷ while training (fresh processes)",
+            "≤ 1.0",
+            [_resume_memory(p.get("memory", {})) for p in presets],
+        ),
         *data_rows(bench, len(presets)),
     ]
     return rows
@@ -177,16 +207,15 @@ def raw_rows(bench: dict) -> list[tuple[str, list[str]]]:
             ],
         ),
         (
-            "7 peak RSS MB: training / saving / loading",
-            [" / ".join(get(f"memory.{k}", _mb, p) for k in ("train_peak", "save_peak", "load_peak")) for p in presets],
+            "7 peak RSS MB: training / saving / resuming",
+            [
+                " / ".join(get(f"memory.{k}", _mb, p) for k in ("train_peak", "save_peak", "resume_peak"))
+                for p in presets
+            ],
         ),
         (
             "   save, extra memory ÷ state size",
             [get("memory.save_extra_copies", lambda v: f"{v:.2f}", p) for p in presets],
-        ),
-        (
-            "   load, extra memory ÷ state size",
-            [get("memory.load_extra_copies", lambda v: f"{v:.2f}", p) for p in presets],
         ),
         (
             "8 save / load, s per GB",
@@ -217,6 +246,13 @@ def render(bench: dict) -> str:
         + "\n".join(f"| {label} | " + " | ".join(cells) + " |" for label, cells in raw_rows(bench))
     )
     notes = [f"- {note}" for note in bench.get("notes", [])]
+    rerun = bench.get("files_rerun")
+    if rerun:
+        notes.append(
+            f"- Rows 3, 4 and 7 and the save, load and peak-RSS medians were measured again on {rerun['date']} "
+            f"by `{rerun['command']}` ({rerun['reps']} rounds, load average {rerun['load_average_before']:.1f} "
+            f"before, {rerun['load_average_after']:.1f} after); the other rows come from the full run."
+        )
     if "wall_s" in bench.get("settings", {}):
         notes.append(f"- The whole run took {bench['settings']['wall_s'] / 60:.1f} minutes ({duration(bench)}).")
     return "\n\n".join(lines + (["\n".join(notes)] if notes else []))

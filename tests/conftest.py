@@ -126,3 +126,17 @@ def small_disk(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     yield mount_point
     subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def assert_lab_dict(path: Path, step: int) -> dict:
+    """A plain torch.load of `path` is the lab text's dict: model (name -> tensor), optimizer (state and
+    param_groups), step (an int) and gen_state (the batch generator's ByteTensor) at the top."""
+    state = torch.load(path, weights_only=True)
+    assert {"model", "optimizer", "step", "gen_state"} <= state.keys(), sorted(state)
+    assert all(isinstance(tensor, torch.Tensor) for tensor in state["model"].values())
+    assert "model.embed_tokens.weight" in state["model"]
+    assert state["optimizer"].keys() == {"state", "param_groups"}
+    assert len(state["optimizer"]["state"]) == len(state["optimizer"]["param_groups"][0]["params"])
+    assert type(state["step"]) is int and state["step"] == step
+    assert state["gen_state"].dtype == torch.uint8 and state["gen_state"].dim() == 1
+    return state

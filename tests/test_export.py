@@ -11,7 +11,6 @@ import torch
 from safetensors import safe_open
 
 from conftest import SMALL, assert_one_line_error, call_cli
-from exactresume.store.packed import unpack
 from exactresume.store.weights import load_model, read_weights, save_weights
 
 
@@ -36,7 +35,7 @@ def test_fp16_safetensors_round_trip(tmp_path, resume_file, kjv_folder):
     assert finished.returncode == 0, finished.stderr
     with safe_open(out, "pt") as file:
         keys, metadata = set(file.keys()), file.metadata()
-    source = unpack(torch.load(resume_file, weights_only=True))
+    source = torch.load(resume_file, weights_only=True)
     assert keys == set(source["model"]) - {"lm_head.weight"}  # the tied matrix is stored once
     assert json.loads(metadata["tied"]) == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "optimizer" not in metadata and json.loads(metadata["config"])["hidden_size"] == 128
@@ -59,7 +58,7 @@ def test_pt_export_keeps_both_names_on_one_storage(tmp_path, resume_file):
     state = torch.load(out, weights_only=True)
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
-    assert set(state) == set(unpack(torch.load(resume_file, weights_only=True))["model"])
+    assert set(state) == set(torch.load(resume_file, weights_only=True)["model"])
 
 
 def test_missing_data_folder_skips_the_logit_check_with_a_note(tmp_path, resume_file):

@@ -21,7 +21,6 @@ from conftest import SMALL, assert_one_line_error, call_cli, run_cli
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.errors import CheckpointError
-from exactresume.store.packed import unpack
 from exactresume.store.resume import load_resume, restore
 from exactresume.store.sealed import save_sealed
 from exactresume.store.steplog import read_loss_log, read_samples
@@ -93,7 +92,7 @@ def test_resume_file_holds_the_loader_position_and_the_scaler(tmp_path, kjv_fold
         call_cli("train", "--out", tmp_path / "e", "--data", tiny_folder, *SMALL, *EPOCH, "--stop-at", 3).returncode
         == 0
     )
-    state = unpack(torch.load(tmp_path / "e" / "resume.pth", weights_only=True))
+    state = torch.load(tmp_path / "e" / "resume.pth", weights_only=True)
     assert (state["gen_state"]["epoch"], state["gen_state"]["cursor"]) == (0, 3)
     assert "scaler" not in state  # fp32: no loss scaler
     assert (

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_one_line_error, assert_weights_equal, max_abs_difference, run_cli
+from conftest import assert_lab_dict, assert_one_line_error, assert_weights_equal, max_abs_difference, run_cli
 from exactresume.store.steplog import read_samples
 
 FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16"]  # a batch of 4 splits over 1, 2 and 4 processes
@@ -100,6 +100,10 @@ def test_a_single_file_checkpoint_holds_the_whole_state_and_resumes_bit_identica
     """--save-every under FSDP2 writes one file per checkpoint, gathered from every rank's shards."""
     checkpoints = runs / "nodes" / "checkpoints"
     assert sorted(path.name for path in checkpoints.glob("*.pth")) == ["step-00000002.pth", "step-00000003.pth"]
+    gathered = assert_lab_dict(checkpoints / "step-00000003.pth", 3)  # the whole state, gathered from the shards
+    weights = sum(t.numel() for name, t in gathered["model"].items() if name != "lm_head.weight")
+    moments = sum(t.numel() for state in gathered["optimizer"]["state"].values() for t in state.values() if t.dim())
+    assert moments == 2 * weights  # every rank's rows, not one rank's shard
     train(tmp_path, kjv_folder, "--nproc", 2, "--shard", "fsdp", "--resume", checkpoints)
     assert_weights_equal(runs / "straight2" / "final.pth", tmp_path / "final.pth")
 

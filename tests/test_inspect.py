@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from conftest import SMALL, assert_one_line_error, call_cli
-from exactresume.store.packed import unpack
 from exactresume.store.resume import OPTIONAL_PARTS, PART_NAMES
 
 FP32_PARTS = set(PART_NAMES) - set(OPTIONAL_PARTS)  # an fp32 run has no loss scaler
@@ -44,9 +43,9 @@ def stored(tensors) -> tuple[int, int]:
 
 def test_resume_file(small_run):
     info = inspect_json(small_run / "resume.pth")
-    state = unpack(torch.load(small_run / "resume.pth", weights_only=True))
-    assert (info["kind"], info["format"], info["version"], info["step"]) == ("resume", "exactresume.resume", 2, 3)
-    assert "packed" in info["description"]
+    state = torch.load(small_run / "resume.pth", weights_only=True)
+    assert (info["kind"], info["format"], info["version"], info["step"]) == ("resume", "exactresume.resume", 3, 3)
+    assert info["description"].startswith("resume file (exactresume.resume version 3), step 3 of 8")
     assert info["checksum"] == "verified" and info["container"] == "torch"
     assert info["config"]["train"]["steps"] == 8 and info["config"]["model"]["vocab_size"] == 6400
     assert FP32_PARTS == set(info["parts"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,6 @@ from exactresume.report.captions import caption_values
 from exactresume.report.figures import FIGURES
 from exactresume.report.report import HEADINGS, render_report
 from exactresume.report.tables import render_table
-from exactresume.store.packed import unpack
 from exactresume.store.steplog import read_divergence, read_loss_log
 from exactresume.store.weights import read_weights
 from exactresume.summaries import lab_summary, render_lab
@@ -68,11 +69,47 @@ def test_lab_ablations_diverge(default_lab):
     assert runs["noskip"]["batches_seen_twice"] == 30 and runs["resumed"]["batches_seen_twice"] == 0
 
 
-def test_optimizer_holds_twice_the_weights(default_lab):
+# The lab text's grader, with only torch imported: resume.pth is the lab's dict, read by a plain
+# torch.load, and the resumed weights equal the straight ones.
+GRADER = """
+import json, sys
+from pathlib import Path
+import torch
+
+lab = Path(sys.argv[1])
+state = torch.load(lab / "resume.pth", weights_only=True)
+missing = [key for key in ("model", "optimizer", "step", "gen_state") if key not in state]
+model_numel = sum(t.numel() for name, t in state["model"].items() if name != "lm_head.weight")
+optimizer_numel = sum(
+    t.numel() for moments in state["optimizer"]["state"].values() for t in moments.values() if t.dim() >= 1
+)
+straight = torch.load(lab / "straight.pth", weights_only=True)
+resumed = torch.load(lab / "resumed.pth", weights_only=True)
+print(json.dumps({
+    "missing": missing,
+    "step": state["step"],
+    "gen_state": [str(state["gen_state"].dtype), state["gen_state"].dim()],
+    "param_groups": len(state["optimizer"]["param_groups"]),
+    "model_numel": model_numel,
+    "optimizer_numel": optimizer_numel,
+    "ratio": optimizer_numel / model_numel,
+    "same_names": straight.keys() == resumed.keys(),
+    "max_diff": max((straight[k] - resumed[k]).abs().max().item() for k in straight),
+    "equal": all(torch.equal(straight[k], resumed[k]) for k in straight),
+    "ours_imported": sorted(name for name in sys.modules if name.startswith("exactresume")),
+}))
+"""
+
+
+def test_the_lab_texts_grader_reads_resume_pth_with_a_plain_torch_load(default_lab):
+    graded = subprocess.run([sys.executable, "-c", GRADER, default_lab], capture_output=True, text=True, check=True)
+    grade = json.loads(graded.stdout)
+    assert grade["missing"] == [] and grade["ours_imported"] == []
+    assert grade["step"] == 30 and grade["gen_state"] == ["torch.uint8", 1] and grade["param_groups"] == 1
     optim = json.loads((default_lab / "optim.json").read_text())
-    state = unpack(torch.load(default_lab / "resume.pth", weights_only=True))
-    assert optim["model_numel"] == sum(t.numel() for k, t in state["model"].items() if k != "lm_head.weight")
-    assert optim["ratio"] == 2.0
+    assert (grade["model_numel"], grade["optimizer_numel"]) == (optim["model_numel"], optim["optimizer_numel"])
+    assert grade["ratio"] == optim["ratio"] == 2.0
+    assert grade["same_names"] and grade["equal"] and grade["max_diff"] == 0
 
 
 def test_half_precision_is_about_half_and_close(default_lab):
@@ -192,7 +229,7 @@ def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
     assert len((tmp_path / "resumed_log.csv").read_text().splitlines()) == 1 + 5
     straight, resumed = read_weights(tmp_path / "straight.pth")[0], read_weights(tmp_path / "resumed.pth")[0]
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    state = unpack(torch.load(tmp_path / "resume.pth", weights_only=True))
+    state = torch.load(tmp_path / "resume.pth", weights_only=True)
     assert state["step"] == 4 and state["config"]["train"]["seed"] == 11
     assert state["config"]["train"]["weight_decay"] == 0.02
 

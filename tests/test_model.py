@@ -7,7 +7,6 @@ import torch
 
 from exactresume.config import PRESETS, ModelConfig
 from exactresume.core.model import MiniMindLM, infer_config
-from exactresume.store.packed import unpack
 from exactresume.store.weights import load_model, save_weights
 
 LAYER_KEYS = [
@@ -90,7 +89,7 @@ def test_load_model_reads_resume_file_with_its_config(tmp_path):
         "optimizer": torch.optim.AdamW(model.parameters()),
     }
     save_resume(tmp_path / "resume.pth", parts)
-    state = unpack(torch.load(tmp_path / "resume.pth", weights_only=True))
+    state = torch.load(tmp_path / "resume.pth", weights_only=True)
     state.update(step=0, gen_state=torch.Generator().get_state(), rng={})
     torch.save(state, tmp_path / "complete.pth")
     assert load_model(tmp_path / "complete.pth").config == config

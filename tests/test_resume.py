@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from conftest import SMALL, run_cli
-from exactresume.store.packed import unpack
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.store.weights import read_weights
 
@@ -82,10 +81,9 @@ def test_dropping_a_part_changes_the_result(tmp_path, kjv_folder, runs, name, fl
 
 
 def test_resume_file_is_plain_torch_with_every_part(runs):
-    loaded = torch.load(runs / "resume.pth", weights_only=True)
-    assert loaded["layout"] == "packed" and loaded["version"] == 2
-    state = unpack(loaded)  # the one public call from the plain torch file back to the state
+    state = torch.load(runs / "resume.pth", weights_only=True)
     assert {"model", "optimizer", "step", "gen_state", "rng", "config"} <= state.keys()
+    assert state["version"] == 3 and "layout" not in state
     assert state["step"] == 3
     assert state["gen_state"].dtype == torch.uint8
     assert all(t.dtype == torch.float32 for t in state["model"].values())

@@ -176,3 +176,19 @@ def test_fault_specs_parse_and_refuse_nonsense():
     for bad in ("nowhere", "write@x", "write:explode", "write@0"):
         with pytest.raises(UserError, match=FAULT_ENV):
             Fault.parse(bad)
+
+
+def test_a_plain_torch_load_of_a_users_checkpoint_shows_their_part_names(tmp_path):
+    parts = make_parts()
+    advance(parts)
+    with quiet_store(tmp_path) as store:
+        newest = store.save(1, parts)
+    state = torch.load(newest, weights_only=True)
+    assert {"model", "optimizer", "data", "rng"} <= state.keys()
+    assert state["model"].keys() == parts["model"].state_dict().keys()
+    assert all(torch.equal(state["model"][k], v) for k, v in parts["model"].state_dict().items())
+    expected = parts["optimizer"].state_dict()
+    assert state["optimizer"]["param_groups"] == expected["param_groups"]
+    for index, moments in expected["state"].items():
+        assert all(torch.equal(state["optimizer"]["state"][index][k], v) for k, v in moments.items())
+    assert torch.equal(state["data"], parts["data"].generator.get_state())

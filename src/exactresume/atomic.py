@@ -47,7 +47,7 @@ def atomic_write(
     path = Path(path)
     tmp = tmp_path(path)
     try:
-        with open(tmp, "wb") as raw:
+        with open(tmp, "w+b") as raw:  # readable too: a sealed write hashes its file back
             _WatchedFile(raw, stage, expected_bytes).run(write)
             _reach(stage, "fsync")
             raw.flush()

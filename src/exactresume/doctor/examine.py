@@ -25,7 +25,6 @@ import torch
 from exactresume.doctor.run import Run, run_traced
 from exactresume.doctor.tracer.fingerprint import summary, top_keys
 from exactresume.errors import UserError
-from exactresume.store.packed import unpack
 
 
 @dataclass
@@ -120,8 +119,7 @@ def read_files(run: Run, step: int) -> list[dict]:
             continue
         row = {k: save[k] for k in ("path", "step", "pending_micro", "live", "loaders")}
         try:
-            # unpack: an exactresume file in the packed layout reads back as its nested state; any other as is
-            state = unpack(torch.load(save["path"], map_location="cpu", weights_only=True))
+            state = torch.load(save["path"], map_location="cpu", weights_only=True)
             row |= {"keys": top_keys(state), "tensors": summary(state), "read": "weights_only=True"}
         except Exception as error:  # a file weights_only refuses: keep what torch.save was given
             row |= {"keys": save["keys"], "tensors": save["tensors"], "read": f"as saved ({type(error).__name__})"}

@@ -6,7 +6,8 @@
 
 `parts` maps names to objects with `state_dict()` / `load_state_dict()` (a model, an optimizer, a
 batch generator wrapper, `GlobalRng()`, ...). A checkpoint is a resume file (resume.py) plus the
-step it was saved at, in the packed layout (packed.py), sealed with its checksum (sealed.py).
+step it was saved at, sealed with its checksum (sealed.py): `torch.load(path, weights_only=True)`
+gives every part under its name, as its object's `state_dict()`.
 `save` is one sequence of stages, each a fault-injection point (faults.py; the write itself is
 atomic.atomic_write's):
 
@@ -43,7 +44,6 @@ from exactresume.errors import CheckpointError, ReadBackError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format
 from exactresume.store.lock import FolderLock
-from exactresume.store.packed import packing
 from exactresume.store.resume import Stateful, capture
 from exactresume.store.resume import restore as restore_parts
 from exactresume.store.sealed import load_sealed, verify, write_sealed
@@ -158,9 +158,7 @@ class CheckpointStore:
             self.faults.reached(name)
 
         try:
-            atomic_write(
-                path, lambda file: write_sealed(file, packing(state)), stage, expected_bytes=_tensor_bytes(state)
-            )
+            atomic_write(path, lambda file: write_sealed(file, state), stage, expected_bytes=_tensor_bytes(state))
         except BaseException:
             if "folder-fsync" in reached:
                 _remove_quietly(path)  # a rename we could not make durable is not a checkpoint

@@ -20,8 +20,12 @@ from exactresume.errors import CheckpointError
 from exactresume.store.safetensors_weights import is_safetensors
 
 RESUME_FORMAT = "exactresume.resume"
-RESUME_VERSION = 2  # written: the packed layout (packed.py)
-RESUME_VERSIONS = (1, 2)  # read: 1 is the layout of one pickle record per tensor, before packing
+RESUME_VERSION = 3  # written: torch.save of the state itself, every part under its name
+# Read: 1 is the same layout. A file of version 2 held the state packed into a few buffers (it is
+# refused, naming the release that reads it); a sharded folder of version 2 holds the plain state.
+RESUME_VERSIONS = (1, 2, 3)
+PACKED_LAYOUT = "packed"  # the `layout` of a version 2 file
+PACKED_RELEASE = "0.2.0"  # the release that wrote and reads it
 MODEL_KEYS = ("model.embed_tokens.weight", "lm_head.weight")  # a MiniMind state dict holds one of these
 CONTENT_NAMES = {"resume": "a resume file", "weights": "a weights file", "torch": "a torch file of another layout"}
 
@@ -65,6 +69,11 @@ def check_format(path: Path, state: object, format: str, version: int | tuple[in
     """`state` if it is a dict of `format` at `version` (or one of them), else CheckpointError naming what it is."""
     if not isinstance(state, dict) or state.get("format") != format:
         raise CheckpointError(f"{path}: {CONTENT_NAMES[content_kind(state)]}, not {what}")
+    if state.get("layout") == PACKED_LAYOUT:
+        raise CheckpointError(
+            f"{path}: {format} version {state.get('version')} in the packed layout, which exactresume "
+            f"{PACKED_RELEASE} wrote and reads; this exactresume reads the plain layout of versions 1 and 3"
+        )
     versions = version if isinstance(version, tuple) else (version,)
     if state.get("version") not in versions:
         readable = "version " + " and ".join(str(number) for number in versions)

@@ -13,9 +13,7 @@ file's top-level key, a sharded folder's first name component, `model` for weigh
 tensors and the elements and bytes the file stores: a storage two names share (the tied lm_head) is
 counted once, as the file holds it once. A damaged file is one line and exit code 2.
 
-A resume file is described by its state, whatever its layout (packed.py): sealed.load_sealed
-unpacks it, so its parts, tensors and ties read the same in version 1 and 2; the description says
-which layout the file has.
+A resume file is described by the state torch.load gives back (versions 1 and 3 share one layout).
 """
 
 from __future__ import annotations
@@ -29,14 +27,13 @@ from typing import Any
 import torch
 
 from exactresume.errors import CheckpointError
-from exactresume.store.formats import RESUME_FORMAT, content_kind, path_kind
+from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format, content_kind, path_kind
 from exactresume.store.resume import load_resume
 from exactresume.store.safetensors_weights import DIGEST_KEY, load_verified, tied_names
 from exactresume.store.sealed import load_sealed, read_seal
 
 SHARDED_KEYS = ("commit", "commit_problem", "processes")  # a sharded folder's report only
 SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-LAYOUTS = {1: ", one record per tensor", 2: ", packed: one buffer per part"}  # a resume file's, by version
 
 
 def _empty_summary() -> dict:
@@ -124,6 +121,8 @@ def _describe_torch(obj: Any) -> dict:
 def _inspect_torch_file(path: Path) -> dict:
     sealed = read_seal(path) is not None
     obj = load_sealed(path, require_seal=sealed)  # a sealed file's bytes are verified before it is read
+    if content_kind(obj) == "resume":  # a version this release cannot resume is refused as --resume refuses it
+        check_format(path, obj, RESUME_FORMAT, RESUME_VERSIONS, "a resume file")
     return _describe_torch(obj) | {"container": "torch", "checksum": "verified" if sealed else "absent"}
 
 
@@ -203,8 +202,7 @@ def _description(info: dict) -> str:
     dtypes = [SHORT_DTYPES.get(d, d) for d in info["total"]["dtypes"] if d in SHORT_DTYPES]
     if info["kind"] == "resume":
         steps = ((info.get("config") or {}).get("train") or {}).get("steps", "?")
-        layout = LAYOUTS.get(info["version"], "")
-        return f"resume file ({info['format']} version {info['version']}{layout}), step {info['step']} of {steps}"
+        return f"resume file ({info['format']} version {info['version']}), step {info['step']} of {steps}"
     if info["kind"] == "weights":
         return "fp32 weights file"
     if info["kind"] == "export":
