@@ -26,7 +26,7 @@ def worker(data: Path, out: Path, steps: int, reps: int) -> None:
     from bench.measure import interleave, ratio, timed
     from exactresume.config import TrainConfig
     from exactresume.core.data import load_tokens
-    from exactresume.dist.replicas import process_group, replicate
+    from exactresume.parallel.replicas import process_group, replicate
     from exactresume.training.loop import build_run, train_step
     from exactresume.world import World
 

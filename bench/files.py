@@ -2,7 +2,7 @@
 
 Save: `save_resume` (atomic: tmp file, fsync, rename, folder fsync; checksummed) vs one `write` of as
 many bytes from a warm buffer plus `fsync`, and vs a plain `torch.save` + `fsync` of the same state;
-safetensors on the same tensors for comparison. Load: `load_resume` (checksum, then deserialize) vs
+safetensors on the same tensors for comparison. Load: `read_resume` (checksum, then deserialize) vs
 reading the file's bytes into newly allocated memory, and vs a plain `torch.load` of the plain
 `torch.save` file followed by the xxh3 of its bytes; all from the page cache (the files were just
 written). On this VM fresh memory costs about as much as the copy (MACHINE-NOTES), and torch.load's
@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from exactresume.atomic import fsync_path
 from exactresume.config import TrainConfig
 from exactresume.core.data import ensure_data, load_tokens
-from exactresume.store.resume import capture, load_resume, save_resume
+from exactresume.store.resume import capture, read_resume, save_resume
 from exactresume.training.loop import Run, build_run, train_step
 
 from .measure import Trial, interleave, load_average, ratio, timed
@@ -171,10 +171,10 @@ def torch_load_and_xxh3(path: Path) -> object:
 
 def bench_load(folder: Path, reps: int, preset: str) -> dict:
     resume, plain, tensors = folder / "resume.pth", folder / "plain.pth", folder / "load.safetensors"
-    save_file(flat_tensors(load_resume(resume)), tensors)
+    save_file(flat_tensors(read_resume(resume)), tensors)
     warm = torch.ones(resume.stat().st_size, dtype=torch.uint8)
     trials = {
-        "verified": lambda: timed(lambda: load_resume(resume)),
+        "verified": lambda: timed(lambda: read_resume(resume)),
         "disk": lambda: timed(lambda: read_into_fresh_memory(resume)),
         "disk_warm_memory": lambda: timed(lambda: read_into(resume, warm)),
         "torch_load": lambda: timed(lambda: torch.load(resume, weights_only=True, map_location="cpu")),
@@ -194,7 +194,7 @@ def bench_load(folder: Path, reps: int, preset: str) -> dict:
             "torch_load_vs_disk_ratio": ratio(times["torch_load"], times["disk"]),
             "safetensors_vs_disk_ratio": ratio(times["safetensors"], times["disk"]),
             "verified_vs_warm_memory_read_ratio": ratio(times["verified"], times["disk_warm_memory"]),
-            "what": "load_resume (checksum + weights_only deserialize) / reading the bytes into newly "
+            "what": "read_resume (checksum + weights_only deserialize) / reading the bytes into newly "
             "allocated memory (as any loader must); vs_torch_load_xxh3: / a plain torch.load of the plain "
             "torch.save file, then the xxh3 of its bytes; page cache warm. safetensors maps the file "
             "and copies nothing until a tensor is touched",

@@ -54,8 +54,8 @@ def local_bytes(tensors) -> int:
 def worker(data: Path, shard: str, out: Path) -> None:
     """Under torchrun: train a few steps, then write this rank's memory to OUT/memory-rank-R.json."""
     from exactresume.core.data import load_tokens
-    from exactresume.dist.replicas import process_group
-    from exactresume.dist.replicate import replicate
+    from exactresume.parallel.replicas import process_group
+    from exactresume.parallel.replicate import replicate
     from exactresume.training.loop import build_run, train
     from exactresume.world import World
 

@@ -25,7 +25,7 @@ import torch
 
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
-from exactresume.store.resume import capture, load_resume, restore, save_resume
+from exactresume.store.resume import capture, load_resume, save_resume
 from exactresume.training.loop import build_run, train
 
 from .measure import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -77,7 +77,7 @@ def train_and_save(config: TrainConfig, data: Path, resume: Path, steps: int) ->
 
 def resume_and_train(config: TrainConfig, data: Path, resume: Path, steps: int) -> dict:
     run = build_run(config, load_tokens(data))
-    built, load_peak, _ = phase(lambda: restore(load_resume(resume), run.parts()))
+    built, load_peak, _ = phase(lambda: load_resume(resume, run.parts()))
     after_restore = rss_bytes()
     train(run, run.step.value + steps)
     return {

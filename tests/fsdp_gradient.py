@@ -19,8 +19,8 @@ from exactresume.cli import exit_as_rank
 from exactresume.config import TrainConfig
 from exactresume.core.batches import Batch
 from exactresume.core.model import MiniMindLM
-from exactresume.dist.fsdp import ShardedReplicas
-from exactresume.dist.replicas import OneProcess, process_group
+from exactresume.parallel.fsdp import ShardedReplicas
+from exactresume.parallel.replicas import OneProcess, process_group
 from exactresume.world import World
 
 CONFIG = TrainConfig(batch=4, seq_len=16)

@@ -18,9 +18,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
-from exactresume.dist.replicas import process_group
-from exactresume.dist.replicate import replicate
-from exactresume.store.access import save_checkpoint
+from exactresume.parallel.replicas import process_group
+from exactresume.parallel.replicate import replicate
+from exactresume.store.access import make_saver
 from exactresume.store.resume import per_rank
 from exactresume.training.loop import build_run, train
 from exactresume.world import World
@@ -37,12 +37,17 @@ def main(data: Path, folder: Path) -> None:
         run = build_run(TrainConfig(steps=8, batch=2, seq_len=16), load_tokens(data))
         replicate(run, world)
         train(run, 2)
-        save_checkpoint(folder / "resume.dcp", per_rank(run.parts(), world), world, sharded=True)
-        save_checkpoint(folder / "step2.pth", per_rank(run.parts(), world), world, sharded=False)
+        save(folder / "resume.dcp", run, world, sharded=True)
+        save(folder / "step2.pth", run, world, sharded=False)
         train(run, 3)
         if world.rank == 1:
             FileSystemWriter.write_data = write_part_then_die
-        save_checkpoint(folder / "resume.dcp", per_rank(run.parts(), world), world, sharded=True)
+        save(folder / "resume.dcp", run, world, sharded=True)
+
+
+def save(path: Path, run, world: World, sharded: bool) -> None:
+    """Every rank saves: a DCP folder of every rank's shard, or one file written by rank 0."""
+    make_saver(path, world, sharded=sharded).save(run.step.value, per_rank(run.parts(), world))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ import torch
 
 from conftest import assert_one_line_error, call_cli, run_cli
 from exactresume.config import TrainConfig
-from exactresume.dist.exact import TreeSum, micro_batch_seed
-from exactresume.dist.launcher import allowed_process_counts
 from exactresume.errors import UserError
+from exactresume.parallel.exact import TreeSum, micro_batch_seed
+from exactresume.parallel.split import allowed_process_counts
 from exactresume.store.weights import read_weights
 
 RANDOM = ["--steps", "6", "--batch", "4", "--seq-len", "16", "--micro-batch", "1", "--dropout", "0.1"]

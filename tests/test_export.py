@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import SMALL, assert_one_line_error, call_cli
-from exactresume.store.weights import load_model, read_weights, save_weights
+from exactresume.store.weights import read_weights, save_weights
+from exactresume.training.inference import load_model
 
 
 @pytest.fixture(scope="module")

@@ -125,9 +125,9 @@ def test_a_second_checkpoint_store_is_refused_in_this_process_and_another(tmp_pa
     with pytest.raises(UserError, match=f"is being written by pid {os.getpid()} \\(this process\\)"):
         second.save(2, {"count": Counter(2)})
     with pytest.raises(UserError, match="being written"):
-        second.restore({"count": Counter()})  # a restore cleans up: a writer's act
+        second.load({"count": Counter()})  # a load cleans up: a writer's act
     restored = Counter()
-    assert second.restore({"count": restored}, clean=False) == 1 and restored.value == 1  # readers need no lock
+    assert second.load({"count": restored}, clean=False) == 1 and restored.value == 1  # readers need no lock
     assert [c.step for c in second.checkpoints()] == [1]
     script = (
         "import sys; from exactresume.store.folder import CheckpointStore;"
@@ -140,7 +140,7 @@ def test_a_second_checkpoint_store_is_refused_in_this_process_and_another(tmp_pa
     with CheckpointStore(folder) as third:
         third.save(2, {"count": Counter(2)})
     restored = Counter()
-    assert CheckpointStore(folder).restore({"count": restored}) == 2 and restored.value == 2
+    assert CheckpointStore(folder).load({"count": restored}) == 2 and restored.value == 2
 
 
 def test_lab_and_ablate_are_refused_while_the_folder_is_written(tmp_path, kjv_folder):

@@ -23,8 +23,8 @@ import torch
 
 from conftest import assert_one_line_error, call_cli, run_cli
 from exactresume.core.epochs import EpochLoader
-from exactresume.dist.replicate import replicate
 from exactresume.errors import UserError
+from exactresume.parallel.replicate import replicate
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.steplog import read_divergence
 from exactresume.store.weights import read_weights

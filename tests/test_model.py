@@ -7,7 +7,8 @@ import torch
 
 from exactresume.config import PRESETS, ModelConfig
 from exactresume.core.model import MiniMindLM, infer_config
-from exactresume.store.weights import load_model, save_weights
+from exactresume.store.weights import save_weights
+from exactresume.training.inference import load_model
 
 LAYER_KEYS = [
     "input_layernorm.weight",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from conftest import call_cli
 from exactresume.errors import UserError
 from exactresume.store.faults import FAULT_ENV, STAGES, Fault
 from exactresume.store.folder import CheckpointStore, checkpoint_name
@@ -55,16 +58,16 @@ def test_restore_continues_exactly(tmp_path):
     store.close()  # the crashed writer's lock is gone
 
     second = make_parts(seed=99)  # a different start, overwritten by the restore
-    assert quiet_store(tmp_path).restore(second) == 3
+    assert quiet_store(tmp_path).load(second) == 3
     for _ in range(3):
         advance(second)
     for name, tensor in straight["model"].state_dict().items():
         assert torch.equal(tensor, second["model"].state_dict()[name]), name
 
 
-def test_restore_of_empty_or_missing_folder_is_step_zero(tmp_path):
-    assert quiet_store(tmp_path / "nothing").restore(make_parts()) == 0
-    assert quiet_store(tmp_path).restore(make_parts()) == 0
+def test_loading_an_empty_or_missing_folder_gives_none(tmp_path):
+    assert quiet_store(tmp_path / "nothing").load(make_parts()) is None
+    assert quiet_store(tmp_path).load(make_parts()) is None
 
 
 def test_retention_keeps_newest_and_only_after_the_new_one_is_verified(tmp_path):
@@ -95,7 +98,7 @@ def test_failed_save_leaves_previous_checkpoint_and_no_partial_file(tmp_path, mo
     assert names(tmp_path) == [checkpoint_name(1)]  # no .tmp, no new file, the old one not pruned
     assert (tmp_path / checkpoint_name(1)).read_bytes() == before
     monkeypatch.delenv(FAULT_ENV)
-    assert quiet_store(tmp_path).restore(make_parts()) == 1
+    assert quiet_store(tmp_path).load(make_parts()) == 1
 
 
 def test_failed_retention_only_warns(tmp_path, monkeypatch):
@@ -151,7 +154,7 @@ def test_restore_skips_a_damaged_newest_checkpoint_and_says_so(tmp_path, damage)
         quiet_store(tmp_path, keep=None).save(2, {"model": parts["model"]})
     messages = []
     restored = make_parts(seed=5)
-    step = quiet_store(tmp_path, messages=messages).restore(restored)
+    step = quiet_store(tmp_path, messages=messages).load(restored)
     assert step == (2 if damage == "renamed" else 1)
     assert len(messages) == 1 and str(newest) in messages[0] and "skipping" in messages[0]
 
@@ -160,7 +163,7 @@ def test_restore_removes_tmp_leftovers(tmp_path):
     (tmp_path / "step-00000004.pth.tmp").write_bytes(b"half a checkpoint")
     store = quiet_store(tmp_path)
     assert store.leftovers() == [tmp_path / "step-00000004.pth.tmp"]
-    assert store.restore(make_parts()) == 0
+    assert store.load(make_parts()) is None
     assert names(tmp_path) == []
 
 
@@ -192,3 +195,33 @@ def test_a_plain_torch_load_of_a_users_checkpoint_shows_their_part_names(tmp_pat
     for index, moments in expected["state"].items():
         assert all(torch.equal(state["optimizer"]["state"][index][k], v) for k, v in moments.items())
     assert torch.equal(state["data"], parts["data"].generator.get_state())
+
+
+def test_open_resume_and_inspect_read_any_store_folder(tmp_path):
+    from exactresume.store.access import open_resume
+
+    parts = make_parts()
+    with quiet_store(tmp_path) as store:
+        for step in (1, 2):
+            advance(parts)
+            store.save(step, parts)
+    newest = tmp_path / checkpoint_name(2)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 1
+    newest.write_bytes(bytes(data))  # the newest is damaged: the one before is used
+    skipped = []
+    resumed = open_resume(tmp_path, notify=skipped.append)
+    assert (resumed.step, resumed.kind) == (1, "store") and {
+        "model",
+        "optimizer",
+        "data",
+        "rng",
+    } <= resumed.state.keys()
+    assert len(skipped) == 1 and "checksum mismatch" in skipped[0]
+    finished = call_cli("inspect", tmp_path, "--json")
+    assert finished.returncode == 0, finished.stderr
+    info = json.loads(finished.stdout)
+    assert info["kind"] == "store" and info["newest_valid_step"] == 1
+    assert [c["status"] for c in info["checkpoints"]] == ["verified", "damaged"]
+    assert set(info["checkpoints"][0]["parts"]) == {"model", "optimizer", "data", "rng"}
+    assert "a resume continues from step 1" in call_cli("inspect", tmp_path).stdout

@@ -74,7 +74,8 @@ def train_job(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from exactresume.dist.launcher import check_split, launch
+    from exactresume.parallel.launch import launch
+    from exactresume.parallel.split import check_split
     from exactresume.world import World, launched_by_torchrun
 
     argv = getattr(args, "argv", sys.argv[1:])  # main sets it; a caller of its own may not
@@ -99,7 +100,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def train_here(args: argparse.Namespace, job, world) -> int:
     """The run in this process (one rank of many under torchrun)."""
-    from exactresume.dist.replicas import process_group
+    from exactresume.parallel.replicas import process_group
     from exactresume.progress import Progress
     from exactresume.training.divergence import DivergenceLog
     from exactresume.training.job import run_job
@@ -143,8 +144,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
     train = config_from_args(args)
     if 1 <= args.stop_at < train.steps:  # else LabConfig refuses it below: start nothing for a refusal
         start_server()  # before importing torch here, so the fork server's imports overlap with ours
-    from exactresume.dist.launcher import check_split
     from exactresume.lab.lab import LabConfig, run_lab
+    from exactresume.parallel.split import check_split
     from exactresume.world import launched_by_torchrun
 
     if launched_by_torchrun():
@@ -238,14 +239,14 @@ def render_diff(summary: dict) -> list[str]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from exactresume.store.inspect import format_inspection, inspect_checkpoint
+    from exactresume.store.contents import format_inspection, inspect_checkpoint
 
     emit(args, inspect_checkpoint(args.path), lambda info: [format_inspection(info)], gap=False)
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from exactresume.store.export import ExportConfig, describe_export, export_weights, format_for
+    from exactresume.training.inference import ExportConfig, describe_export, export_weights, format_for
 
     config = ExportConfig(
         args.source,

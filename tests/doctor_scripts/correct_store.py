@@ -24,7 +24,7 @@ store = CheckpointStore(args.out, keep=2)
 parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": step}
 parts |= {"batches": GeneratorPart(batches), "rng": GlobalRng()}
 if args.resume:
-    store.restore(parts)
+    store.load(parts)
 
 while step.value < args.steps:
     rows = torch.randint(0, 64, (8,), generator=batches)

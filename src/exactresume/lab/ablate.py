@@ -34,7 +34,7 @@ from exactresume.core.data import TokenData, ensure_data, load_tokens
 from exactresume.core.epochs import TokenSamples
 from exactresume.errors import UserError
 from exactresume.report.tables import render_markdown
-from exactresume.store.resume import load_resume, restore, save_resume
+from exactresume.store.resume import read_resume, restore, save_resume
 from exactresume.store.steplog import read_samples
 from exactresume.training.loop import Run, StepRecord, build_run, train
 
@@ -177,7 +177,7 @@ def resume_variant(
     config: TrainConfig, data: TokenData, variant: Variant, folder: Path, remaining: int
 ) -> tuple[Run, list[StepRecord]]:
     """Restore the setup's resume file as the variant says, then train `remaining` steps."""
-    state = variant.degrade(load_resume(folder / "resume.pth"))
+    state = variant.degrade(read_resume(folder / "resume.pth"))
     run, records = build_run(config, data), []
     restore(state, run.parts(), skip=variant.skip)
     # Counted from the restored step: without the `step` part the run starts again at 0.

@@ -24,12 +24,12 @@ from exactresume.flags import config_flags
 from exactresume.lab import warm_start
 from exactresume.lab.record import RUN_RECORD, run_record
 from exactresume.progress import ByteProgress
-from exactresume.store.export import convert, max_logit_difference
-from exactresume.store.inspect import resume_size_breakdown
+from exactresume.store.contents import resume_size_breakdown
 from exactresume.store.lock import held_lock_env
-from exactresume.store.resume import load_resume
+from exactresume.store.resume import read_resume
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.store.weights import read_weights, save_weights
+from exactresume.training.inference import convert, max_logit_difference
 
 DETAILS = "details"  # logs the report needs beyond the files the lab text names
 DIVERGENCE_RUNS = ("noopt", "noskip")  # also step a fully restored twin and log the distance per step
@@ -144,7 +144,7 @@ def fp16_figures(config: LabConfig) -> dict:
 
 def optimizer_figures(resume_file: Path) -> dict:
     """Step 7: weight elements (lm_head.weight is the tied embedding) vs optimizer-state elements."""
-    state = load_resume(resume_file)
+    state = read_resume(resume_file)
     model_numel = sum(t.numel() for name, t in state["model"].items() if name != "lm_head.weight")
     optimizer_numel = sum(
         t.numel()

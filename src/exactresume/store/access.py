@@ -1,18 +1,18 @@
 """One way into the store and one way out, for the training job and for a loop of one's own.
 
-In: `open_resume(source)` takes a resume file, a checkpoint folder (CheckpointStore), a sharded DCP
-folder or "auto" (the newest valid checkpoint in the run's own checkpoint folder), verifies it and
-returns its state and step; `Resumed.restore(parts)` loads it into a run's parts.
+In: `open_resume(source)` takes a resume file, a checkpoint folder (any CheckpointStore's, whatever
+its parts), a sharded DCP folder or "auto" (the newest valid checkpoint in the run's own checkpoint
+folder), verifies it and returns its state and step; `Resumed.restore(parts)` loads it into the
+parts and returns that step.
 
     resumed = open_resume("auto", checkpoints="runs/a/checkpoints")   # None: nothing yet, start fresh
-    if resumed is not None:
-        resumed.restore(parts)
+    step = resumed.restore(parts) if resumed is not None else 0
 
 Out: a `Saver` is what every writer offers, `save(step, parts)`, `wait()`, `close()`, and
 `make_saver` is the one place that picks one: a CheckpointStore (synchronous), a BackgroundSaver over
-one, a sealed resume file, or a sharded DCP folder. Under many processes every rank calls `save`:
-the per-rank parts gather every rank's state and rank 0 writes, except for DCP, where every rank
-writes its own shard.
+one, a sealed resume file, or a sharded DCP folder; each keeps the step it is given. Under many
+processes every rank calls `save`: the per-rank parts gather every rank's state and rank 0 writes,
+except for DCP, where every rank writes its own shard.
 """
 
 from __future__ import annotations
@@ -26,34 +26,17 @@ from exactresume.errors import CheckpointError
 from exactresume.store.background import BackgroundSaver
 from exactresume.store.folder import CheckpointStore, print_to_stderr
 from exactresume.store.formats import is_sharded_folder, path_kind
-from exactresume.store.resume import (
-    OPTIONAL_PARTS,
-    PART_NAMES,
-    Stateful,
-    capture,
-    load_resume,
-    restore,
-    save_resume,
-    saved_world_size,
-)
+from exactresume.store.resume import capture, read_resume, restore, save_resume, saved_step, saved_world_size
 from exactresume.world import World
 
 if TYPE_CHECKING:  # DCP takes a second to import: only when a sharded folder is read
+    from torch.distributed.checkpoint.stateful import Stateful
+
     from exactresume.store.sharded import Destination
 
-__all__ = [
-    "AUTO",
-    "Resumed",
-    "Saver",
-    "is_sharded_folder",
-    "make_saver",
-    "open_resume",
-    "restore_checkpoint",
-    "save_checkpoint",
-]
+__all__ = ["AUTO", "Resumed", "Saver", "is_sharded_folder", "make_saver", "open_resume"]
 
 AUTO = "auto"  # the newest valid checkpoint in the run's checkpoint folder, or a fresh start
-REQUIRED_PARTS = tuple(name for name in PART_NAMES if name not in OPTIONAL_PARTS)
 
 
 # ---- in ---------------------------------------------------------------------------------------
@@ -73,20 +56,22 @@ class Resumed:
         """How many processes wrote it."""
         return saved_world_size(self.state)
 
-    def restore(self, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> None:
-        """Load the state into `parts`, all but `skip` (the config part first: a different run is refused)."""
+    def restore(self, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> int:
+        """Load the state into `parts`, all but `skip` (the config part first: a different run is refused);
+        the step it continues from."""
         if self.kind == "sharded":
             from exactresume.store.sharded import sharded_parts  # DCP takes a second to import: only when used
 
             parts = sharded_parts(parts)
         restore(self.state, parts, skip=skip)
+        return self.step
 
     def world_change(self, world: World) -> str | None:
         """A note when it was saved by another number of processes than `world` has."""
         saved = self.saved_world_size
         if saved == world.size:
             return None
-        if self.state["config"]["train"].get("micro_batch"):
+        if (self.state.get("config") or {}).get("train", {}).get("micro_batch"):
             return f"resuming a {saved}-process run on {world.size}: the N-independent mode, the same bits"
         return (
             f"resuming a {saved}-process run on {world.size}: the same samples; "
@@ -97,13 +82,14 @@ class Resumed:
 def open_resume(
     source: Path | str,
     checkpoints: Path | str | None = None,
-    needs: Collection[str] = REQUIRED_PARTS,
+    needs: Collection[str] = (),
     notify: Callable[[str], None] = print_to_stderr,
     destination: Destination | None = None,
 ) -> Resumed | None:
     """Verify and read `source`: a resume file, a sharded folder, a checkpoint folder, or AUTO.
 
-    A checkpoint folder gives its newest checkpoint that verifies and holds every part in `needs`;
+    A checkpoint folder gives its newest checkpoint that verifies and holds every part in `needs` (any
+    complete checkpoint when `needs` is empty);
     the damaged ones skipped on the way are passed to `notify`. AUTO reads the folder `checkpoints`
     (a run's own) the same way, and gives None when it holds no valid checkpoint: a fresh start.
     Anything else that is not a complete resume state raises a one-line CheckpointError.
@@ -120,10 +106,17 @@ def open_resume(
     if kind == "sharded":
         from exactresume.store.sharded import load_sharded
 
-        state = load_sharded(path, destination)
-        return Resumed(state, int(state["step"]), path, "sharded")
-    state = load_resume(path)  # a missing path, safetensors or any torch file: refused with its reason
-    return Resumed(state, int(state["step"]), path, "file")
+        state = load_sharded(path, destination, needs)
+        return Resumed(state, _step_of(path, state), path, "sharded")
+    state = read_resume(path, needs)  # a missing path, safetensors or any torch file: refused with its reason
+    return Resumed(state, _step_of(path, state), path, "file")
+
+
+def _step_of(path: Path, state: dict) -> int:
+    step = saved_step(state)
+    if step is None:
+        raise CheckpointError(f"{path}: holds no step (neither checkpoint_step nor a step part)")
+    return step
 
 
 def _newest_in(folder: Path, needs: Collection[str], notify, required: bool) -> Resumed | None:
@@ -141,17 +134,6 @@ def _newest_in(folder: Path, needs: Collection[str], notify, required: bool) -> 
         return None
     checkpoint, state = found
     return Resumed(state, checkpoint.step, checkpoint.path, "store")
-
-
-def restore_checkpoint(
-    path: Path, parts: Mapping[str, Stateful], skip: Collection[str], world: World, log=print
-) -> None:
-    """Verify and load a resume file, sharded folder or checkpoint folder into `parts` (all but `skip`)."""
-    resumed = open_resume(path, needs=[name for name in parts if name not in skip])
-    resumed.restore(parts, skip=skip)
-    note = resumed.world_change(world)
-    if note and world.is_main:
-        log(note)
 
 
 # ---- out --------------------------------------------------------------------------------------
@@ -176,14 +158,13 @@ class _SavesAtOnce:
 
 
 class ResumeFileSaver(_SavesAtOnce):
-    """A sealed resume file at one path, replaced by each save; the file holds the step as its `step` part."""
+    """A sealed resume file at one path, replaced by each save."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
 
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
-        save_resume(self.path, parts)
-        return self.path
+        return save_resume(self.path, parts, step)
 
 
 class ShardedSaver(_SavesAtOnce):
@@ -195,7 +176,7 @@ class ShardedSaver(_SavesAtOnce):
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
         from exactresume.store.sharded import save_sharded
 
-        save_sharded(self.path, parts, self.world)
+        save_sharded(self.path, parts, self.world, step)
         return self.path
 
 
@@ -210,7 +191,7 @@ class MainRankSaver:
         if self.world.is_main:
             path = self.writer.save(step, parts)
         else:
-            capture(parts)  # takes part in gathering the per-rank parts; the state itself is not needed
+            capture(parts, step)  # takes part in gathering the per-rank parts; the state itself is not needed
         self.world.barrier()
         return path
 
@@ -233,9 +214,3 @@ def make_saver(
     else:
         writer = ResumeFileSaver(destination)
     return writer if world.size == 1 else MainRankSaver(writer, world)
-
-
-def save_checkpoint(path: Path, parts: Mapping[str, Stateful], world: World, sharded: bool) -> None:
-    """Every rank calls this: a sealed resume file written by rank 0, or a DCP folder of every rank's shard."""
-    step = parts["step"].state_dict() if "step" in parts else 0  # a file holds its step as a part
-    make_saver(path, world, sharded=sharded).save(step, parts)

@@ -35,12 +35,14 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from exactresume.store.folder import CheckpointStore, snapshot
-from exactresume.store.resume import Stateful
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 
 class BackgroundSaveFailed(Exception):
@@ -160,7 +162,7 @@ class BackgroundSaver:
 
     def _hook_optimizers(self, parts: Mapping[str, Stateful]) -> None:
         for part in parts.values():
-            optimizer = getattr(part, "part", part)  # a part may wrap its object (distributed.PerRank)
+            optimizer = getattr(part, "part", part)  # a part may wrap its object (resume.PerRank)
             if isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in self._hooked:
                 optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.wait_for_copy())
                 self._hooked.add(id(optimizer))

@@ -1,7 +1,7 @@
 """A folder of numbered checkpoints that survives kill -9, full disks and damaged files.
 
     store = CheckpointStore("runs/a/checkpoints", keep=3)
-    step = store.restore(parts)    # newest valid checkpoint into `parts`; 0 when there is none
+    step = store.load(parts)       # newest valid checkpoint into `parts`: its step, or None when there is none
     store.save(step, parts)        # FOLDER/step-00000030.pth, durable and verified; older ones pruned
 
 `parts` maps names to objects with `state_dict()` / `load_state_dict()` (a model, an optimizer, a
@@ -17,12 +17,13 @@ so a kill at any moment leaves either no new file or a complete one, and older c
 deleted only after the new one is durable and reads back with the right checksum. `restore` walks
 from the newest checkpoint down and skips (and reports) any file that is damaged, foreign or from an
 interrupted copy. One process writes a store; that process removes `.tmp` leftovers of a crashed
-save when it restores.
+save when it loads.
 
-One writer per folder is enforced: the first save, or a restore that cleans up, locks the folder
+One writer per folder is enforced: the first save, or a load that cleans up, locks the folder
 (lock.py) until `close()` (or the end of a `with` block, or of the process); a second store writing
-the same folder, in this process or another, is refused with a UserError naming the holder.
-Listing and `load_newest` take no lock.
+the same folder, in this process or another, is refused with a UserError naming the holder. A store
+inside a folder its caller has locked already (a training job's output folder) is given that lock
+(`lock=`) and takes none of its own. Listing and `load_newest` take no lock.
 """
 
 from __future__ import annotations
@@ -35,21 +36,20 @@ import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
 from exactresume.errors import CheckpointError, ReadBackError
 from exactresume.store.faults import FaultPoints
-from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format
 from exactresume.store.lock import FolderLock
-from exactresume.store.resume import Stateful, capture
-from exactresume.store.resume import restore as restore_parts
+from exactresume.store.resume import STEP_KEY, capture, check_resume_state, restore
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 from exactresume.store.sealed import load_sealed, verify, write_sealed
 
-STEP_KEY = "checkpoint_step"  # beside the parts in every store checkpoint: the step it was saved at
-RESERVED_NAMES = ("format", "version", STEP_KEY)
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})\.pth$")
 
 
@@ -73,12 +73,18 @@ class Checkpoint:
 class CheckpointStore:
     """Numbered checkpoints in one folder: save, list, restore the newest valid one, keep the newest `keep`."""
 
-    def __init__(self, folder: Path | str, keep: int | None = 3, notify: Callable[[str], None] = print_to_stderr):
+    def __init__(
+        self,
+        folder: Path | str,
+        keep: int | None = 3,
+        notify: Callable[[str], None] = print_to_stderr,
+        lock: FolderLock | None = None,
+    ):
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), got {keep}")
         self.folder, self.keep, self.notify = Path(folder), keep, notify
         self.faults = FaultPoints.from_environment()
-        self.lock: FolderLock | None = None
+        self.lock, self.owns_lock = lock, lock is None  # a caller's lock on a folder that holds this one
 
     def hold_lock(self) -> None:
         """Lock the folder for this store's writes (at once if it is free, else UserError)."""
@@ -87,7 +93,7 @@ class CheckpointStore:
 
     def close(self) -> None:
         """Let another store write the folder (the Saver interface's end)."""
-        if self.lock is not None:
+        if self.lock is not None and self.owns_lock:
             self.lock.release()
             self.lock = None
 
@@ -204,8 +210,8 @@ class CheckpointStore:
                 self.notify(f"skipping damaged checkpoint {error}")
         return None
 
-    def restore(self, parts: Mapping[str, Stateful], skip: Collection[str] = (), clean: bool = True) -> int:
-        """Load the newest valid checkpoint into `parts` (except `skip`); its step, or 0 when there is none.
+    def load(self, parts: Mapping[str, Stateful], skip: Collection[str] = (), clean: bool = True) -> int | None:
+        """Load the newest valid checkpoint into `parts` (except `skip`): its step, or None when there is none.
 
         With `clean` (the writer) it first locks the folder and removes `.tmp` leftovers; without (a
         reader, such as another rank of a run whose rank 0 writes) it takes no lock.
@@ -217,9 +223,9 @@ class CheckpointStore:
             self.remove_leftovers()
         found = self.load_newest([name for name in parts if name not in skip])
         if found is None:
-            return 0
+            return None
         checkpoint, state = found
-        restore_parts(state, parts, skip=skip)
+        restore(state, parts, skip=skip)
         return checkpoint.step
 
 
@@ -229,21 +235,14 @@ def snapshot(step: int, parts: Mapping[str, Stateful]) -> dict:
     The tensors are references to the live ones, not copies: fine while `save` runs before the next
     step; a writer in the background works on a copy (background.py).
     """
-    reserved = [name for name in parts if name in RESERVED_NAMES]
-    if reserved:
-        raise ValueError(f"part names {reserved} are reserved in a checkpoint")
-    return capture(parts) | {STEP_KEY: step}
+    return capture(parts, step)
 
 
 def check_checkpoint(checkpoint: Checkpoint, state: Any, names: Collection[str]) -> dict:
-    """Raise CheckpointError unless `state` is a store checkpoint of `checkpoint.step` holding `names`."""
-    path = checkpoint.path
-    check_format(path, state, RESUME_FORMAT, RESUME_VERSIONS, "an exactresume checkpoint")
+    """`state` as a store checkpoint of `checkpoint.step` holding `names`, else CheckpointError."""
+    state = check_resume_state(checkpoint.path, state, names)
     if state.get(STEP_KEY) != checkpoint.step:
-        raise CheckpointError(f"{path}: holds step {state.get(STEP_KEY)}, not the step its name says")
-    missing = [name for name in names if name not in state]
-    if missing:
-        raise CheckpointError(f"{path}: lacks the parts {', '.join(missing)}")
+        raise CheckpointError(f"{checkpoint.path}: holds step {state.get(STEP_KEY)}, not the step its name says")
     return state
 
 

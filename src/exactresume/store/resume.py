@@ -16,45 +16,40 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from exactresume.errors import CheckpointError
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, RESUME_VERSIONS, check_format
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.world import World
 
+if TYPE_CHECKING:  # PyTorch's own part protocol, DCP's: importing DCP costs a second, so only for types
+    from torch.distributed.checkpoint.stateful import Stateful
+
 # config first: a resume file from a different run is refused before anything is overwritten.
 PART_NAMES = ("config", "model", "optimizer", "scaler", "step", "gen_state", "rng")
 OPTIONAL_PARTS = ("scaler",)  # held only by runs that have one; the config says which
-# Parts whose state may differ between ranks, so each rank's is kept.
-PER_RANK_PARTS = ("gen_state", "rng")
-# Every rank draws the same global batch, so the batch generator's state is saved once, as one
-# process saves it (the lab's `gen_state`), unless the ranks disagree.
-ONCE_WHEN_EQUAL = ("gen_state",)
+STEP_KEY = "checkpoint_step"  # beside the parts in every file: the step it was saved at
+RESERVED_NAMES = ("format", "version", STEP_KEY)  # our own keys: no part may take them
 PER_RANK_KEY = "per_rank"
 
 
-class Stateful(Protocol):
-    """What a part is: PyTorch's own state_dict / load_state_dict protocol."""
-
-    def state_dict(self) -> Any: ...
-    def load_state_dict(self, state: Any) -> None: ...
-
-
-def capture(parts: Mapping[str, Stateful]) -> dict:
-    """The resume state of `parts` as one dict: tensors and plain Python values only."""
-    return {"format": RESUME_FORMAT, "version": RESUME_VERSION} | {
-        name: part.state_dict() for name, part in parts.items()
-    }
+def capture(parts: Mapping[str, Stateful], step: int | None = None) -> dict:
+    """The resume state of `parts` (and the step it is saved at) as one dict: tensors and plain values only."""
+    for name, part in parts.items():
+        if name in RESERVED_NAMES:
+            raise ValueError(f"the part name {name!r} is reserved in a resume file")
+        if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
+            raise TypeError(f"part {name!r} ({type(part).__name__}) has no state_dict() / load_state_dict()")
+    header = {"format": RESUME_FORMAT, "version": RESUME_VERSION} | ({STEP_KEY: step} if step is not None else {})
+    return header | {name: part.state_dict() for name, part in parts.items()}
 
 
 def restore(state: Mapping, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> None:
-    """Load every part of `state` into `parts`, except those named in `skip`."""
-    unknown = set(skip) - set(PART_NAMES)
+    """Load every part of `state` into `parts`, except those named in `skip` (the config part first)."""
+    unknown = set(skip) - set(parts)
     if unknown:
-        raise ValueError(f"cannot skip unknown parts {sorted(unknown)}")
+        raise ValueError(f"cannot skip parts that are not given: {sorted(unknown)}")
     ordered = [name for name in PART_NAMES if name in parts] + [name for name in parts if name not in PART_NAMES]
     for name in ordered:
         if name not in skip:
@@ -63,58 +58,73 @@ def restore(state: Mapping, parts: Mapping[str, Stateful], skip: Collection[str]
             parts[name].load_state_dict(state[name])
 
 
-def save_resume(path: Path, parts: Mapping[str, Stateful]) -> None:
-    """Write the resume file atomically, with its checksum."""
-    save_sealed(path, capture(parts))
+def saved_step(state: Mapping) -> int | None:
+    """The step a state was saved at: its `checkpoint_step`, or in older files the `step` part."""
+    step = state.get(STEP_KEY, state.get("step"))
+    return int(step) if isinstance(step, int) else None
 
 
-def check_resume_state(path: Path, state: object) -> dict:
-    """Raise CheckpointError unless `state` is a complete resume file of a version we read."""
+def save_resume(path: Path, parts: Mapping[str, Stateful], step: int | None = None) -> Path:
+    """Write `parts` (saved at `step`) as one resume file, atomically, with its checksum; returns `path`."""
+    save_sealed(Path(path), capture(parts, step))
+    return Path(path)
+
+
+def load_resume(path: Path, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> int | None:
+    """Verify the resume file at `path` and load it into `parts` (all but `skip`); the step it was saved at."""
+    state = read_resume(path, needs=[name for name in parts if name not in skip])
+    restore(state, parts, skip)
+    return saved_step(state)
+
+
+def check_resume_state(path: Path, state: object, needs: Collection[str] = ()) -> dict:
+    """`state` as this release reads it, or CheckpointError unless it is a resume state of a version we
+    read holding the parts `needs`."""
     check_format(path, state, RESUME_FORMAT, RESUME_VERSIONS, "a resume file")
-    missing = [name for name in PART_NAMES if name not in state and name not in OPTIONAL_PARTS]
+    missing = [name for name in needs if name not in state]
     if missing:
         raise CheckpointError(f"{path} lacks the parts {', '.join(missing)}")
+    return generator_saved_once(state)
+
+
+def generator_saved_once(state: dict) -> dict:
+    """A state of version 1 or 2 from many processes kept the batch generator per rank; it is the same
+    on every rank, and is now saved once, as one process saves it."""
+    generator = state.get("gen_state")
+    if state.get("version", RESUME_VERSION) < 3 and isinstance(generator, dict) and PER_RANK_KEY in generator:
+        return state | {"gen_state": generator[PER_RANK_KEY][0]}
     return state
 
 
-def load_resume(path: Path) -> dict:
-    """Verify the checksum, load with weights_only=True, and check it is a complete resume file."""
-    return check_resume_state(path, load_sealed(Path(path)))
+def read_resume(path: Path, needs: Collection[str] = ()) -> dict:
+    """The verified state of a resume file (checksum first, then weights_only=True), restored nowhere."""
+    return check_resume_state(path, load_sealed(Path(path)), needs)
+
+
+def is_per_rank(part: Stateful) -> bool:
+    """A part whose state may differ between ranks says so with `per_rank = True` (our RNG part does)."""
+    return getattr(part, "per_rank", False) is True
 
 
 class PerRank:
-    """A part saved as the list of every rank's state, and restored from this rank's entry.
+    """A per-rank part saved as the list of every rank's state, and restored from this rank's entry.
 
-    One process saves its plain state, so single-process resume files keep their layout, and so does
-    a part saved `once_when_equal` whose state every rank shares. On resume
+    One process saves its plain state, so single-process resume files keep their layout. On resume
     with a different N, rank r takes saved rank r's state, or rank 0's when the run had fewer ranks:
-    the batch generator is the same on every rank, so the samples stay exact; the RNG streams of
-    ranks that did not exist start as rank 0's (they only matter for random draws such as dropout).
+    the RNG streams of ranks that did not exist start as rank 0's (they only matter for random draws
+    such as dropout).
     """
 
-    def __init__(self, part: Stateful, world: World, once_when_equal: bool = False):
-        self.part, self.world, self.once_when_equal = part, world, once_when_equal
+    def __init__(self, part: Stateful, world: World):
+        self.part, self.world = part, world
 
     def state_dict(self) -> Any:
         states = self.world.gather(self.part.state_dict())
-        if len(states) == 1 or self.once_when_equal and all(same_state(states[0], other) for other in states[1:]):
-            return states[0]
-        return {PER_RANK_KEY: states}
+        return states[0] if len(states) == 1 else {PER_RANK_KEY: states}
 
     def load_state_dict(self, state: Any) -> None:
         states = saved_states(state)
         self.part.load_state_dict(states[self.world.rank] if self.world.rank < len(states) else states[0])
-
-
-def same_state(a: Any, b: Any) -> bool:
-    """Two nested states hold the same values: tensors `torch.equal` (same dtype and shape), the rest `==`."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_state(a[key], b[key]) for key in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))
-    return type(a) is type(b) and a == b
 
 
 def saved_states(state: Any) -> list:
@@ -123,13 +133,12 @@ def saved_states(state: Any) -> list:
 
 
 def saved_world_size(state: Mapping) -> int:
-    """How many processes wrote a resume state."""
-    return len(saved_states(state["rng"]))
+    """How many processes wrote a resume state: the length of its per-rank parts' lists, else 1."""
+    return max((len(saved_states(value)) for value in state.values()), default=1)
 
 
 def per_rank(parts: Mapping[str, Stateful], world: World) -> dict[str, Stateful]:
-    """`parts` with the per-rank ones wrapped so a resume file keeps every rank's state."""
-    return {
-        name: PerRank(part, world, once_when_equal=name in ONCE_WHEN_EQUAL) if name in PER_RANK_PARTS else part
-        for name, part in parts.items()
-    }
+    """`parts` as every rank saves and restores them: a per-rank part keeps every rank's state."""
+    if world.size == 1:
+        return dict(parts)
+    return {name: PerRank(part, world) if is_per_rank(part) else part for name, part in parts.items()}

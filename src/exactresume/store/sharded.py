@@ -25,7 +25,7 @@ import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +36,12 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from exactresume.atomic import fsync_path, tmp_path
 from exactresume.errors import CheckpointError
 from exactresume.store.formats import check_format
-from exactresume.store.resume import Stateful, capture, check_resume_state
+from exactresume.store.resume import capture, check_resume_state
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.world import World
 
@@ -94,10 +95,10 @@ def sharded_parts(parts: Mapping[str, Stateful]) -> dict[str, Stateful]:
 # ---- saving -----------------------------------------------------------------------------------
 
 
-def save_sharded(folder: Path, parts: Mapping[str, Stateful], world: World) -> None:
-    """Every rank writes its shard into FOLDER.tmp/; rank 0 commits it and puts it at `folder`."""
+def save_sharded(folder: Path, parts: Mapping[str, Stateful], world: World, step: int | None = None) -> None:
+    """Every rank writes its shard (saved at `step`) into FOLDER.tmp/; rank 0 commits it and puts it at `folder`."""
     staging = tmp_path(folder)
-    state = capture(sharded_parts(parts))
+    state = capture(sharded_parts(parts), step)
     if world.is_main:
         shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
         staging.mkdir(parents=True)
@@ -197,7 +198,7 @@ def verify_sharded(folder: Path) -> dict:
 Destination = Callable[[tuple, torch.Size], torch.Tensor | None]
 
 
-def load_sharded(folder: Path, destination: Destination | None = None) -> dict:
+def load_sharded(folder: Path, destination: Destination | None = None, needs: Collection[str] = ()) -> dict:
     """Verify, then read the sharded checkpoint into a resume state dict (as load_resume returns).
 
     Each tensor is read whole into a new tensor, or into what `destination` gives for it.
@@ -220,7 +221,7 @@ def load_sharded(folder: Path, destination: Destination | None = None) -> dict:
     except Exception as error:  # DCP's many refusals of an inconsistent folder
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{folder}: not a loadable sharded checkpoint ({reason[:200]})") from None
-    return check_resume_state(folder, unflatten(flat, paths))
+    return check_resume_state(folder, unflatten(flat, paths), needs)
 
 
 def _target(item: Any, path: tuple, destination: Destination | None) -> Any:

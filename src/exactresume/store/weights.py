@@ -2,7 +2,8 @@
 
 `read_weights` accepts a weights file or a resume file, sealed by us or plain (MiniMind's own
 `.pth` files), a safetensors file (`exactresume export`) or a sharded resume folder (`--sharded`), in
-fp32, fp16 or bf16, and returns the state dict with the config when the file records one.
+fp32, fp16 or bf16, and returns the state dict with the config when the file records one. Building a
+model from a file is the training layer's (training/inference.py `load_model`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from pathlib import Path
 import torch
 
 from exactresume.config import ModelConfig
-from exactresume.core.model import MiniMindLM, model_from_state_dict
 from exactresume.errors import CheckpointError
 from exactresume.store.formats import content_kind, path_kind
 from exactresume.store.resume import check_resume_state
@@ -46,9 +46,3 @@ def read_weights(path: Path) -> tuple[StateDict, ModelConfig | None]:
     if content_kind(obj) == "weights":
         return obj, config
     raise CheckpointError(f"{path} holds no MiniMind model weights")
-
-
-def load_model(path: str | Path) -> MiniMindLM:
-    """Load a weights file or a resume file (fp32, fp16 or bf16) as an fp32 model in eval mode."""
-    state_dict, config = read_weights(Path(path))
-    return model_from_state_dict(state_dict, config)

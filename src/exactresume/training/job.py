@@ -24,9 +24,9 @@ from pathlib import Path
 from exactresume.atomic import ensure_writable_folder, tmp_path
 from exactresume.config import TrainConfig, check_stop_at
 from exactresume.core.data import load_tokens
-from exactresume.dist.fsdp import full_parts, shard_destinations
-from exactresume.dist.replicate import replicate
 from exactresume.errors import UserError
+from exactresume.parallel.fsdp import full_parts, shard_destinations
+from exactresume.parallel.replicate import replicate
 from exactresume.store.access import AUTO, open_resume
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.resume import per_rank

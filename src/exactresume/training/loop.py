@@ -17,6 +17,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,12 +27,14 @@ from exactresume.core.batches import RandomWindows
 from exactresume.core.data import TokenData
 from exactresume.core.epochs import EpochLoader
 from exactresume.core.model import MiniMindLM
-from exactresume.dist.exact import ExactReplicas, micro_batch_seed
-from exactresume.dist.replicas import OneProcess, Replicas
-from exactresume.store.resume import Stateful
+from exactresume.parallel.exact import ExactReplicas, micro_batch_seed
+from exactresume.parallel.replicas import OneProcess, Replicas
 from exactresume.training.device import loss_scaler, precision_context, training_device
 from exactresume.training.parts import GlobalRng, RunIdentity, StepCounter
 from exactresume.world import World
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 0) -> float:

@@ -1,7 +1,8 @@
 """The small stateful parts of a run that are not a model or an optimizer.
 
-Each has `state_dict()` / `load_state_dict()` (the protocol of torch's optimizers, DCP and
-torchdata), so a checkpoint is just a table of named parts.
+Each has `state_dict()` / `load_state_dict()` (PyTorch's `Stateful`: the protocol of torch's
+optimizers, DCP and torchdata), so a checkpoint is just a table of named parts. A part whose state
+differs between processes says so with `per_rank = True`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ class StepCounter:
 
 
 class GeneratorPart:
-    """A torch.Generator as a part: its state is the position of whatever it draws (batches, noise)."""
+    """A torch.Generator as a part: its state is the position of whatever it draws (batches, noise).
 
-    def __init__(self, generator: torch.Generator):
-        self.generator = generator
+    Under many processes `per_rank=True` keeps every rank's state (each rank draws its own stream);
+    the default saves rank 0's, for a generator every rank draws alike (the whole global batch).
+    """
+
+    def __init__(self, generator: torch.Generator, per_rank: bool = False):
+        self.generator, self.per_rank = generator, per_rank
 
     def state_dict(self) -> torch.Tensor:
         return self.generator.get_state()
@@ -42,7 +47,11 @@ class GeneratorPart:
 
 
 class GlobalRng:
-    """torch (CPU and CUDA), numpy and python `random` states: dropout masks and any other draw."""
+    """torch (CPU and CUDA), numpy and python `random` states: dropout masks and any other draw.
+
+    Each process has its own, so under many processes every rank's state is kept (`per_rank`)."""
+
+    per_rank = True
 
     def state_dict(self) -> dict:
         kind, keys, position, has_gauss, cached_gauss = np.random.get_state()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from exactresume.dist.fsdp import full_model_state, full_parts
+from exactresume.parallel.fsdp import full_model_state, full_parts
 from exactresume.store.access import make_saver
 from exactresume.store.background import BackgroundSaveFailed, BackgroundSaver
 from exactresume.store.folder import CheckpointStore

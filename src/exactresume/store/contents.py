@@ -28,7 +28,8 @@ import torch
 
 from exactresume.errors import CheckpointError
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format, content_kind, path_kind
-from exactresume.store.resume import load_resume
+from exactresume.store.listing import format_listing, list_checkpoints
+from exactresume.store.resume import RESERVED_NAMES, read_resume
 from exactresume.store.safetensors_weights import DIGEST_KEY, load_verified, tied_names
 from exactresume.store.sealed import load_sealed, read_seal
 
@@ -101,7 +102,7 @@ def _weights_kind(state_dict: dict) -> str:
 def _describe_torch(obj: Any) -> dict:
     kind = content_kind(obj)
     if kind == "resume":
-        parts = {name: summarize(value) for name, value in obj.items() if name not in ("format", "version")}
+        parts = {name: summarize(value) for name, value in obj.items() if name not in RESERVED_NAMES}
         model = obj.get("model") if isinstance(obj.get("model"), dict) else {}
         return {
             "kind": "resume",
@@ -222,7 +223,7 @@ def inspect_checkpoint(path: Path) -> dict:
     if kind == "missing":
         raise CheckpointError(f"cannot read {path}: No such file or directory")
     if kind == "folder":
-        raise CheckpointError(f"{path} is a folder holding no sharded checkpoint (inspect one of its files)")
+        return list_checkpoints(path, summarize)
     if kind == "sharded":
         info = _inspect_sharded(path)
     else:
@@ -241,7 +242,7 @@ def inspect_checkpoint(path: Path) -> dict:
 
 def resume_size_breakdown(path: Path) -> dict:
     """A resume file's bytes split into fp32 weights, optimizer moments (tensors of 1+ dims) and the rest."""
-    state = load_resume(Path(path))
+    state = read_resume(Path(path))
     weights = summarize(state["model"])["bytes"]
     moments = summarize(state["optimizer"], min_dim=1)["bytes"]
     file_bytes = Path(path).stat().st_size
@@ -285,6 +286,8 @@ def _config_lines(config: dict | None) -> list[str]:
 
 def format_inspection(info: dict) -> str:
     """The human view of `inspect_checkpoint`'s result: header lines, then one row per part."""
+    if info["kind"] == "store":
+        return format_listing(info)
     lines = [f"{info['path']}: {info['description']}", f"  checksum   {CHECKSUM_TEXT[info['checksum']]}"]
     if info.get("commit"):
         lines.append(f"  commit     {info['commit']}: {COMMIT_TEXT[info['commit']].format(**info)}")

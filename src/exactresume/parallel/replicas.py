@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from exactresume.config import TrainConfig
 from exactresume.core.batches import Batch, micro_batches
-from exactresume.dist.exact import MicroStep
+from exactresume.parallel.exact import MicroStep
 from exactresume.world import World
 
 

@@ -8,10 +8,10 @@ run's one-process replica for the one its config asks for.
 from __future__ import annotations
 
 from exactresume.core.epochs import EpochLoader
-from exactresume.dist.exact import ExactReplicas
-from exactresume.dist.launcher import check_process_count, check_split
-from exactresume.dist.replicas import Replicas
 from exactresume.errors import UserError
+from exactresume.parallel.exact import ExactReplicas
+from exactresume.parallel.replicas import Replicas
+from exactresume.parallel.split import check_process_count, check_split
 from exactresume.world import World
 
 
@@ -37,7 +37,7 @@ def replicate(run, world: World) -> None:
             f"{world.size} processes; choose another --batch"
         )
     if config.shard == "fsdp":
-        from exactresume.dist.fsdp import ShardedReplicas  # FSDP2 costs half a second to import
+        from exactresume.parallel.fsdp import ShardedReplicas  # FSDP2 costs half a second to import
 
         run.replicas = ShardedReplicas(run.model, run.optimizer, world)
     else:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exactresume.dist.replicas import DataParallel
-from exactresume.store.resume import Stateful
+from exactresume.parallel.replicas import DataParallel
 from exactresume.world import World
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 # FSDP2 and DCP's state-dict helpers take half a second to import; a run without --shard fsdp never does.
 FSDP_MODULE = "torch.distributed.fsdp"

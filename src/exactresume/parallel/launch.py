@@ -3,7 +3,7 @@
     exactresume train ... --nproc 2
     = python -m torch.distributed.run --standalone --nproc-per-node 2 -m exactresume.cli -- train ... --nproc 2
 
-Each process finds its rank in the environment torchrun sets (distributed.World.from_env) and
+Each process finds its rank in the environment torchrun sets (world.World.from_env) and
 ignores --nproc. This file does not import torch, so the process that only launches stays light.
 A user's mistake is met by every rank alike; the launcher prints it once, as one line, with the
 rank's exit code (2, or 74 for a disk that refused a write), instead of torchrun's failure report.
@@ -24,64 +24,13 @@ import subprocess
 import sys
 from collections.abc import Collection, Iterator
 
-from exactresume.errors import UserError
-
 # The line every rank prints for a user's mistake or an interrupt (cli.main).
 ERROR_LINE = re.compile(r"^exactresume \w+: (error: .*|interrupted|stopped by .* after step \d+.*)$")
 # torchrun's failure report names the first failed rank's exit code.
 EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
 PREEMPTED_EXIT = 75  # preemption.PREEMPTED_EXIT (that module is not imported here)
-# DDP's note that find_unused_parameters found none: we set it on purpose (distributed.Replicas).
+# DDP's note that find_unused_parameters found none: we set it on purpose (replicas.Replicas).
 EXPECTED_NOTE = "find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters"
-
-
-def check_batch_split(batch: int, nproc: int, grad_accum: int = 1) -> None:
-    """Refuse a global batch that N processes (and their micro-batches) cannot share evenly.
-
-    The launcher calls it before relaunching and every rank when it makes its replica
-    (distributed.World.replicate), so a hand-started torchrun meets the same line.
-    """
-    if nproc < 1:
-        raise UserError(f"--nproc must be at least 1, got {nproc}")
-    if batch % nproc:
-        raise UserError(f"--batch {batch} is not divisible by {nproc} processes; the global batch is split evenly")
-    if grad_accum >= 1 and (batch // nproc) % grad_accum:  # grad_accum < 1 is TrainConfig's refusal
-        raise UserError(
-            f"--batch {batch} on {nproc} processes leaves {batch // nproc} sequences per process, "
-            f"not a multiple of --grad-accum {grad_accum}"
-        )
-
-
-def allowed_process_counts(micro_batches: int) -> list[int]:
-    """The N a step of `micro_batches` micro-batches can run on: one process, or N blocks of 2^k micro-batches."""
-    return [
-        n
-        for n in range(1, micro_batches + 1)
-        if n == 1 or (micro_batches % n == 0 and _power_of_two(micro_batches // n))
-    ]
-
-
-def check_process_count(micro_batch: int, nproc: int, rows: int) -> None:
-    """Refuse an N that would change the order of the tree's additions over a batch of `rows` sequences."""
-    count = rows // micro_batch
-    if nproc not in allowed_process_counts(count):
-        allowed = ", ".join(map(str, allowed_process_counts(count)))
-        raise UserError(
-            f"--micro-batch {micro_batch}: a batch of {rows} sequences makes {count} micro-batches, "
-            f"which {nproc} processes cannot share in power-of-two blocks; use --nproc {allowed}"
-        )
-
-
-def _power_of_two(value: int) -> bool:
-    return value > 0 and value & (value - 1) == 0
-
-
-def check_split(batch: int, nproc: int, grad_accum: int = 1, micro_batch: int = 0) -> None:
-    """The launcher's check before it starts N processes: the batch splits as the run's mode needs."""
-    if micro_batch:
-        check_process_count(micro_batch, nproc, batch)
-    else:
-        check_batch_split(batch, nproc, grad_accum)
 
 
 def launch_command(argv: Collection[str], nproc: int) -> list[str]:

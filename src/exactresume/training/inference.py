@@ -1,5 +1,6 @@
-"""Inference weights from a resume or weights file: `exactresume export`.
+"""Weights for inference: any of our files loaded as a model, and `exactresume export`.
 
+    model = load_model("runs/lab/resume.pth")   # weights or resume file, ours or MiniMind's: an fp32 model
     exactresume export runs/lab/resume.pth --dtype fp16 --format safetensors -o model.safetensors
 
 Only the model's weights leave: no optimizer, step or generator state (those are for resuming,
@@ -19,10 +20,10 @@ import numpy as np
 import torch
 
 from exactresume.atomic import ensure_writable_folder
-from exactresume.core.model import model_from_state_dict
+from exactresume.core.model import MiniMindLM, model_from_state_dict
 from exactresume.errors import UserError
 from exactresume.store.safetensors_weights import save_safetensors
-from exactresume.store.weights import load_model, read_weights, save_weights
+from exactresume.store.weights import read_weights, save_weights
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 FORMATS = ("pt", "safetensors")
@@ -30,6 +31,12 @@ FP16_MAX = torch.finfo(torch.float16).max  # 65504.0
 CHECK_TOKENS = 128  # the lab's fp16 check uses the first 128 tokens of val.npy too
 
 StateDict = dict[str, torch.Tensor]
+
+
+def load_model(path: str | Path) -> MiniMindLM:
+    """Load a weights file or a resume file (fp32, fp16 or bf16) as an fp32 model in eval mode."""
+    state_dict, config = read_weights(Path(path))
+    return model_from_state_dict(state_dict, config)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,76 @@
+"""A checkpoint folder's checkpoints, each verified and described: `exactresume inspect FOLDER`.
+
+Any CheckpointStore's folder, whatever its parts (`train --save-every`'s, or a loop of one's own):
+every `step-*.pth` is read as `--resume FOLDER` reads it (checksum first, then weights_only), and
+reported with its step, its parts and their sizes, or with the reason it is refused. The newest
+checkpoint that verifies is the one a resume from the folder continues from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from exactresume.errors import CheckpointError
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.resume import RESERVED_NAMES, check_resume_state
+from exactresume.store.sealed import load_sealed
+
+
+def _checkpoint(step: int, path: Path, summarize) -> dict:
+    try:
+        state = check_resume_state(path, load_sealed(path))
+    except CheckpointError as error:
+        return {"step": step, "path": str(path), "status": "damaged", "problem": str(error), "parts": {}}
+    parts = {name: summarize(value) for name, value in state.items() if name not in RESERVED_NAMES}
+    found = state.get("checkpoint_step")
+    status = "verified" if found == step else "damaged"
+    problem = None if found == step else f"{path}: holds step {found}, not the step its name says"
+    return {"step": step, "path": str(path), "status": status, "problem": problem, "parts": parts}
+
+
+def list_checkpoints(folder: Path, summarize) -> dict:
+    """The folder's checkpoints (oldest first), each verified; `summarize(value)` sizes one part."""
+    store = CheckpointStore(folder, keep=None, notify=lambda message: None)
+    found = store.checkpoints()
+    if not found:
+        leftovers = store.leftovers()
+        detail = f": only {len(leftovers)} .tmp leftover(s) of interrupted saves" if leftovers else ""
+        raise CheckpointError(f"{folder} is a folder holding no checkpoint (step-*.pth) and no sharded one{detail}")
+    checkpoints = [_checkpoint(c.step, c.path, summarize) for c in found]
+    for checkpoint, file in zip(checkpoints, found):
+        checkpoint["file_bytes"] = file.path.stat().st_size
+    valid = [c["step"] for c in checkpoints if c["status"] == "verified"]
+    return {
+        "path": str(folder),
+        "kind": "store",
+        "description": _description(checkpoints, valid),
+        "checksum": "verified" if len(valid) == len(checkpoints) else "mismatch",
+        "newest_valid_step": valid[-1] if valid else None,
+        "leftovers": [str(path) for path in store.leftovers()],
+        "checkpoints": checkpoints,
+    }
+
+
+def _description(checkpoints: list[dict], valid: list[int]) -> str:
+    count = f"{len(checkpoints)} checkpoint" + ("s" if len(checkpoints) != 1 else "")
+    damaged = len(checkpoints) - len(valid)
+    newest = f"a resume continues from step {valid[-1]}" if valid else "none verifies: a resume is refused"
+    return f"checkpoint folder: {count}" + (f", {damaged} damaged" if damaged else "") + f"; {newest}"
+
+
+def format_listing(info: dict[str, Any]) -> str:
+    """The human view of `list_checkpoints`: one line per checkpoint, its parts and bytes."""
+    lines = [f"{info['path']}: {info['description']}"]
+    for checkpoint in info["checkpoints"]:
+        name = Path(checkpoint["path"]).name
+        if checkpoint["status"] != "verified":
+            lines.append(f"  {name}  damaged: {checkpoint['problem']}")
+            continue
+        parts = ", ".join(f"{part} {summary['bytes']:,} B" for part, summary in checkpoint["parts"].items())
+        lines.append(f"  {name}  verified, {checkpoint['file_bytes']:,} bytes: {parts}")
+    lines += [
+        f"  {Path(path).name}  leftover of an interrupted save (removed by the next writer)"
+        for path in info["leftovers"]
+    ]
+    return "\n".join(lines)
