@@ -19,7 +19,8 @@ from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.store.resume import save_resume
 from exactresume.training.divergence import DivergenceLog
-from exactresume.training.job import TrainJob, prepare_run
+from exactresume.training.job import TrainJob
+from exactresume.training.job_run import prepare_run
 from exactresume.training.loop import build_run, train_step
 
 

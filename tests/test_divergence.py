@@ -14,10 +14,12 @@ import torch
 from conftest import assert_one_line_error, call_cli
 from exactresume.config import PRESETS, TrainConfig
 from exactresume.core.compare import weight_distance
+from exactresume.progress import Progress
 from exactresume.store.steplog import read_divergence, read_loss_log
 from exactresume.store.weights import read_weights
-from exactresume.training.divergence import DivergenceLog
-from exactresume.training.job import TrainJob, run_job
+from exactresume.training.job import TrainJob
+from exactresume.training.job_run import JobRun
+from exactresume.world import World
 
 
 @pytest.fixture
@@ -38,22 +40,26 @@ def noopt_job(config, kjv_folder, folder, name):
     )
 
 
+def run(job: TrainJob):
+    return JobRun(job, World(), Progress(job.until, "train", "none")).run()
+
+
 def test_twin_follows_the_uninterrupted_run_and_leaves_the_ablated_run_alone(tmp_path, kjv_folder, with_dropout):
     config = with_dropout
-    straight = run_job(
+    straight = run(
         TrainJob(config, kjv_folder, tmp_path, weights=tmp_path / "straight.pth", log=tmp_path / "straight.csv")
     )
-    run_job(TrainJob(config, kjv_folder, tmp_path, stop_at=2, log=tmp_path / "stopped.csv"))
-    run_job(noopt_job(config, kjv_folder, tmp_path, "noopt_alone"))
-    divergence = DivergenceLog(noopt_job(config, kjv_folder, tmp_path, "noopt"), tmp_path / "divergence.csv")
-    run_job(divergence.job, on_step=divergence.record, on_start=divergence.attach)
-    divergence.write()
+    run(TrainJob(config, kjv_folder, tmp_path, stop_at=2, log=tmp_path / "stopped.csv"))
+    run(noopt_job(config, kjv_folder, tmp_path, "noopt_alone"))
+    watched = replace(noopt_job(config, kjv_folder, tmp_path, "noopt"), divergence=tmp_path / "divergence.csv")
+    job_run = JobRun(watched, World(), Progress(watched.until, "train", "none"))
+    job_run.run()
 
     rows = read_divergence(tmp_path / "divergence.csv")
     straight_log = read_loss_log(tmp_path / "straight.csv")
     assert [row["reference_loss"] for row in rows] == [straight_log[step] for step in (3, 4, 5, 6)]
-    twin = divergence.reference.model.state_dict()
-    assert all(torch.equal(twin[name], value) for name, value in straight.model.state_dict().items())
+    twin = job_run.divergence.reference.model.state_dict()
+    assert all(torch.equal(twin[name], value) for name, value in straight.run.model.state_dict().items())
     alone, watched = read_weights(tmp_path / "noopt_alone.pth")[0], read_weights(tmp_path / "noopt.pth")[0]
     assert all(torch.equal(alone[name], watched[name]) for name in alone)
     final = weight_distance(watched, read_weights(tmp_path / "straight.pth")[0])

@@ -192,19 +192,17 @@ def test_sigterm_saves_then_kill_at_random_then_auto_resume_is_bit_exact(tmp_pat
 
 
 def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
-    import exactresume.training.job as job_module
     from exactresume.cli import build_parser, cmd_train
+    from exactresume.training.joblog import RunLogs
 
-    def interrupt_at_step_3(record):
+    logged = RunLogs.record
+
+    def interrupted_at_step_3(logs, record):
+        logged(logs, record)
         if record.step == 3:
             os.kill(os.getpid(), signal.SIGINT)  # arrives mid-loop, as Ctrl-C would
 
-    run_job = job_module.run_job
-
-    def run_job_interrupted(job, on_step=lambda record: None, **callbacks):
-        return run_job(job, on_step=lambda record: (on_step(record), interrupt_at_step_3(record)), **callbacks)
-
-    monkeypatch.setattr(job_module, "run_job", run_job_interrupted)
+    monkeypatch.setattr(RunLogs, "record", interrupted_at_step_3)
     args = build_parser().parse_args(list(map(str, train_flags(tmp_path, kjv_folder, "--resume", "auto"))))
     assert cmd_train(args) == 75
     assert checkpoint_files(tmp_path) == ([3], []) and logged_steps(tmp_path) == 3

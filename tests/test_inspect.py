@@ -155,7 +155,7 @@ def test_human_view_has_a_row_per_part(small_run):
         ("random", "{}: not a loadable torch file"),
         ("truncated", "{}: not a loadable torch file"),
         ("flipped", "{}: checksum mismatch, the file is damaged"),
-        ("plain_folder", "{} is a folder holding no sharded checkpoint (inspect one of its files)"),
+        ("plain_folder", "{} is a folder holding no checkpoint (step-*.pth) and no sharded one"),
         ("bad_metadata", "{}/.metadata is not a readable DCP index"),
     ],
 )

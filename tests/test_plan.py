@@ -50,7 +50,7 @@ def run_batch(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_oversized_run_is_refused_at_once_without_tensors(tmp_path, kjv_folder, monkeypatch):
-    import exactresume.training.job as job_module
+    import exactresume.training.job_run as job_module
 
     monkeypatch.setattr(job_module, "build_run", lambda *args: pytest.fail("the run was built"))
     started = time.perf_counter()

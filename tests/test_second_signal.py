@@ -13,10 +13,10 @@ import signal
 
 import pytest
 
-import exactresume.training.job as job_module
 from conftest import SMALL, call_cli, one_torch_thread
 from exactresume.store.faults import FaultPoints
 from exactresume.store.folder import CheckpointStore
+from exactresume.training.joblog import RunLogs
 
 
 @pytest.fixture(autouse=True)
@@ -27,18 +27,15 @@ def one_thread():
 
 def interrupt_after_step(monkeypatch, step: int, times: int) -> None:
     """Send SIGINT `times` times right after `step`, as Ctrl-C pressed during the step would."""
-    run_job = job_module.run_job
+    logged = RunLogs.record
 
-    def on_step_then_interrupt(record, on_step):
-        on_step(record)
+    def logged_then_interrupted(logs, record):  # the step is done and logged, not yet checked for a signal
+        logged(logs, record)
         if record.step == step:
             for _ in range(times):
                 os.kill(os.getpid(), signal.SIGINT)
 
-    def run_job_interrupted(job, on_step=lambda record: None, **callbacks):
-        return run_job(job, on_step=lambda record: on_step_then_interrupt(record, on_step), **callbacks)
-
-    monkeypatch.setattr(job_module, "run_job", run_job_interrupted)
+    monkeypatch.setattr(RunLogs, "record", logged_then_interrupted)
 
 
 def interrupt_when_a_save_writes(monkeypatch) -> list[str]:

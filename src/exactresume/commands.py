@@ -52,6 +52,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def train_job(args: argparse.Namespace):
+    """The job the flags describe (its config built once, here); making it imports no torch."""
     from exactresume.training.job import TrainJob
 
     skip = frozenset(name for flag, name in ((args.no_optim, "optimizer"), (args.no_skip, "gen_state")) if flag)
@@ -70,66 +71,52 @@ def train_job(args: argparse.Namespace):
         allow_change=frozenset(args.allow_change),
         async_save=args.async_save,
         sharded=args.sharded,
+        divergence=args.divergence,
+        wait_lock=args.wait_lock,
     )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from exactresume.parallel.launch import launch
-    from exactresume.parallel.split import check_split
     from exactresume.world import World, launched_by_torchrun
 
     argv = getattr(args, "argv", sys.argv[1:])  # main sets it; a caller of its own may not
-    # The plan before the run is built: a run that cannot fit is refused at once. (torchrun's ranks
-    # skip it: their launching process checked the whole machine.)
-    if not launched_by_torchrun() and check_plan(args):
+    job, world = train_job(args), World.from_env()  # checked as it is made: before anything is written
+    # The plan before torch is imported: a run that cannot fit is refused at once. torchrun's ranks
+    # skip it, and the launch: their launching process checked the whole machine and started them.
+    if not launched_by_torchrun() and check_plan(job.config, args):
         return 0
-    if not launched_by_torchrun():
-        check_split(args.batch, args.nproc, args.grad_accum, args.micro_batch)
-        if args.nproc > 1:  # every process checks the other flags itself; this one sums up
-            job = train_job(args)
-            code = launch([*argv, "--no-summary"], args.nproc)
-            if code == 0:
-                emit(args, summaries.train_summary(job, argv, args.divergence), summaries.render_train)
-            return code
-    job, world = train_job(args), World.from_env()
+    if not launched_by_torchrun() and args.nproc > 1:
+        return launch_ranks(args, job, argv)
     code = train_here(args, job, world)
     if code == 0 and world.is_main:
-        emit(args, summaries.train_summary(job, argv, args.divergence), summaries.render_train)
+        emit(args, summaries.train_summary(job, argv), summaries.render_train)
+    return code
+
+
+def launch_ranks(args: argparse.Namespace, job, argv: list[str]) -> int:
+    """`train --nproc N`: the same command in N processes under torchrun; this one sums up."""
+    from exactresume.parallel.launch import launch
+    from exactresume.parallel.split import check_split
+
+    config = job.config
+    check_split(config.batch, args.nproc, config.grad_accum, config.micro_batch)
+    code = launch([*argv, "--no-summary"], args.nproc)
+    if code == 0:
+        emit(args, summaries.train_summary(job, argv), summaries.render_train)
     return code
 
 
 def train_here(args: argparse.Namespace, job, world) -> int:
-    """The run in this process (one rank of many under torchrun)."""
-    from exactresume.parallel.replicas import process_group
+    """The run in this process (one rank of many under torchrun): the job's outcome as an exit code."""
     from exactresume.progress import Progress
-    from exactresume.training.divergence import DivergenceLog
-    from exactresume.training.job import run_job
-    from exactresume.training.preemption import PREEMPTED_EXIT, Preempted
+    from exactresume.training.job_run import JobRun
+    from exactresume.training.preemption import PREEMPTED_EXIT
 
-    progress = Progress(job.stop_at or job.config.steps, args.label, mode_from_args(args) if world.is_main else "none")
-    # Rank 0 steps the twin (one process on the whole global batch) and writes the log.
-    divergence = DivergenceLog(job, args.divergence) if args.divergence and world.is_main else None
-
-    def on_start(run) -> None:
-        if divergence:
-            divergence.attach(run)
-        progress.begin(run.step.value)
-
-    def on_step(record) -> None:
-        if divergence:
-            divergence.record(record)
-        progress.update(record.step, loss=record.loss)
-
-    try:
-        with lock_out(args, world.rank), process_group(world):
-            run_job(job, on_step=on_step, on_start=on_start, world=world)
-    except Preempted as stop:
-        print(f"exactresume train: {stop}", file=sys.stderr)
+    progress = Progress(job.until, args.label, mode_from_args(args) if world.is_main else "none")
+    outcome = JobRun(job, world, progress).run()
+    if outcome.preempted is not None:
+        print(f"exactresume train: {outcome.preempted}", file=sys.stderr)
         return PREEMPTED_EXIT
-    finally:
-        progress.close()
-    if divergence:
-        divergence.write()
     return 0
 
 

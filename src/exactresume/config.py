@@ -181,13 +181,18 @@ class TrainConfig:
             raise UserError(f"--micro-batch {self.micro_batch} must be 0 (off) or divide --batch {self.batch}")
         if self.micro_batch and self.grad_accum != 1:
             raise UserError("--micro-batch sets the micro-batches of a step itself: leave --grad-accum at 1")
-        if self.micro_batch and self.shard == "fsdp":
+        if self.micro_batch and self.fsdp:
             # FSDP2 reduce-scatters every micro-batch's gradient over the ranks as it comes, in an order N sets.
             raise UserError("--micro-batch (the N-independent mode) does not combine with --shard fsdp")
 
     @property
     def model(self) -> ModelConfig:
         return replace(preset(self.preset), dropout=self.dropout)
+
+    @property
+    def fsdp(self) -> bool:
+        """Each process holds 1/N of the weights, gradients and optimizer state (`--shard fsdp`)."""
+        return self.shard == "fsdp"
 
     def to_dict(self) -> dict:
         return asdict(self)

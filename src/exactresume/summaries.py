@@ -91,7 +91,7 @@ def log_rows(path: Path) -> list[list[str]]:
     return [line.split(",", 1) for line in lines if line]
 
 
-def train_summary(job, argv: list[str], divergence: Path | None = None) -> dict:
+def train_summary(job, argv: list[str]) -> dict:
     """What `exactresume train` wrote (a TrainJob's outputs), the step its log reached and how to go on."""
     rows = log_rows(job.log_file)
     checkpoints = sorted(job.checkpoint_folder.glob("step-*.pth")) if job.checkpoint_folder.is_dir() else []
@@ -102,7 +102,7 @@ def train_summary(job, argv: list[str], divergence: Path | None = None) -> dict:
         "log": written(job.log_file) | {"rows": len(rows)} if job.log_file.exists() else None,
         "checkpoint": written(checkpoints[-1]) | {"count": len(checkpoints)} if checkpoints else None,
         "samples": written(job.samples) if job.samples else None,
-        "divergence": written(divergence) if divergence else None,
+        "divergence": written(job.divergence) if job.divergence else None,
     }
     return {
         "command": "train",

@@ -36,7 +36,7 @@ def replicate(run, world: World) -> None:
             f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not divisible by "
             f"{world.size} processes; choose another --batch"
         )
-    if config.shard == "fsdp":
+    if config.fsdp:
         from exactresume.parallel.fsdp import ShardedReplicas  # FSDP2 costs half a second to import
 
         run.replicas = ShardedReplicas(run.model, run.optimizer, world)

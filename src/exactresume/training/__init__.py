@@ -1,3 +1,3 @@
 """Training: the loop and the run's parts (loop, parts), device and precision, one `train` command
-(job), preemption, the divergence twin. Imports dist, store, core and the base layer.
+(job, job_run), preemption, the divergence twin. Imports parallel, store, core and the base layer.
 """

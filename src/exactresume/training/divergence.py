@@ -13,13 +13,11 @@ saved RNG state swapped in. Without the flag none of this exists: the default pa
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 
-from exactresume.atomic import atomic_write_bytes, ensure_writable_folder
+from exactresume.atomic import atomic_write_bytes
 from exactresume.core.compare import weight_distance
-from exactresume.errors import UserError
-from exactresume.training.job import TrainJob, prepare_run
 from exactresume.training.loop import Run, StepRecord, train_step
 
 HEADER = "step,max_abs_diff,rel_l2,loss,reference_loss\n"
@@ -28,25 +26,13 @@ HEADER = "step,max_abs_diff,rel_l2,loss,reference_loss\n"
 class DivergenceLog:
     """A fully restored twin of the job's run, stepped alongside it; one distance row per step."""
 
-    def __init__(self, job: TrainJob, path: Path):
-        if job.resume is None:
-            raise UserError("--divergence measures a resumed run against a full restore; it needs --resume")
-        if job.config.shard == "fsdp":  # the twin is one whole model on rank 0; the run's weights are shards
-            raise UserError("--divergence does not combine with --shard fsdp")
-        ensure_writable_folder(Path(path).parent)  # refuse before training, not after
-        self.job, self.path = job, Path(path)
-        self.run: Run | None = None
-        self.reference: Run | None = None
-        self.reference_rng: dict | None = None
-        self.rows: list[str] = []
-
-    def attach(self, run: Run) -> None:
-        """Build the reference for `run` (call once, after `run` is restored, before it steps)."""
+    def __init__(self, path: Path, run: Run, build_reference: Callable[[], Run]):
+        """`build_reference()` builds the twin: the same run restored with every part (it reseeds the globals)."""
+        self.path, self.run, self.rows = Path(path), run, []
         run_rng = run.rng.state_dict()
-        self.reference = prepare_run(replace(self.job, skip_parts=frozenset()))  # reseeds the globals
+        self.reference = build_reference()
         self.reference_rng = self.reference.rng.state_dict()
         run.rng.load_state_dict(run_rng)
-        self.run = run
 
     def record(self, record: StepRecord) -> None:
         """Step the reference once (the run just stepped) and log the distance between the two."""

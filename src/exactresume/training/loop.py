@@ -28,6 +28,7 @@ from exactresume.core.data import TokenData
 from exactresume.core.epochs import EpochLoader
 from exactresume.core.model import MiniMindLM
 from exactresume.parallel.exact import ExactReplicas, micro_batch_seed
+from exactresume.parallel.fsdp import full_parts
 from exactresume.parallel.replicas import OneProcess, Replicas
 from exactresume.training.device import loss_scaler, precision_context, training_device
 from exactresume.training.parts import GlobalRng, RunIdentity, StepCounter
@@ -84,6 +85,10 @@ class Run:
         if self.scaler.is_enabled():  # fp16 only: the loss scale and its growth counter
             parts["scaler"] = self.scaler
         return parts
+
+    def file_parts(self) -> dict[str, Stateful]:
+        """The parts as one file holds them: under FSDP2 the model and optimizer gathered whole."""
+        return full_parts(self.parts(), self.config.fsdp)
 
 
 def seed_everything(seed: int) -> None:

@@ -96,7 +96,7 @@ def plan_run(
     model = replace(config.model, vocab_size=vocab_size or config.model.vocab_size)
     params = parameter_count(model)
     checkpoint = 3 * params * FP32 + CHECKPOINT_OVERHEAD  # weights, exp_avg, exp_avg_sq
-    shards = processes if config.shard == "fsdp" else 1  # what each process holds 1/shards of
+    shards = processes if config.fsdp else 1  # what each process holds 1/shards of
     held = -(-params // shards)  # this process's parameters, rounded up
     memory = {
         "weights": held * FP32 + (params * 2 if config.dtype != "fp32" else 0),
@@ -138,7 +138,7 @@ def disk_need(
 ) -> tuple[int, str]:
     """Free bytes the run's files need at their peak, and what they are."""
     final = checkpoint if stop_at is not None else params * FP32
-    final_what = ("resume.dcp" if config.shard == "fsdp" else "resume.pth") if stop_at is not None else "final.pth"
+    final_what = ("resume.dcp" if config.fsdp else "resume.pth") if stop_at is not None else "final.pth"
     if save_every is None:
         return final, f"{final_what}"
     if keep is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from exactresume.parallel.fsdp import full_model_state, full_parts
+from exactresume.parallel.fsdp import full_model_state
 from exactresume.store.access import make_saver
 from exactresume.store.background import BackgroundSaveFailed, BackgroundSaver
 from exactresume.store.folder import CheckpointStore
@@ -58,7 +58,7 @@ class Checkpointer:
         if step != self.saved_step:
             self.logs.sync()
             with self._stopping_on_error(step):
-                self.saver.save(step, per_rank(full_parts(run.parts(), run.config.shard == "fsdp"), self.world))
+                self.saver.save(step, per_rank(run.file_parts(), self.world))
             self.saved_step = step
         return self.store.path_for(step)
 
@@ -92,7 +92,7 @@ def write_outputs(run: Run, resume_file: Path | None, weights_file: Path, sharde
     path = resume_file or weights_file
     try:
         if resume_file is not None:
-            parts = run.parts() if sharded else full_parts(run.parts(), run.config.shard == "fsdp")
+            parts = run.parts() if sharded else run.file_parts()
             make_saver(resume_file, world, sharded=sharded).save(run.step.value, per_rank(parts, world))
         else:
             weights = full_model_state(run.model)  # gathered from every rank under FSDP2

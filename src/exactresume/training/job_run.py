@@ -1,0 +1,211 @@
+"""A TrainJob running in this process (JobRun): it owns what the job holds while it runs.
+
+    outcome = JobRun(job, world, progress).run()   # every rank calls it; rank 0 writes
+
+The lock on OUT (rank 0; OUT/checkpoints is inside it), the process group, the logs, the
+checkpointer, the progress line and the divergence log; the loop calls back into it after each step.
+The source is opened by the store's one way in (store/access.py `open_resume`); the saves go out
+through its one save interface (saving.py); the logs and the job's lines are joblog.py's. Under many
+processes (parallel/) every rank runs the job: every rank builds and restores its replica and takes
+part in each save (the per-rank parts are gathered from all), only rank 0 writes the files and the
+logs; with `sharded` (always under `--shard fsdp`) every rank writes its shard of OUT/resume.dcp.
+
+How it ends: the finished run (exit 0); a user's mistake (UserError, 2); a disk that refuses a write
+(StorageError, 74: the previous checkpoint is intact and nothing half-written is left); SIGTERM or
+SIGINT: an outcome whose `preempted` says where the checkpoint of the finished step was saved (75).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from exactresume.atomic import ensure_writable_folder, tmp_path
+from exactresume.core.data import load_tokens
+from exactresume.errors import UserError
+from exactresume.parallel.fsdp import shard_destinations
+from exactresume.parallel.replicas import process_group
+from exactresume.parallel.replicate import replicate
+from exactresume.progress import Progress
+from exactresume.store.access import open_resume
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.lock import FolderLock
+from exactresume.store.resume import per_rank
+from exactresume.training.divergence import DivergenceLog
+from exactresume.training.job import ALLOWED_CHANGES, AUTO_RESUME, TrainJob
+from exactresume.training.joblog import RunLogs, ignore, note, warn
+from exactresume.training.loop import Run, StepRecord, build_run, lr_at, train
+from exactresume.training.parts import describe
+from exactresume.training.preemption import Preempted, PreemptionGuard
+from exactresume.training.saving import Checkpointer, write_outputs
+from exactresume.world import World
+
+
+@dataclass
+class JobOutcome:
+    """How a job ended: the finished (or stopped) run, and the signal that stopped it, if one did."""
+
+    run: Run
+    preempted: Preempted | None = None
+
+
+class JobRun:
+    """One TrainJob running in this process: its lock, logs, checkpointer and hooks, the loop's callback."""
+
+    def __init__(self, job: TrainJob, world: World, progress: Progress):
+        self.job, self.world, self.progress = job, world, progress
+        self.notify = warn if world.is_main else ignore
+        self.guard = PreemptionGuard()
+        self.run_state: Run | None = None  # built by `run`, then stepped
+        self.divergence: DivergenceLog | None = None
+
+    def run(self) -> JobOutcome:
+        with self._lock() as lock, process_group(self.world):
+            self._check_outputs()  # every rank, once rank 0 holds OUT and the ranks have met
+            store = CheckpointStore(self.job.checkpoint_folder, keep=self.job.keep, notify=self.notify, lock=lock)
+            if self.world.is_main:
+                self._remove_leftovers(store)
+            self.world.barrier()  # no rank reads the store while rank 0 clears it
+            self.run_state = self.prepare(self.job.skip_parts)
+            self.divergence = self._divergence_log()
+            with RunLogs(self.job.log_file, self.job.samples, self.run_state.step.value, self.world) as self.logs:
+                outcome = self._train(store)
+        if self.divergence is not None and outcome.preempted is None:
+            self.divergence.write()
+        return outcome
+
+    def _lock(self) -> contextlib.AbstractContextManager:
+        if not self.world.is_main:  # rank 0 writes OUT; the other ranks only take part
+            return contextlib.nullcontext()
+        return FolderLock.acquire(self.job.out, wait=self.job.wait_lock, notify=warn)
+
+    def _check_outputs(self) -> None:
+        job = self.job
+        folders = [
+            job.out,
+            job.weights_file.parent,
+            job.log_file.parent,
+            *([job.samples.parent] if job.samples else []),
+        ]
+        if job.save_every is not None:
+            folders.append(job.checkpoint_folder)
+        for folder in folders:
+            ensure_writable_folder(folder)
+        if job.resume is not None and job.stop_at is None and job.weights_file == job.resume:
+            raise UserError(f"--weights would overwrite the resume file {job.resume}")
+
+    def _remove_leftovers(self, store: CheckpointStore) -> None:
+        """Delete `.tmp` files a crashed save of this job's outputs left behind."""
+        store.remove_leftovers()
+        for path in (self.job.resume_file, self.job.weights_file):
+            if not tmp_path(path).is_dir():  # a sharded save clears its own staging folder
+                tmp_path(path).unlink(missing_ok=True)
+
+    def prepare(self, skip_parts: frozenset[str], world: World | None = None) -> Run:
+        """The run, built fresh as `world`'s replica (this rank's) and restored as --resume says
+        (config checked first)."""
+        world = world or self.world
+        run = build_run(self.job.config, load_tokens(self.job.data))
+        replicate(run, world)
+        run.identity.allowed = frozenset(ALLOWED_CHANGES[name] for name in self.job.allow_change)
+        self._restore(run, skip_parts, world)
+        return run
+
+    def _restore(self, run: Run, skip_parts: frozenset[str], world: World) -> None:
+        """Every rank restores its replica, through the per-rank parts (each rank's entry of them)."""
+        job = self.job
+        if job.resume is None:
+            return
+        needs = [name for name in run.parts() if name not in skip_parts]
+        # A sharded folder is read straight into this rank's shards; a single file holds the full state.
+        into = shard_destinations(run.model)
+        resumed = open_resume(job.resume, job.checkpoint_folder, needs, notify=self.notify, destination=into)
+        if resumed is None:
+            if world.is_main:
+                note(f"no checkpoint in {job.checkpoint_folder}; starting at step 0")
+            return
+        parts = run.parts() if resumed.kind == "sharded" else run.file_parts()
+        resumed.restore(per_rank(parts, world), skip=skip_parts)
+        change = resumed.world_change(world)
+        if world.is_main and resumed.kind == "store":
+            note(f"resumed from {resumed.path} at step {resumed.step}")
+        if world.is_main and change:
+            print(change)
+
+    def _divergence_log(self) -> DivergenceLog | None:
+        if self.job.divergence is None or not self.world.is_main:  # rank 0 steps the twin
+            return None
+        # The twin is one process on the whole global batch, restored with every part.
+        return DivergenceLog(self.job.divergence, self.run_state, lambda: self.prepare(frozenset(), World()))
+
+    def _train(self, store: CheckpointStore) -> JobOutcome:
+        run, job = self.run_state, self.job
+        start = run.step.value
+        if self.world.is_main:
+            self._note_allowed_changes(start)
+        until = self._target(start)
+        resumed_auto = job.resume == AUTO_RESUME and start
+        self.checkpointer = Checkpointer(store, self.logs, start if resumed_auto else None, self.world, job.async_save)
+        self.progress.begin(start)
+        try:
+            with self.guard:
+                train(run, until, self.after_step)
+        except Preempted as stop:
+            stop.saved = self.checkpointer.save(run)
+            self.checkpointer.wait()
+            return JobOutcome(run, stop)
+        finally:
+            self.progress.close()
+        self._finish()
+        return JobOutcome(run)
+
+    def after_step(self, record: StepRecord) -> None:
+        """What the job does after each optimizer step: log it, checkpoint on schedule, stop on a signal."""
+        run, job = self.run_state, self.job
+        self.logs.record(record)
+        if self.divergence is not None:
+            self.divergence.record(record)
+        self.progress.update(record.step, loss=record.loss)
+        if job.save_every and run.step.value % job.save_every == 0:
+            # Every step in the background means as often as the disk allows: a save asked for
+            # while the one before is still being written is skipped, and counted.
+            self.checkpointer.save(run, coalesce=job.async_save and job.save_every == 1)
+        # The ranks agree on a signal any of them caught, so all stop after the same step and save together.
+        if self.world.any(self.guard.requested):
+            raise Preempted(self.guard.signal_name or "a signal to another process", run.step.value)
+
+    def _finish(self) -> None:
+        run, job = self.run_state, self.job
+        if job.save_every:
+            self.checkpointer.save(run)
+            self.checkpointer.wait()
+            if self.checkpointer.coalesced and self.world.is_main:
+                skipped = self.checkpointer.coalesced
+                note(f"{skipped} periodic checkpoint(s) skipped: the one before was still being written")
+        resume_file = job.resume_file if job.stop_at is not None else None
+        write_outputs(run, resume_file, job.weights_file, job.writes_sharded, self.world)
+
+    def _target(self, start: int) -> int:
+        until = self.job.until
+        # An auto-resumed run whose final checkpoint was already written only needs its outputs rewritten.
+        if start > until or start == until and self.job.resume != AUTO_RESUME:
+            raise UserError(f"the resume file is at step {start}; nothing to train up to step {until}")
+        return until
+
+    def _note_allowed_changes(self, step: int) -> None:
+        accepted = self.run_state.identity.accepted
+        if not accepted:
+            return
+        saved = {name.removeprefix("train."): old for name, old, new in accepted}
+        text = "; ".join(map(describe, accepted))
+        if "steps" in saved or "lr" in saved:  # the schedule is lr_at(step, steps, lr): a new total reshapes it
+            config = self.job.config
+            before = lr_at(step, saved.get("steps", config.steps), saved.get("lr", config.lr))
+            now = lr_at(step, config.steps, config.lr)
+            text += f"; lr at step {step} was {before:.4g} on the old schedule, {now:.4g} now"
+        note(f"resuming with allowed changes: {text}")
+
+
+def prepare_run(job: TrainJob, world: World = World()) -> Run:
+    """The job's run, built and restored as it would start (no lock, no files written)."""
+    return JobRun(job, world, Progress(job.until, "train", "none")).prepare(job.skip_parts)
