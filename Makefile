@@ -21,15 +21,15 @@ data: $(STAMP)
 lab: data
 	$(BIN)/exactresume lab --data $(DATA) --out runs/lab --ablate
 
-# Copy the lab's json and figures into docs/lab and regenerate the README block made from them.
+# Copy the lab's json and figures into docs/lab and regenerate the blocks made from them (README.md, docs/lab.md).
 readme: lab
 	$(BIN)/python docs/build_readme.py runs/lab
 
-# Measure what each resume part protects on the default preset, keep the json, regenerate the README's table.
+# Measure what each resume part protects on the default preset, keep the json, regenerate its table (docs/resume-file.md).
 ablation: data
 	$(BIN)/exactresume ablate --data $(DATA) --out runs/ablate
 	mkdir -p docs && cp runs/ablate/ablation.json docs/ablation.json
-	$(BIN)/exactresume ablate --markdown docs/ablation.json --readme README.md
+	$(BIN)/exactresume ablate --markdown docs/ablation.json --readme docs/resume-file.md
 
 # All tests, then the habits: lint, format and the import layers (pyproject.toml holds their rules).
 test: $(STAMP)
@@ -38,12 +38,12 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-# Every figure a ratio against a baseline in the same run (about 20 minutes on two cores); the README's
+# Every figure a ratio against a baseline in the same run (about 20 minutes on two cores); docs/performance.md's
 # Performance table is regenerated from the json kept in docs/.
 bench: data
 	$(BIN)/python -m bench --data $(DATA) --out runs/bench
 	mkdir -p docs && cp runs/bench/bench.json docs/bench.json
-	$(BIN)/python -m bench.table docs/bench.json --readme README.md
+	$(BIN)/python -m bench.table docs/bench.json --readme docs/performance.md
 
 clean:
 	rm -rf $(VENV) runs data

@@ -1,12 +1,12 @@
 """The lab on 1 and on 2 processes, timed, then each stopped run resumed on the other number.
 
     python bench/many_processes.py --data data/kjv --out runs/many    # lab-sized: 60 steps, batch 8, length 128
-    cp runs/many/many_processes.json docs/ && python bench/many_processes.py --readme README.md
+    cp runs/many/many_processes.json docs/ && python bench/many_processes.py --readme docs/many-processes.md
 
 Writes OUT/many_processes.json: for 2 -> 1 and 1 -> 2 whether the resumed run saw the same samples
 as the run it continues and its weight distance to it, the distance of the two straight runs, and
 the N-independent mode's step time against plain DDP on 2 processes (bench/exact_mode.py), and
-FSDP2's memory per rank and resumes on another N (bench/fsdp.py) — the README's figures, rendered
+FSDP2's memory per rank and resumes on another N (bench/fsdp.py) — the figures of docs/many-processes.md, rendered
 into its many-processes blocks from the copy in docs/; and OUT/timings.json, the two labs' wall
 times. Same-N exactness is each lab's own compare.json.
 
@@ -70,7 +70,7 @@ FSDP_MEMORY = (
 def figures_json(
     two_to_one: dict, one_to_two: dict, straight_distance: dict, exact_mode: dict, steps: int, stop_at: int
 ) -> dict:
-    """What many_processes.json holds (and docs/many_processes.json, which the README's block renders)."""
+    """What many_processes.json holds (and docs/many_processes.json, which docs/many-processes.md's blocks render)."""
 
     def resumed(figures: dict) -> dict:
         keys = ("same_samples", "steps_resumed", "max_abs_diff", "rel_l2")
@@ -97,13 +97,13 @@ def ranged(figure: dict) -> dict:
 
 
 def short(value: float) -> str:
-    """Two significant digits, as the README writes them: 1.4e-7."""
+    """Two significant digits, as docs/many-processes.md writes them: 1.4e-7."""
     mantissa, exponent = f"{value:.1e}".split("e")
     return f"{mantissa}e{int(exponent)}"
 
 
 def render(figures: dict) -> str:
-    """The README's sentences about resuming on another N, from many_processes.json."""
+    """The page's sentences about resuming on another N, from many_processes.json."""
     two, one, straight = figures["two_to_one"], figures["one_to_two"], figures["straight_1_vs_2"]
     same = "the same samples at every step" if two["same_samples"] and one["same_samples"] else "other samples"
     return (
@@ -116,7 +116,7 @@ def render(figures: dict) -> str:
 
 
 def render_exact(figures: dict) -> str:
-    """The README's sentence about the N-independent mode's cost, from many_processes.json."""
+    """The page's sentence about the N-independent mode's cost, from many_processes.json."""
     exact = figures["exact_mode"]
     per_rank, per_sequence = exact["per_rank_micro_batch"], exact["one_sequence_micro_batch"]
     return (
@@ -128,7 +128,7 @@ def render_exact(figures: dict) -> str:
 
 
 def render_fsdp_resumes(figures: dict) -> str:
-    """The README's sentence about FSDP2's resumes on the same and on another N."""
+    """The page's sentence about FSDP2's resumes on the same and on another N."""
     resumes = figures["fsdp"]["resumes"]
     same = resumes["two_to_two"]
     names = {"two_to_one": "2 -> 1", "two_to_four": "2 -> 4", "one_to_two": "1 -> 2"}
@@ -146,7 +146,7 @@ def render_fsdp_resumes(figures: dict) -> str:
 
 
 def render_fsdp_memory(figures: dict) -> str:
-    """The README's table of FSDP2's memory per rank."""
+    """The page's table of FSDP2's memory per rank."""
     rows = [
         "| processes | mode | glibc malloc | weights | gradients | AdamW state | after set-up | peak in training |",
         "|---|---|---|---|---|---|---|---|",
@@ -200,7 +200,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data/kjv"))
     parser.add_argument("--out", type=Path, default=Path("runs/many"))
-    parser.add_argument("--readme", type=Path, help="measure nothing: rewrite this README's block from docs/")
+    parser.add_argument(
+        "--readme", type=Path, help="measure nothing: rewrite this page's blocks from docs/ (docs/many-processes.md)"
+    )
     parser.add_argument("--only", choices=("fsdp",), help="measure FSDP2's figures only; keep the rest from docs/")
     args = parser.parse_args()
     if args.readme:

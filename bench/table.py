@@ -1,7 +1,7 @@
-"""The benchmark table, rendered from bench.json; and the README's Performance block regenerated from it.
+"""The benchmark table, rendered from bench.json; and docs/performance.md's block regenerated from it.
 
 python -m bench.table runs/bench/bench.json                      # print the table
-python -m bench.table runs/bench/bench.json --readme README.md   # rewrite the block between the markers
+python -m bench.table runs/bench/bench.json --readme docs/performance.md   # rewrite the block between the markers
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def raw_rows(bench: dict) -> list[tuple[str, list[str]]]:
 
 
 def duration(bench: dict) -> str:
-    """`make bench`'s duration as the README, the Makefile and bench/run.py state it: 'about N minutes'."""
+    """`make bench`'s duration as docs/performance.md, the Makefile and bench/run.py state it: 'about N minutes'."""
     return f"about {max(1, round(bench['settings']['wall_s'] / 60))} minutes"
 
 
@@ -268,7 +268,7 @@ def update_readme(readme: Path, block: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Render bench.json as a table.")
     parser.add_argument("bench_json", type=Path, nargs="?", default=Path("runs/bench/bench.json"))
-    parser.add_argument("--readme", type=Path, help="rewrite the Performance block of this README")
+    parser.add_argument("--readme", type=Path, help="rewrite the Performance block of this page (docs/performance.md)")
     args = parser.parse_args(argv)
     block = render(json.loads(args.bench_json.read_text()))
     if args.readme:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from exactresume.cli import main
 from exactresume.core.data import PrepareConfig, prepare
+from exactresume.lab import warm_start
 
 # Small runs keep the suite fast; exactness does not depend on size.
 SMALL = ["--steps", "8", "--batch", "2", "--seq-len", "16"]
@@ -26,12 +26,14 @@ def kjv_folder(tmp_path_factory) -> Path:
     return folder
 
 
-def run_cli(*args: object, check: bool = False) -> subprocess.CompletedProcess:
-    """`exactresume ARGS` in a new process (exactness claims need a fresh interpreter)."""
-    command = [sys.executable, "-m", "exactresume.cli", *map(str, args)]
-    finished = subprocess.run(command, capture_output=True, text=True)
+def run_cli(*args: object, check: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`exactresume ARGS` in a new process (exactness claims need one that never saw the run), with this
+    process's environment and `env`: forked from the warm server the lab uses (lab/warm_start.py), which
+    imported torch once, so that a test pays for a process, not for torch's imports again."""
+    argv = list(map(str, args))
+    finished = warm_start.run_cli(argv, env=env, environ=True)
     if check and finished.returncode != 0:
-        raise AssertionError(f"{command} exited {finished.returncode}:\n{finished.stderr}")
+        raise AssertionError(f"exactresume {' '.join(argv)} exited {finished.returncode}:\n{finished.stderr}")
     return finished
 
 

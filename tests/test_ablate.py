@@ -1,5 +1,5 @@
 """`exactresume ablate`: every part measured, only the reference rows at zero, the data counts read
-from the samples logs, the same json from the same command, and the README's table rendered from
+from the samples logs, the same json from the same command, and the table in docs/resume-file.md rendered from
 docs/ablation.json. (The lab report's copy of the table is tested in test_lab.py.)"""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from exactresume.store.steplog import read_samples
 from exactresume.summaries import number
 
 ROOT = Path(__file__).resolve().parents[1]
-README, DOCS_JSON = ROOT / "README.md", ROOT / "docs" / "ablation.json"
+PAGE, DOCS_JSON = ROOT / "docs" / "resume-file.md", ROOT / "docs" / "ablation.json"  # the page holding the table
 ABLATE_FLAGS = [*SMALL, "--stop-at", "4"]  # 4 resumed steps of 2 sequences
 METRICS = (
     "max_abs_diff",
@@ -77,14 +77,14 @@ def test_the_same_command_writes_the_same_json_and_table(tmp_path, kjv_folder, a
         assert (tmp_path / name).read_bytes() == (ablation_folder / name).read_bytes()
 
 
-def test_readme_table_is_rendered_from_docs_ablation_json_of_the_default_run():
+def test_the_table_is_rendered_from_docs_ablation_json_of_the_default_run():
     ablation = json.loads(DOCS_JSON.read_text())
-    assert readme_block(README.read_text()) == render_markdown(ablation)
+    assert readme_block(PAGE.read_text()) == render_markdown(ablation)
     assert ablation["setups"]["base"] == TrainConfig().to_dict() and ablation["stop_at"] == 30
 
 
-def test_markdown_rewrites_only_the_readme_block(tmp_path):
-    original = README.read_text()
+def test_markdown_rewrites_only_the_pages_block(tmp_path):
+    original = PAGE.read_text()
     copy = tmp_path / "README.md"
     copy.write_text(original.replace(readme_block(original), "a stale table"))
     assert call_cli("ablate", "--markdown", DOCS_JSON, "--readme", copy).returncode == 0

@@ -53,8 +53,8 @@ def test_readme_performance_table_is_rendered_from_docs_bench_json():
     from bench.table import BEGIN, END, render
 
     bench = json.loads((ROOT / "docs" / "bench.json").read_text())
-    readme = (ROOT / "README.md").read_text()
-    assert readme.split(BEGIN, 1)[1].split(END, 1)[0] == "\n" + render(bench) + "\n"
+    page = (ROOT / "docs" / "performance.md").read_text()
+    assert page.split(BEGIN, 1)[1].split(END, 1)[0] == "\n" + render(bench) + "\n"
     assert not bench["settings"]["toy"] and set(bench["presets"]) == {"default", "minimind-26m", "minimind-64m"}
 
 
@@ -90,7 +90,7 @@ def test_make_bench_duration_is_one_figure_everywhere():
     from bench.table import duration
 
     said = duration(json.loads((ROOT / "docs" / "bench.json").read_text()))  # from the run's own wall_s
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "performance.md").read_text()
     assert f"make bench    # {said}:" in readme
     assert f"({said} on two cores)" in (ROOT / "Makefile").read_text()
     assert f"minimind-64m; {said}\n" in (ROOT / "bench" / "run.py").read_text()
@@ -103,12 +103,12 @@ def keys_of(value):
     return {key: keys_of(item) for key, item in value.items()} if isinstance(value, dict) else type(value).__name__
 
 
-def test_readme_many_processes_figures_are_rendered_from_docs_json():
+def test_many_processes_figures_are_rendered_from_docs_json():
     from bench import many_processes as many
     from bench.many_processes import BEGIN, DOCS_JSON, END, EXACT_BEGIN, EXACT_END, figures_json, render, render_exact
 
     figures = json.loads(DOCS_JSON.read_text())
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "many-processes.md").read_text()
     assert readme.split(BEGIN, 1)[1].split(END, 1)[0] == render(figures)
     assert readme.split(EXACT_BEGIN, 1)[1].split(EXACT_END, 1)[0] == render_exact(figures)
     for (begin, end), rendered in (

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread
+from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread, run_cli
 from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.folder import CheckpointStore, checkpoint_name
 from exactresume.store.sealed import save_sealed, verify
@@ -53,8 +53,8 @@ def command(args) -> list[str]:
 
 
 def run_child(args, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = CHILD_ENV | ({FAULT_ENV: fault} if fault else {})
-    return subprocess.run(command(args), capture_output=True, text=True, env=env)
+    """The CLI in a new process, on one thread, with `fault` injected: its exit code (-9 when killed)."""
+    return run_cli(*args, env={"OMP_NUM_THREADS": "1"} | ({FAULT_ENV: fault} if fault else {}))
 
 
 @pytest.fixture(scope="module")
@@ -398,8 +398,8 @@ def test_unwritable_output_folders(tmp_path, kjv_folder):
 
 
 def readme_library_example() -> str:
-    section = README.read_text().split("**In your own loop.**", 1)[1]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
+    block = README.read_text().split("<!-- own-loop:begin -->", 1)[1].split("<!-- own-loop:end -->", 1)[0]
+    return block.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def test_readme_library_example_survives_a_kill_mid_save(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from exactresume.store.steplog import read_divergence, read_loss_log
 from exactresume.store.weights import read_weights
 from exactresume.summaries import lab_summary, render_lab
 
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 LAB_FILES = [
     "straight.pth",
     "straight_log.csv",
@@ -52,7 +53,10 @@ def test_lab_writes_every_named_file_and_no_tmp(default_lab):
 
 
 def test_lab_resumed_equals_straight(default_lab):
-    assert run_cli("diff", default_lab / "straight.pth", default_lab / "resumed.pth").returncode == 0
+    equal = run_cli("diff", default_lab / "straight.pth", default_lab / "resumed.pth")
+    assert equal.returncode == 0
+    shown = README.split("<!-- diff-output:begin", 1)[1].split("<!-- diff-output:end -->", 1)[0]
+    assert shown.split("```text\n", 1)[1].split("```", 1)[0] == equal.stdout  # what the README shows
     assert run_cli("diff", default_lab / "straight.pth", default_lab / "noopt.pth").returncode == 1
     straight_rows = (default_lab / "straight_log.csv").read_text().splitlines()
     resumed_rows = (default_lab / "resumed_log.csv").read_text().splitlines()

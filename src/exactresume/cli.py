@@ -33,7 +33,7 @@ from exactresume.commands import (
     resume_source,
 )
 from exactresume.doctor.command import DOCTOR_HELP, cmd_doctor, doctor_parser
-from exactresume.errors import UserError
+from exactresume.errors import FieldError, UserError
 from exactresume.flags import (
     ABLATION_GROUP,
     CHECKPOINTS_GROUP,
@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         with summary_stdout(args):
             return args.func(args)
     except UserError as error:
-        print(f"exactresume {args.command}: error: {error}", file=sys.stderr)
+        message = error.with_flags() if isinstance(error, FieldError) else str(error)  # the flags, not the fields
+        print(f"exactresume {args.command}: error: {message}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         print(f"exactresume {args.command}: interrupted", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Run configuration: the model's shape (MiniMind's field names) and the training hyperparameters.
 
 Configuration flows one way: CLI flags -> these dataclasses -> functions. Both are frozen and
-validated on construction, and both travel inside every resume file so a resume can check it is
-continuing the same run.
+validated on construction (a refusal names fields, `FieldError`; the command line names their
+flags), and both travel inside every resume file so a resume can check it is continuing the same run.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from exactresume.errors import UserError
+from exactresume.errors import FieldError, UserError
 
 
 def _minimind_intermediate_size(hidden_size: int) -> int:
@@ -149,12 +149,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "seq_len", "grad_accum", "threads"):
             if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                raise FieldError(f"{name} must be at least 1, got {getattr(self, name)}", name)
         if not self.lr > 0:
-            raise UserError(f"--lr must be positive, got {self.lr}")
+            raise FieldError(f"lr must be positive, got {self.lr}", "lr")
         if not (self.weight_decay >= 0 and self.grad_clip > 0):
-            raise UserError(
-                f"--weight-decay must be at least 0 and --grad-clip positive, got {self.weight_decay}, {self.grad_clip}"
+            raise FieldError(
+                f"weight_decay must be at least 0 and grad_clip positive, got {self.weight_decay}, {self.grad_clip}",
+                "weight_decay",
+                "grad_clip",
             )
         preset(self.preset)
         self._check_features()
@@ -162,28 +164,43 @@ class TrainConfig:
     def _check_features(self) -> None:
         for name, allowed in (("dtype", DTYPES), ("loader", LOADERS), ("device", DEVICES), ("shard", SHARDINGS)):
             if getattr(self, name) not in allowed:
-                raise UserError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+                raise FieldError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}", name)
         if self.batch % self.grad_accum:
-            raise UserError(
-                f"--batch {self.batch} (sequences per optimizer step) is not a multiple of "
-                f"--grad-accum {self.grad_accum}"
+            raise FieldError(
+                f"batch {self.batch} (sequences per optimizer step) is not a multiple of grad_accum {self.grad_accum}",
+                "batch",
+                "grad_accum",
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"--dropout must be in [0, 1), got {self.dropout}")
+            raise FieldError(f"dropout must be in [0, 1), got {self.dropout}", "dropout")
         self._check_micro_batch()
         if self.workers < 0 or (self.workers and self.loader != "epoch"):
-            raise UserError(f"--workers {self.workers}: worker processes need --loader epoch and a count of at least 0")
+            raise FieldError(
+                f"workers {self.workers}: worker processes need loader epoch and a count of at least 0",
+                "workers",
+                "loader",
+            )
         if not 0 <= self.warmup < self.steps:
-            raise UserError(f"--warmup {self.warmup} must be between 0 and --steps - 1 ({self.steps - 1})")
+            raise FieldError(
+                f"warmup {self.warmup} must be between 0 and steps - 1 ({self.steps - 1})", "warmup", "steps"
+            )
 
     def _check_micro_batch(self) -> None:
         if self.micro_batch < 0 or (self.micro_batch and self.batch % self.micro_batch):
-            raise UserError(f"--micro-batch {self.micro_batch} must be 0 (off) or divide --batch {self.batch}")
+            raise FieldError(
+                f"micro_batch {self.micro_batch} must be 0 (off) or divide batch {self.batch}", "micro_batch", "batch"
+            )
         if self.micro_batch and self.grad_accum != 1:
-            raise UserError("--micro-batch sets the micro-batches of a step itself: leave --grad-accum at 1")
+            raise FieldError(
+                "micro_batch sets the micro-batches of a step itself: leave grad_accum at 1",
+                "micro_batch",
+                "grad_accum",
+            )
         if self.micro_batch and self.fsdp:
             # FSDP2 reduce-scatters every micro-batch's gradient over the ranks as it comes, in an order N sets.
-            raise UserError("--micro-batch (the N-independent mode) does not combine with --shard fsdp")
+            raise FieldError(
+                "micro_batch (the N-independent mode) does not combine with shard fsdp", "micro_batch", "shard"
+            )
 
     @property
     def model(self) -> ModelConfig:
@@ -209,4 +226,4 @@ class TrainConfig:
 def check_stop_at(stop_at: int, steps: int) -> None:
     """Refuse a stop that leaves nothing before or after it: 1 <= stop_at < steps."""
     if not 1 <= stop_at < steps:
-        raise UserError(f"--stop-at {stop_at} must be between 1 and --steps - 1 ({steps - 1})")
+        raise FieldError(f"stop_at {stop_at} must be between 1 and steps - 1 ({steps - 1})", "stop_at", "steps")

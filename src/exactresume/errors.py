@@ -4,11 +4,29 @@ The CLI prints a `UserError` as one line on stderr and exits with its `exit_code
 `StorageError`); any other exception is a bug in exactresume and keeps its traceback.
 """
 
+import re
+
 
 class UserError(Exception):
     """A mistake in what the user gave us (a flag, a file, a folder), explained in one line."""
 
     exit_code = 2
+
+
+class FieldError(UserError):
+    """A configuration value that cannot be, in a message that names the fields it is about as they
+    are called in code (`batch must be at least 1`); the command line names its flags instead."""
+
+    def __init__(self, message: str, *fields: str):
+        super().__init__(message)
+        self.fields = fields
+
+    def with_flags(self) -> str:
+        """The message with each field named as its flag: `--batch must be at least 1`."""
+        message = str(self)
+        for name in self.fields:
+            message = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", "--" + name.replace("_", "-"), message)
+        return message
 
 
 class CheckpointError(UserError):

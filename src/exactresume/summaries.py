@@ -182,7 +182,7 @@ LAB_RUNS = ("resumed", "noopt", "noskip")
 def lab_summary(folder: Path, shown: Path | None = None) -> dict:
     """The lab's findings from compare.json, optim.json, fp16.json and details/resume_sizes.json.
 
-    Paths are given under `shown` (the README shows docs/lab's copy as the runs/lab it came from).
+    Paths are given under `shown` (README.md shows docs/lab's copy as the runs/lab it came from).
     """
     folder, shown = Path(folder), Path(shown or folder)
     compare = json.loads((folder / "compare.json").read_text())

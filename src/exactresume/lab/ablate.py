@@ -273,4 +273,4 @@ def run_ablation(config: AblationConfig, log=print) -> dict:
     return result
 
 
-# --- rendering: the table of the README and of the lab report, from ablation.json alone ---
+# --- rendering: the table of docs/resume-file.md and of the lab report, from ablation.json alone ---

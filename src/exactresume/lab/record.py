@@ -1,6 +1,6 @@
 """What a lab folder records about how it was made: its config and the machine (details/run.json).
 
-The README's lab block is rendered from a copy of the lab's json files in docs/lab/; with this
+docs/lab.md's lab block is rendered from a copy of the lab's json files in docs/lab/; with this
 record beside them a test can tell when that copy was made with another config than today's
 defaults, and a reader which machine the numbers came from.
 """

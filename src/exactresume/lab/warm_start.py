@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 
 CLI_MODULE = "exactresume.cli"
-PRELOAD = ("exactresume.training.job", "torch._dynamo")
+PRELOAD = ("exactresume.training.job_run", "torch._dynamo")
 
 _server: subprocess.Popen | None = None
 
@@ -59,10 +59,11 @@ def stop_server() -> None:
         _server = None
 
 
-def run_cli(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(argv: list[str], env: dict[str, str] | None = None, environ: bool = False) -> subprocess.CompletedProcess:
     """`exactresume ARGV` in a new process: its exit code (negative: killed by that signal) and output.
 
-    `env`: variables the new process sees beside the environment the server was started with.
+    `env`: variables the new process sees beside the environment the server was started with, or,
+    with `environ`, beside this process's environment as it is now (what a cold start would see).
     """
     start_server()
     if _server is None:
@@ -71,6 +72,8 @@ def run_cli(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Co
     with tempfile.TemporaryDirectory(prefix="exactresume-run-") as folder:
         stdout, stderr = Path(folder, "stdout"), Path(folder, "stderr")
         request = {"argv": list(argv), "stdout": str(stdout), "stderr": str(stderr), "env": env or {}}
+        if environ:
+            request["environ"] = dict(os.environ)
         _server.stdin.write(json.dumps(request) + "\n")
         reply = _server.stdout.readline()
         if not reply:
@@ -84,6 +87,9 @@ def _run_child(request: dict) -> None:
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if "environ" in request:
+            os.environ.clear()
+            os.environ.update(request["environ"])
         os.environ.update(request.get("env", {}))
         # The request pipe is the server's, not ours; output goes to the files at the descriptor
         # level, so that C++ output is captured too.

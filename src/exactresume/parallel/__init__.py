@@ -1,3 +1,3 @@
-"""Many processes: DDP and FSDP2 replicas, the N-independent mode, the torchrun launcher.
-
-Imports store, core and the base layer."""
+"""Many processes: which replica a rank runs (DDP, FSDP2, the N-independent mode), how a batch splits
+over N, and `--nproc N` through torchrun. Imports store, core and the base layer.
+"""

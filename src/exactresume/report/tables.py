@@ -1,4 +1,4 @@
-"""The ablation table (ablation.json rendered as markdown, in en/ko/zh) and the README block it fills."""
+"""The ablation table (ablation.json rendered as markdown, in en/ko/zh) and the block of docs/resume-file.md it fills."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def ablation_lines(folder: Path, lang: str) -> list[str]:
 
 
 def readme_block(text: str) -> str:
-    """What stands between the ablation markers of a README."""
+    """What stands between the ablation markers of a page."""
     if BEGIN_MARKER not in text or END_MARKER not in text:
         raise UserError(f"the file has no {BEGIN_MARKER} ... {END_MARKER} block")
     return text.split(BEGIN_MARKER, 1)[1].split(END_MARKER, 1)[0].strip("\n")

@@ -1,4 +1,5 @@
-"""Everything on disk: the resume file of parts (resume), sealed and atomic writes, the checkpoint
-folder (folder.CheckpointStore), background saves, fault injection, sharded DCP folders, weights
-and safetensors, inspect and export, the per-step logs. Imports core and the base layer only.
+"""Everything on disk, and nothing of the model or the loop: the resume file of parts (resume), its seal
+(sealed, onepass), the checkpoint folder (folder.CheckpointStore), background saves, fault injection,
+sharded DCP folders, weights and safetensors files, what a file or folder holds (contents, listing),
+one writer per folder (lock) and the per-step logs. Imports the base layer only.
 """

@@ -1,0 +1,71 @@
+"""The house's rules, checked with the project's own tools: the public API, names every tool can see,
+and the size of modules and functions."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import exactresume
+from conftest import assert_one_line_error, call_cli
+from exactresume.config import TrainConfig
+from exactresume.errors import FieldError
+
+PACKAGE = Path(exactresume.__file__).resolve().parent
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 350, 50
+
+
+def test_the_public_api_is_what_the_package_exports():
+    assert exactresume.__all__ == sorted(exactresume.PUBLIC)
+    for name in exactresume.__all__:
+        assert getattr(exactresume, name) is not None, name
+    with pytest.raises(AttributeError):
+        exactresume.CheckpointStor  # noqa: B018 - a typo names itself, it is not sent elsewhere
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    assert exactresume.Stateful is Stateful  # PyTorch's own part protocol
+
+
+def test_importing_the_package_is_light_and_old_module_paths_are_gone():
+    script = (
+        "import sys, importlib, exactresume\n"
+        "assert 'torch' not in sys.modules\n"
+        "for old in ('exactresume.checkpoint', 'exactresume.model', 'exactresume.dist', 'exactresume._moved'):\n"
+        "    try:\n"
+        "        importlib.import_module(old)\n"
+        "    except ModuleNotFoundError:\n"
+        "        continue\n"
+        "    raise SystemExit(old + ' imports')\n"
+        "assert not any(type(finder).__module__.startswith('exactresume') for finder in sys.meta_path)\n"
+    )
+    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+
+
+def test_no_folder_or_module_is_named_like_a_build_folder_or_the_standard_library():
+    for path in PACKAGE.rglob("*"):
+        if path.is_dir():
+            assert path.name not in ("dist", "build"), path
+        elif path.suffix == ".py" and path.stem != "__init__":
+            assert path.stem not in sys.stdlib_module_names or path.stem == "sitecustomize", path
+
+
+def test_no_module_over_350_lines_and_no_function_over_50():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        assert text.count("\n") <= MAX_MODULE_LINES, f"{path.relative_to(PACKAGE)}: {text.count(chr(10))} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                assert lines <= MAX_FUNCTION_LINES, f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {lines}"
+
+
+def test_a_library_caller_meets_field_names_and_the_command_line_its_flags(tmp_path):
+    with pytest.raises(FieldError, match=r"^seq_len must be at least 1, got 0$"):
+        TrainConfig(seq_len=0)
+    finished = call_cli("train", "--out", tmp_path, "--seq-len", "0")
+    assert_one_line_error(finished, "--seq-len must be at least 1, got 0")
