@@ -8,17 +8,22 @@ and 4 processes with the same samples and weights equal up to the reduction orde
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import assert_lab_dict, assert_one_line_error, assert_weights_equal, max_abs_difference, run_cli
+from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.steplog import read_samples
 
 FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16"]  # a batch of 4 splits over 1, 2 and 4 processes
@@ -59,7 +64,16 @@ def runs(tmp_path_factory, kjv_folder):
     """One process without FSDP (the reference), FSDP2 straight on 2, stopped on two nodes and on 1 process."""
     folder = tmp_path_factory.mktemp("fsdp")
     train(folder / "reference", kjv_folder, "--samples", folder / "reference" / "samples.csv")
-    train(folder / "straight2", kjv_folder, "--nproc", 2, "--shard", "fsdp")
+    train(
+        folder / "straight2",
+        kjv_folder,
+        "--nproc",
+        2,
+        "--shard",
+        "fsdp",
+        "--samples",
+        folder / "straight2" / "samples.csv",
+    )
     train_on_two_nodes(folder / "nodes", kjv_folder, "--shard", "fsdp", "--stop-at", STOP, "--save-every", 2)
     train(folder / "stop1", kjv_folder, "--shard", "fsdp", "--stop-at", STOP)
     return folder
@@ -149,3 +163,95 @@ def test_the_lab_and_the_ablation_refuse_fsdp(tmp_path, kjv_folder, command):
     finished = run_cli(command, "--out", tmp_path / "out", "--data", kjv_folder, "--shard", "fsdp")
     assert_one_line_error(finished, "without --shard fsdp")
     assert not (tmp_path / "out").exists()
+
+
+# -- kill -9 under FSDP2, then --resume auto on 2 processes and on 1 ---------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started by `pid`, and by those, from /proc (torchrun's agent and its ranks)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def ranks_of(launcher: subprocess.Popen) -> list[int]:
+    """The training processes under `launcher`: its descendants that run exactresume's command line."""
+    ranks = []
+    for pid in descendants(launcher.pid):
+        with contextlib.suppress(OSError):
+            if b"torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                ranks.append(pid)
+    return ranks
+
+
+def killed_mid_run(out: Path, data: Path, victim: str, rng: random.Random) -> str:
+    """Start the FSDP2 run on 2 processes, let rank 0 freeze itself at a random stage of a random save,
+    kill -9 `victim` there (the launcher, one rank, or both) and let the rest go on; wait until none of
+    its processes is left. Returns where it was killed."""
+    fault = f"{rng.choice(STAGES)}@{rng.randint(1, 3)}:stop"
+    flags = [*FLAGS, "--nproc", 2, "--shard", "fsdp", "--save-every", 2, "--resume", "auto", "--samples", out / "s.csv"]
+    command = [sys.executable, "-m", "exactresume.cli", "train", "--out", out, "--data", data, *flags]
+    launcher = subprocess.Popen(
+        list(map(str, command)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV | {FAULT_ENV: fault}
+    )
+    deadline = time.monotonic() + 240
+    while not any(_state(pid) == "T" for pid in descendants(launcher.pid)):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    family, ranks = [launcher.pid, *descendants(launcher.pid)], ranks_of(launcher)
+    targets = {"launcher": [launcher.pid], "rank": [rng.choice(ranks)], "both": [launcher.pid, rng.choice(ranks)]}
+    for pid in targets[victim]:
+        os.kill(pid, signal.SIGKILL)
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    launcher.wait(timeout=120)
+    while any(_state(pid) not in ("Z", None) for pid in family):
+        assert time.monotonic() < deadline, "a process of the killed run is still there"
+        time.sleep(0.05)
+    return fault
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (R, S, T, Z, ...), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def resume_auto(out: Path, data: Path, *flags: object) -> str:
+    """Continue the killed run with --resume auto; what it printed (it must have resumed, not started over)."""
+    command = ["train", "--out", out, "--data", data, *FLAGS, "--shard", "fsdp", "--save-every", 2, "--resume", "auto"]
+    finished = run_cli(*command, "--samples", out / "s.csv", *flags, check=True)
+    assert "resumed from" in finished.stdout, finished.stdout
+    return finished.stdout
+
+
+def test_kills_under_fsdp_then_auto_resume_on_2_is_bit_identical(runs, tmp_path, kjv_folder):
+    out, rng = tmp_path / "run", random.Random(17)
+    for victim in ("launcher", "rank"):
+        killed_mid_run(out, kjv_folder, victim, rng)
+    resume_auto(out, kjv_folder, "--nproc", 2)
+    assert_weights_equal(runs / "straight2" / "final.pth", out / "final.pth")
+    assert (out / "s.csv").read_text() == (runs / "straight2" / "samples.csv").read_text()
+    assert (out / "log.csv").read_text() == (runs / "straight2" / "log.csv").read_text()
+
+
+def test_killed_under_fsdp_then_requeued_on_1_process_has_the_same_samples(runs, tmp_path, kjv_folder):
+    out = tmp_path / "run"
+    killed_mid_run(out, kjv_folder, "both", random.Random(23))
+    assert "resuming a 2-process run on 1" in resume_auto(out, kjv_folder)
+    assert (out / "s.csv").read_text() == (runs / "straight2" / "samples.csv").read_text()
+    assert max_abs_difference(runs / "straight2" / "final.pth", out / "final.pth") < CROSS_N_ATOL

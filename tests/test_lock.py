@@ -17,6 +17,7 @@ import torch
 
 from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread
 from exactresume.errors import UserError
+from exactresume.store.faults import FAULT_ENV
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import HELD_ENV, LOCK_NAME, FolderLock, read_holder
 from exactresume.training.parts import GlobalRng
@@ -87,6 +88,42 @@ def test_wait_lock_takes_over_when_the_first_writer_stops(tmp_path, kjv_folder, 
     out, err = second.communicate(timeout=120)
     assert second.returncode == 0, err
     assert "resumed from" in out or "starting at step 0" in out
+    assert_same_run(folder, reference)
+
+
+def frozen_after_its_second_checkpoint(folder: Path, data: Path) -> subprocess.Popen:
+    """A first writer that trained 4 steps, saved them (step-00000004.pth, durable and verified) and was
+    frozen there (SIGSTOP from inside the save), still holding the lock."""
+    env = CHILD_ENV | {FAULT_ENV: "retention@2:stop"}
+    first = subprocess.Popen([sys.executable, "-m", "exactresume.cli", *flags(folder, data)], env=env, text=True)
+    deadline = time.monotonic() + 120
+    while not _stopped(first.pid):
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    assert CheckpointStore(folder / "checkpoints").checkpoints()[-1].step == 4
+    return first
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("death", ["kill -9", "SIGTERM"])
+def test_a_waiting_job_continues_from_the_dead_writers_last_checkpoint(tmp_path, kjv_folder, reference, death):
+    """The requeue the README describes: the first writer trained and checkpointed, then died."""
+    folder = tmp_path / "run"
+    first = frozen_after_its_second_checkpoint(folder, kjv_folder)
+    second = start(flags(folder, kjv_folder, "--wait-lock", 120))
+    try:
+        assert "waiting up to 120 s" in second.stderr.readline()  # it waits; it has written nothing
+    finally:
+        first.send_signal(signal.SIGKILL if death == "kill -9" else signal.SIGTERM)
+        first.send_signal(signal.SIGCONT)
+    # SIGTERM: the writer finishes the save it was in, saves the step it finished, and exits 75.
+    assert first.wait(timeout=120) == (-signal.SIGKILL if death == "kill -9" else 75)
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    assert f"resumed from {folder / 'checkpoints' / 'step-00000004.pth'} at step 4" in out
     assert_same_run(folder, reference)
 
 

@@ -113,14 +113,14 @@ class TrainConfig:
     preset: str = flag_field("default", "model size", choices=tuple(PRESETS))
     grad_accum: int = flag_field(1, "micro-batches per optimizer step (--batch is split among them)", FEATURES_GROUP)
     # The N-independent mode: its micro-batches' gradients are added along one fixed tree over their
-    # index, so the result does not depend on the process count (dist/exact.py).
+    # index, so the result does not depend on the process count (parallel/exact.py).
     micro_batch: int = flag_field(
         0,
         "N-independent mode: sequences per micro-batch, gradients added along one fixed tree, so the result is "
         "the same on any allowed --nproc (0: off, DDP's average)",
         FEATURES_GROUP,
     )
-    # FSDP2 (dist/fsdp.py): each rank holds 1/N of the weights, gradients and AdamW state.
+    # FSDP2 (parallel/fsdp.py): each rank holds 1/N of the weights, gradients and AdamW state.
     shard: str = flag_field(
         "none",
         "fsdp: each process holds 1/N of the weights, gradients and optimizer state (FSDP2; resume state in DCP)",

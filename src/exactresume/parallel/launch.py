@@ -9,14 +9,16 @@ A user's mistake is met by every rank alike; the launcher prints it once, as one
 rank's exit code (2, or 74 for a disk that refused a write), instead of torchrun's failure report.
 
 Preemption: torchrun runs in its own session, and a SIGTERM or SIGINT to this process is passed on
-to it; torchrun passes it to every rank once, the ranks agree to stop after the same step, save, and
-exit 75, which the launcher returns. A signal sent to every process at once (the ranks included, as
-some schedulers do) reaches the ranks twice, and a second signal stops a rank without saving.
+to it, as is a SIGTERM when this process dies (kill -9 included); torchrun passes it to every rank
+once, the ranks agree to stop after the same step, save, and exit 75, which the launcher returns. A
+signal sent to every process at once (the ranks included, as some schedulers do) reaches the ranks
+twice, and a second signal stops a rank without saving.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -59,9 +61,15 @@ def launch(argv: Collection[str], nproc: int) -> int:
     env = dict(os.environ)
     # torchrun would set 1 and warn; split this machine's cores between the processes instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # Its own session: a terminal's Ctrl-C reaches the ranks once, through torchrun, not twice.
+    # Its own session: a terminal's Ctrl-C reaches the ranks once, through torchrun, not twice. And a
+    # SIGTERM when this process dies (kill -9 included): the ranks save and stop, none is left behind.
     process = subprocess.Popen(
-        launch_command(argv, nproc), stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        launch_command(argv, nproc),
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_terminated_with_parent,
     )
     with _passing_signals_to(process):
         _, stderr = process.communicate()
@@ -71,6 +79,15 @@ def launch(argv: Collection[str], nproc: int) -> int:
         return process.returncode
     print(error, file=sys.stderr)
     return exit_code(error, stderr)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _terminated_with_parent() -> None:
+    """In torchrun's process, before it starts: SIGTERM when the launcher dies (Linux; elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def exit_code(line: str, stderr: str) -> int:

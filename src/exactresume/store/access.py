@@ -93,7 +93,7 @@ def open_resume(
     the damaged ones skipped on the way are passed to `notify`. AUTO reads the folder `checkpoints`
     (a run's own) the same way, and gives None when it holds no valid checkpoint: a fresh start.
     Anything else that is not a complete resume state raises a one-line CheckpointError.
-    `destination` tells a sharded folder's reader where this rank's shards go (dist/fsdp.py).
+    `destination` tells a sharded folder's reader where this rank's shards go (parallel/fsdp.py).
     """
     if source == AUTO:
         if checkpoints is None:

@@ -5,13 +5,15 @@
 
 Kinds (told apart by formats.py, as --resume and load_model tell them): `resume` (our resume file),
 `weights` (an fp32 state dict), `export` (inference weights in fp16/bf16, or any safetensors file),
-`sharded` (a torch.distributed.checkpoint folder), `torch` (any other torch file). A sharded folder's
-commit marker is verified as --resume verifies it: `commit` says `verified`, `missing` (the save did
-not finish, or DCP wrote it without us) or `damaged` (with `commit_problem`, the reason --resume would
-give); its sizes come from DCP's index, read through sharded.py's allow-list. For each part (a resume
-file's top-level key, a sharded folder's first name component, `model` for weights) it counts the
-tensors and the elements and bytes the file stores: a storage two names share (the tied lm_head) is
-counted once, as the file holds it once. A damaged file is one line and exit code 2.
+`sharded` (a torch.distributed.checkpoint folder), `store` (a CheckpointStore's folder, listing.py),
+`torch` (any other torch file). Every file is verified by the reader --resume and diff use (its seal;
+a sharded folder's commit marker, every file's checksum and DCP's index held to the files), and a
+damaged one is one line and exit code 2, whatever the command; what cannot be verified is shown as
+such: `checksum` says `absent` for a file without a seal (MiniMind's own), and a DCP folder without
+our commit marker has `commit` `missing` (the save did not finish, or DCP wrote it without us; a
+resume refuses it). For each part (a resume file's top-level key, a sharded folder's first name
+component, `model` for weights) it counts the tensors and the elements and bytes the file stores: a
+storage two names share (the tied lm_head) is counted once, as the file holds it once.
 
 A resume file is described by the state torch.load gives back (versions 1 and 3 share one layout).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -148,31 +151,34 @@ def _inspect_safetensors(path: Path) -> dict:
 
 
 def _commit(folder: Path) -> dict:
-    """The commit marker verified as --resume verifies it: every file present with its checksum."""
+    """The commit marker verified as --resume verifies it: every file present with its checksum. A
+    folder without one is shown as not trusted; a damaged one is refused, as --resume refuses it."""
     from exactresume.store.sharded import COMMIT, SHARDED_FORMAT, verify_sharded
 
     try:
         marker = verify_sharded(folder)
     except CheckpointError as error:
-        damaged = (folder / COMMIT).is_file()
-        return {"commit": "damaged" if damaged else "missing", "commit_problem": str(error)} | {
-            "checksum": "mismatch" if damaged else "absent"
-        }
+        if os.path.lexists(folder / COMMIT):
+            raise
+        return {"commit": "missing", "commit_problem": str(error), "checksum": "absent"}
     return {
         "commit": "verified",
         "checksum": "verified",
         "format": SHARDED_FORMAT,
         "version": marker["version"],
         "processes": marker["processes"],
+        "files_listed": marker["files"],
     }
 
 
 def _inspect_sharded(folder: Path) -> dict:
     """Sizes from DCP's index (tensors by dtype and shape, pickled objects by stored length), and the commit."""
-    from exactresume.store.sharded import read_metadata
+    from exactresume.store.dcp_index import check_index, read_metadata
 
     commit = _commit(folder)
     metadata = read_metadata(folder)
+    if commit["commit"] == "verified":  # held to the folder's files as a load holds it
+        check_index(folder, metadata, commit.pop("files_listed"))
     stored: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
         stored[index.fqn] = stored.get(index.fqn, 0) + int(info.length)
@@ -262,7 +268,6 @@ CHECKSUM_TEXT = {
 COMMIT_TEXT = {
     "verified": "commit.pth lists every file with its checksum, all match",
     "missing": "no commit.pth: the save did not finish (or was not made by exactresume); --resume refuses it",
-    "damaged": "{commit_problem}; --resume refuses it",
 }
 
 

@@ -8,6 +8,7 @@ environment variable names one stage, optionally which save, and what happens th
     EXACTRESUME_FAULT=write@3         SIGKILL halfway through writing the 3rd save's bytes
     EXACTRESUME_FAULT=fsync:enospc    the 1st save's fsync raises OSError(ENOSPC)
     EXACTRESUME_FAULT=folder-fsync@2:eio
+    EXACTRESUME_FAULT=retention@2:stop  SIGSTOP once the 2nd save is durable: frozen while it holds its lock
 
 Only the checkpoint store reads it, once per store; nothing else in exactresume looks at it.
 """
@@ -24,7 +25,7 @@ from exactresume.errors import UserError
 FAULT_ENV = "EXACTRESUME_FAULT"
 # The stages of CheckpointStore.save, in order (see folder.py; atomic.atomic_write reports the middle four).
 STAGES = ("snapshot", "write", "fsync", "rename", "folder-fsync", "verify", "retention")
-ACTIONS = ("kill", "enospc", "eio")
+ACTIONS = ("kill", "stop", "enospc", "eio")
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ class FaultPoints:
         self.hits += 1
         if self.hits != self.fault.nth:
             return
-        if self.fault.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault.action in ("kill", "stop"):
+            os.kill(os.getpid(), signal.SIGKILL if self.fault.action == "kill" else signal.SIGSTOP)
+            return  # stopped, then continued (SIGCONT): the save goes on
         code = errno.ENOSPC if self.fault.action == "enospc" else errno.EIO
         raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_ENV})")

@@ -118,6 +118,24 @@ def _read_seal(file: BinaryIO) -> str | None:
     return seal[len(SEAL_PREFIX) :].decode("ascii", errors="replace")
 
 
+TAIL_SEARCHED = 1 << 16  # how far back from the end a zip reader looks for the end record
+
+
+def _bytes_after_seal(file: BinaryIO) -> int:
+    """How many bytes follow an exactresume seal that is not at the end of the file (0: none found)."""
+    size = file.seek(0, os.SEEK_END)
+    start = max(0, size - TAIL_SEARCHED - EOCD_SIZE - SEAL_LENGTH)
+    file.seek(start)
+    tail = file.read()
+    found = tail.rfind(END_OF_CENTRAL_DIRECTORY)
+    while found >= 0:
+        record = tail[found : found + EOCD_SIZE + SEAL_LENGTH]
+        if len(record) == EOCD_SIZE + SEAL_LENGTH and record[EOCD_SIZE:].startswith(SEAL_PREFIX):
+            return len(tail) - found - EOCD_SIZE - SEAL_LENGTH
+        found = tail.rfind(END_OF_CENTRAL_DIRECTORY, 0, found)
+    return 0
+
+
 def _digest(file: BinaryIO) -> str:
     """xxh3-128 of the bytes torch.save wrote: the file without its seal, comment length as 0."""
     digest = xxhash.xxh3_128()
@@ -137,10 +155,18 @@ def _recorded_seal(path: Path, file: BinaryIO) -> str:
         raise CheckpointError(f"{path}: the file is empty (0 bytes)")
     recorded = _read_seal(file)
     if recorded is None:
+        _refuse_appended(path, file)
         raise CheckpointError(
             f"{path}: no exactresume checksum at the end of the file (truncated, or not written by exactresume)"
         )
     return recorded
+
+
+def _refuse_appended(path: Path, file: BinaryIO) -> None:
+    """A file whose seal is followed by more bytes was appended to after it was sealed: damaged."""
+    extra = _bytes_after_seal(file)
+    if extra:
+        raise CheckpointError(f"{path}: {extra:,} bytes follow its exactresume checksum: damaged (appended to)")
 
 
 def _verify(path: Path, file: BinaryIO) -> None:
@@ -192,6 +218,7 @@ def load_sealed(path: Path, require_seal: bool = True) -> Any:
         with open(path, "rb") as file:
             if require_seal or _read_seal(file) is not None:
                 return _load_sealed_file(path, file)
+            _refuse_appended(path, file)  # a file without a seal at its end may still have been sealed
             return _torch_load(file)
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error.strerror or error}") from None

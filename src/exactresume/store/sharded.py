@@ -23,6 +23,7 @@ import ctypes
 import io
 import os
 import pickle
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -32,14 +33,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from exactresume.atomic import fsync_path, tmp_path
 from exactresume.errors import CheckpointError
+from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
 from exactresume.store.formats import check_format
 from exactresume.store.resume import capture, check_resume_state
 from exactresume.store.sealed import load_sealed, save_sealed
@@ -185,11 +187,13 @@ def verify_sharded(folder: Path) -> dict:
         raise CheckpointError(
             f"{folder} has no commit marker ({COMMIT}): its save did not finish, so it is not trusted"
         )
+    plain_file(folder, COMMIT)
     marker = check_format(commit, load_sealed(commit), SHARDED_FORMAT, SHARDED_VERSION, "an exactresume commit marker")
-    for name, digest in marker["files"].items():
-        if not (folder / name).is_file():
-            raise CheckpointError(f"{folder}: shard file {name} is missing")
-        if file_digest(folder / name) != digest:
+    files = marker.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise CheckpointError(f"{commit}: lists no files, or not DCP's index (.metadata)")
+    for name, digest in files.items():
+        if file_digest(plain_file(folder, name)) != digest:
             raise CheckpointError(f"{folder}: {name} is damaged (checksum mismatch)")
     return marker
 
@@ -205,23 +209,22 @@ def load_sharded(folder: Path, destination: Destination | None = None, needs: Co
     """
     folder = Path(folder)
     marker = verify_sharded(folder)
-    reader = _VerifiedReader(folder)
+    reader = VerifiedReader(folder)
     metadata = reader.read_metadata()
-    unlisted = {info.relative_path for info in metadata.storage_data.values()} - set(marker["files"])
-    if unlisted:
-        raise CheckpointError(f"{folder}: its metadata names files its commit marker does not: {sorted(unlisted)}")
+    check_index(folder, metadata, marker["files"])  # before a byte is allocated for what it names
     try:
         paths = metadata.planner_data or {}
         saved = metadata.state_dict_metadata.items()
         flat = {key: _target(item, paths.get(key, (key,)), destination) for key, item in saved}
         with _quiet_single_process(), _first_failure():
-            dcp.load(flat, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
+            dcp.load(flat, storage_reader=reader, planner=_SafeLoadPlanner(folder), no_dist=True)
+        state = unflatten(flat, paths)
     except CheckpointError:
         raise
     except Exception as error:  # DCP's many refusals of an inconsistent folder
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{folder}: not a loadable sharded checkpoint ({reason[:200]})") from None
-    return check_resume_state(folder, unflatten(flat, paths), needs)
+    return check_resume_state(folder, state, needs)
 
 
 def _target(item: Any, path: tuple, destination: Destination | None) -> Any:
@@ -261,68 +264,15 @@ def _slot(node: dict | list, step: str | int, value: Any, replace: bool = False)
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's planner for a flat dict of every saved key, unpickling values with weights_only=True."""
 
-    def __init__(self):
+    def __init__(self, folder: Path):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.folder = folder
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as error:
-            raise CheckpointError(
-                f"value {read_item.dest_index.fqn} is not plain data ({str(error).splitlines()[0]})"
-            ) from None
-
-
-# What DCP's .metadata may refer to: its own record types, sizes, dtypes and layouts, and paths.
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in _METADATA_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a DCP index never holds")
-        return super().find_class(module, name)
-
-
-def read_metadata(folder: Path) -> Metadata:
-    """DCP's index of a sharded folder, unpickled through an allow-list (so reading it runs no code)."""
-    try:
-        with open(Path(folder) / ".metadata", "rb") as file:
-            metadata = _MetadataUnpickler(file).load()
-    except Exception as error:  # unpickling raises many types; all mean the same thing here
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"{folder}/.metadata is not a readable DCP index ({reason[:160]})") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{folder}/.metadata is not a DCP index")
-    return metadata
-
-
-class _VerifiedReader(FileSystemReader):
-    """DCP's file reader, reading `.metadata` through an allow-list instead of plain pickle."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(Path(self.path))
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+            named = re.search(r"GLOBAL (\S+)", str(error))
+            why = f"it refers to {named.group(1)}" if named else str(error).splitlines()[0][:120]
+            fqn = read_item.dest_index.fqn
+            raise CheckpointError(f"{self.folder}: value {fqn} is not plain data ({why})") from None

@@ -70,7 +70,7 @@ class Run:
     device: torch.device
     # How this process takes part: its slice of each global batch, the loss it computes (DDP's under
     # many processes, whose backward averages gradients over ranks), the mean of the logged loss.
-    # One process is its own replica; dist.replicas.replicate swaps in DDP's.
+    # One process is its own replica; parallel.replicate.replicate swaps in DDP's.
     replicas: OneProcess | Replicas | ExactReplicas
 
     def parts(self) -> dict[str, Stateful]:
