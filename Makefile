@@ -44,6 +44,7 @@ bench: data
 	$(BIN)/python -m bench --data $(DATA) --out runs/bench
 	mkdir -p docs && cp runs/bench/bench.json docs/bench.json
 	$(BIN)/python -m bench.table docs/bench.json --readme docs/performance.md
+	$(BIN)/python -m bench.pages docs/bench.json
 
 clean:
 	rm -rf $(VENV) runs data

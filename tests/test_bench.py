@@ -126,3 +126,22 @@ def test_many_processes_figures_are_rendered_from_docs_json():
     assert keys_of(written) == keys_of(figures)
     figures["two_to_one"]["max_abs_diff"] = 2.04e-7
     assert "**2.0e-7** max abs for 2 -> 1" in render(figures)  # the README's form of a figure
+
+
+def test_every_page_block_is_what_docs_bench_json_renders():
+    from bench.pages import PAGE_BLOCKS, block_of
+
+    bench = json.loads((ROOT / "docs" / "bench.json").read_text())
+    for page, name, render in PAGE_BLOCKS:
+        assert block_of((ROOT / page).read_text(), name) == "\n" + render(bench), (page, name)
+
+
+def test_the_plan_memory_table_and_the_dry_run_are_rendered_from_their_sources():
+    from bench.plan_memory import BEGIN, DRY_BEGIN, DRY_END, END, render, render_dry_run
+
+    page = (ROOT / "docs" / "fault-tolerance.md").read_text()
+    figures = json.loads((ROOT / "docs" / "plan_memory.json").read_text())
+    assert page.split(BEGIN, 1)[1].split(END, 1)[0] == "\n" + render(figures)
+    assert page.split(DRY_BEGIN, 1)[1].split(DRY_END, 1)[0] == "\n" + render_dry_run()
+    low, high = figures["goal"]
+    assert all(low <= row["estimate"] / row["peak"] <= high for row in figures["rows"]), figures["rows"]

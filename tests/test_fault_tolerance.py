@@ -10,6 +10,7 @@ import hashlib
 import os
 import random
 import re
+import resource
 import runpy
 import shutil
 import signal
@@ -210,6 +211,24 @@ def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
 
 
 # -- full disk --------------------------------------------------------------------------------------
+
+
+def test_a_write_the_kernel_refuses_stops_with_nothing_half_written_then_resumes(tmp_path, kjv_folder, reference):
+    """The full-disk path without root: a file-size limit (RLIMIT_FSIZE) makes the kernel itself refuse a
+    checkpoint's write halfway through (EFBIG), and the run meets it as it meets a full disk."""
+    folder = tmp_path / "run"
+
+    def limited() -> None:  # in the child: a checkpoint (about 20 MB) cannot be written, the logs can
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))
+
+    finished = subprocess.run(
+        command(chaos_flags(folder, kjv_folder)), capture_output=True, text=True, env=CHILD_ENV, preexec_fn=limited
+    )
+    assert_storage_error(finished, "File too large (EFBIG)", "step 2", "no earlier checkpoint exists", "ulimit -f")
+    assert checkpoint_files(folder) == ([], [])  # the half-written file is gone, nothing else was written
+    finished = run_child(chaos_flags(folder, kjv_folder))  # the limit lifted
+    assert finished.returncode == 0, finished.stderr
+    assert_same_run(folder, reference)
 
 
 def test_full_disk_stops_with_previous_checkpoint_intact_then_resumes(small_disk, kjv_folder, reference):

@@ -195,10 +195,10 @@ def ranks_of(launcher: subprocess.Popen) -> list[int]:
     return ranks
 
 
-def killed_mid_run(out: Path, data: Path, victim: str, rng: random.Random) -> str:
+def killed_mid_run(out: Path, data: Path, victim: str, rng: random.Random, sig: int = signal.SIGKILL) -> int:
     """Start the FSDP2 run on 2 processes, let rank 0 freeze itself at a random stage of a random save,
-    kill -9 `victim` there (the launcher, one rank, or both) and let the rest go on; wait until none of
-    its processes is left. Returns where it was killed."""
+    send `sig` (kill -9) to `victim` there (the launcher, one rank, or both) and let the rest go on;
+    wait until none of its processes is left. Returns the launcher's exit code."""
     fault = f"{rng.choice(STAGES)}@{rng.randint(1, 3)}:stop"
     flags = [*FLAGS, "--nproc", 2, "--shard", "fsdp", "--save-every", 2, "--resume", "auto", "--samples", out / "s.csv"]
     command = [sys.executable, "-m", "exactresume.cli", "train", "--out", out, "--data", data, *flags]
@@ -212,15 +212,15 @@ def killed_mid_run(out: Path, data: Path, victim: str, rng: random.Random) -> st
     family, ranks = [launcher.pid, *descendants(launcher.pid)], ranks_of(launcher)
     targets = {"launcher": [launcher.pid], "rank": [rng.choice(ranks)], "both": [launcher.pid, rng.choice(ranks)]}
     for pid in targets[victim]:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     for pid in family:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-    launcher.wait(timeout=120)
+    code = launcher.wait(timeout=120)
     while any(_state(pid) not in ("Z", None) for pid in family):
         assert time.monotonic() < deadline, "a process of the killed run is still there"
         time.sleep(0.05)
-    return fault
+    return code
 
 
 def _state(pid: int) -> str | None:
@@ -255,3 +255,12 @@ def test_killed_under_fsdp_then_requeued_on_1_process_has_the_same_samples(runs,
     assert "resuming a 2-process run on 1" in resume_auto(out, kjv_folder)
     assert (out / "s.csv").read_text() == (runs / "straight2" / "samples.csv").read_text()
     assert max_abs_difference(runs / "straight2" / "final.pth", out / "final.pth") < CROSS_N_ATOL
+
+
+def test_sigterm_to_the_launcher_under_fsdp_saves_then_resumes_bit_identical(runs, tmp_path, kjv_folder):
+    """SIGTERM reaches torchrun, which passes it to every rank once: they stop after the same step and save."""
+    out = tmp_path / "run"
+    assert killed_mid_run(out, kjv_folder, "launcher", random.Random(5), signal.SIGTERM) == 75
+    resume_auto(out, kjv_folder, "--nproc", 2)
+    assert_weights_equal(runs / "straight2" / "final.pth", out / "final.pth")
+    assert (out / "log.csv").read_text() == (runs / "straight2" / "log.csv").read_text()

@@ -4,6 +4,7 @@ without a tensor; --force starts it anyway; --dry-run prints the plan.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import exactresume.training.plan as plan_module
-from conftest import SMALL, assert_one_line_error, call_cli
+from conftest import SMALL, assert_one_line_error, call_cli, run_cli
 from exactresume.config import PRESETS, TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.core.model import MiniMindLM
@@ -132,3 +133,16 @@ def test_fsdp_divides_the_weights_gradients_and_adamw_among_the_processes():
     assert "gathered" in sharded.memory and "gathered" not in whole.memory
     ddp = plan_module.plan_run(replace(config, shard="none"), processes=4)
     assert ddp.memory["adamw"] == whole.memory["adamw"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--dropout", "0.1"], ["--dtype", "bf16"], ["--nproc", "2", "--shard", "fsdp"]],
+    ids=["dropout", "bf16", "fsdp-2"],
+)
+def test_the_estimate_errs_high_by_at_most_half_against_a_real_runs_peak(tmp_path, kjv_folder, flags):
+    """The plan against what a run really holds (bench/plan_memory.py measures every preset and mode)."""
+    train = ["train", "--out", tmp_path, "--data", kjv_folder, "--steps", 3, "--batch", 8, "--seq-len", 128]
+    finished = run_cli(*train, *flags, "--json", check=True)
+    memory = json.loads(finished.stdout)["memory"]
+    assert 1.0 <= memory["planned_bytes"] / memory["peak_bytes"] <= 1.5, memory

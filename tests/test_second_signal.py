@@ -1,4 +1,5 @@
-"""A second signal acts at once: SIGINT twice exits 130 and saves nothing, between steps or mid-save.
+"""A second signal acts at once: SIGINT twice exits 130 and saves nothing, between steps or mid-save;
+SIGTERM twice ends the process as SIGTERM does, with nothing more saved.
 
 The README: "SIGTERM or SIGINT lets the current step finish, saves a checkpoint of it, and exits with
 code 75 ... A second signal acts at once (SIGINT: exit 130, no save)." The signals are sent from
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -81,3 +84,33 @@ def test_sigint_during_the_preemption_save_stops_it_at_once(tmp_path, kjv_folder
     assert finished.returncode == 130, finished.stderr
     assert finished.stderr.strip().splitlines() == ["exactresume train: interrupted"]
     assert_nothing_saved(tmp_path, steps_logged=3)
+
+
+# A second SIGTERM is not caught: it ends the process at once, as SIGTERM's default does. That takes
+# a process of its own; the same logged-then-signalled hook sends both from inside it, after step 3.
+SIGTERM_TWICE = """
+import os, signal, sys
+from exactresume.cli import main
+from exactresume.training.joblog import RunLogs
+
+logged = RunLogs.record
+
+def logged_then_terminated(logs, record):
+    logged(logs, record)
+    if record.step == 3:
+        os.kill(os.getpid(), signal.SIGTERM)  # caught: the run would finish the step and save
+        signal.raise_signal(signal.SIGTERM)  # not caught any more: the process ends here
+
+RunLogs.record = logged_then_terminated
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_twice_ends_the_process_at_once_and_saves_nothing(tmp_path, kjv_folder):
+    flags = ["train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--save-every", 2, "--resume", "auto"]
+    finished = subprocess.run([sys.executable, "-c", SIGTERM_TWICE, *map(str, flags)], capture_output=True, text=True)
+    assert finished.returncode == -signal.SIGTERM, finished.stderr
+    assert "Traceback" not in finished.stderr
+    store = CheckpointStore(tmp_path / "checkpoints")
+    assert [c.step for c in store.checkpoints()] == [2] and store.leftovers() == []  # no save of step 3
+    assert len((tmp_path / "log.csv").read_text().splitlines()) == 1 + 3

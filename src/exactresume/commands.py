@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -83,17 +84,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     job, world = train_job(args), World.from_env()  # checked as it is made: before anything is written
     # The plan before torch is imported: a run that cannot fit is refused at once. torchrun's ranks
     # skip it, and the launch: their launching process checked the whole machine and started them.
-    if not launched_by_torchrun() and check_plan(job.config, args):
+    plan = None if launched_by_torchrun() else check_plan(job.config, args)
+    if plan is not None and args.dry_run:
         return 0
-    if not launched_by_torchrun() and args.nproc > 1:
-        return launch_ranks(args, job, argv)
+    if plan is not None and args.nproc > 1:
+        return launch_ranks(args, job, argv, plan)
     code = train_here(args, job, world)
     if code == 0 and world.is_main:
-        emit(args, summaries.train_summary(job, argv), summaries.render_train)
+        emit(args, summaries.train_summary(job, argv, memory(plan, resource.RUSAGE_SELF)), summaries.render_train)
     return code
 
 
-def launch_ranks(args: argparse.Namespace, job, argv: list[str]) -> int:
+def memory(plan, who: int) -> dict | None:
+    """The peak resident memory of the largest process of the run (this one, or its ranks), and the plan's."""
+    if plan is None:
+        return None
+    return {"peak_bytes": resource.getrusage(who).ru_maxrss * 1024, "planned_bytes": plan.process_bytes}
+
+
+def launch_ranks(args: argparse.Namespace, job, argv: list[str], plan) -> int:
     """`train --nproc N`: the same command in N processes under torchrun; this one sums up."""
     from exactresume.parallel.launch import launch
     from exactresume.parallel.split import check_split
@@ -101,8 +110,8 @@ def launch_ranks(args: argparse.Namespace, job, argv: list[str]) -> int:
     config = job.config
     check_split(config.batch, args.nproc, config.grad_accum, config.micro_batch)
     code = launch([*argv, "--no-summary"], args.nproc)
-    if code == 0:
-        emit(args, summaries.train_summary(job, argv), summaries.render_train)
+    if code == 0:  # the ranks were this process's children's children: the largest one's peak
+        emit(args, summaries.train_summary(job, argv, memory(plan, resource.RUSAGE_CHILDREN)), summaries.render_train)
     return code
 
 

@@ -1,7 +1,7 @@
 """What a command checks before it writes a run folder: one writer per folder, and a run that fits.
 
 lock_out(args, rank)   the lock on --out for the process that writes it (rank 0), or --wait-lock
-check_plan(config, args) refuse a train run whose memory or disk estimate does not fit (--force, --dry-run)
+check_plan(config, args) a train run's plan; one whose memory or disk estimate does not fit is refused
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def lock_out(args: argparse.Namespace, rank: int = 0):
     return FolderLock.acquire(args.out, wait=args.wait_lock, notify=notify)
 
 
-def check_plan(config, args: argparse.Namespace) -> bool:
-    """Refuse a run of `config` that cannot fit, before torch is imported; True when --dry-run printed
-    the plan."""
+def check_plan(config, args: argparse.Namespace):
+    """The plan of a run of `config` (printed with --dry-run); a run that cannot fit is refused before
+    torch is imported."""
     from exactresume.training.plan import data_vocab_size, plan_run, preflight
 
     keep = args.keep or None
@@ -66,7 +66,7 @@ def check_plan(config, args: argparse.Namespace) -> bool:
         raise
     if args.dry_run:
         _remove_if_empty(args.out, made)
-    return args.dry_run
+    return plan
 
 
 def _remove_if_empty(folder, made: bool) -> None:

@@ -91,7 +91,7 @@ def log_rows(path: Path) -> list[list[str]]:
     return [line.split(",", 1) for line in lines if line]
 
 
-def train_summary(job, argv: list[str]) -> dict:
+def train_summary(job, argv: list[str], memory: dict | None = None) -> dict:
     """What `exactresume train` wrote (a TrainJob's outputs), the step its log reached and how to go on."""
     rows = log_rows(job.log_file)
     checkpoints = sorted(job.checkpoint_folder.glob("step-*.pth")) if job.checkpoint_folder.is_dir() else []
@@ -112,6 +112,7 @@ def train_summary(job, argv: list[str]) -> dict:
         "loss": float(rows[-1][1]) if rows else None,
         "files": {name: entry for name, entry in files.items() if entry},
         "continue": continue_command(argv, job.resume_file) if stopped else None,
+        "memory": memory,  # peak_bytes of the run's largest process, and the plan's planned_bytes for one
     }
 
 
@@ -135,6 +136,9 @@ def render_train(summary: dict) -> list[str]:
             rows.append((label, file_text(files[name], extra)))
     if "checkpoint" in files:
         rows.append(("newest checkpoint", file_text(files["checkpoint"], f", {files['checkpoint']['count']} kept")))
+    if summary.get("memory"):
+        peak, planned = summary["memory"]["peak_bytes"], summary["memory"]["planned_bytes"]
+        rows.append(("memory", f"peak {peak / 1e6:,.0f} MB a process, planned {planned / 1e6:,.0f} MB"))
     if summary["continue"]:
         rows.append(("continue with", summary["continue"]))
     return aligned(rows)

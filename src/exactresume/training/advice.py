@@ -24,6 +24,7 @@ BY_ERRNO = {
     errno.EROFS: f"the file system became read-only: remount it or move --out elsewhere, then {RERUN}",
     errno.EACCES: f"permission denied: make the folder writable, then {RERUN}",
     errno.EPERM: f"the operation was not permitted: make the folder writable, then {RERUN}",
+    errno.EFBIG: f"a file grew beyond what this process may write (ulimit -f): raise the limit, then {RERUN}",
 }
 
 

@@ -4,22 +4,31 @@
     print("\\n".join(plan.lines()))                    # exactresume train --dry-run
     check_fits(plan, available_memory())             # UserError: "needs about 48 GB, 21 GB available; ..."
 
-The memory estimate of one process is the sum of its largest residents during a step:
+The memory estimate of one process is the sum of what it holds at the peak of a step:
 
+    process      the interpreter, torch and its libraries, exactresume and the data's maps, before a
+                 model exists (PROCESS_BYTES, measured), and under autocast the half-precision kernels'
+                 own (AUTOCAST_BYTES)
     weights      fp32 parameters (the tied lm_head counted once), plus a half-precision copy under autocast
     gradients    one per parameter, fp32
     adamw        exp_avg and exp_avg_sq, fp32
+    buckets      DDP's gradient buckets (one more copy of the gradients), under --nproc without FSDP
     activations  what backward keeps per layer, for micro-batch x seq-len tokens x layers
+    dropout      with --dropout: the masks and dropped copies backward keeps, and attention's scores,
+                 which scaled_dot_product_attention then keeps for every layer
     attention    one layer's score matrix and its softmax, micro-batch x heads x seq-len^2
     head         the chunked cross-entropy's saved gradients and one chunk of logits
     staging      --async-save's copy of the state (weights and AdamW), kept between saves
 
-Under --nproc N each of N processes holds all of it for its 1/N of the batch; with --shard fsdp
-it holds 1/N of the weights, gradients and AdamW state, plus the whole weights and gradients of the
-root (the embedding) and of two blocks, which FSDP2 gathers while one runs and the next is
-fetched. The estimate errs on
-the high side (what backward keeps is counted as if nothing were freed early); it is a guard
-against runs that are many times too big, not an allocator.
+What a step allocates (activations to head) is counted with the allocator's slack (STEP_SLACK): the
+blocks freed by one operation are not all the right size for the next. Under --nproc N each of N
+processes holds all of it for its 1/N of the batch; with --shard fsdp it holds 1/N of the weights,
+gradients and AdamW state, plus the whole model it builds before sharding (so the initial weights are
+one process's bits) and the whole weights and gradients of the root (the embedding) and of two
+blocks, which FSDP2 gathers while one runs and the next is fetched. The estimate errs on the high
+side: `python -m bench.plan_memory` measures the peak of runs on every preset, on 1 and 2 processes,
+DDP and FSDP, fp32 and bf16, with and without dropout, and the estimate lies within 1.0x and 1.5x of
+each (docs/plan_memory.json).
 """
 
 from __future__ import annotations
@@ -34,6 +43,12 @@ from exactresume.config import ModelConfig, TrainConfig
 from exactresume.errors import UserError
 
 FP32 = 4
+# Measured with torch 2.13 on the CPU (bench/plan_memory.py): a process that imported exactresume's
+# training stack and mapped its data holds about 340 MB before its model exists, and the first
+# half-precision (bf16/fp16) kernels bring about 130 MB more of their own.
+PROCESS_BYTES = 380 << 20
+AUTOCAST_BYTES = 140 << 20
+STEP_SLACK = 1.4
 CHECKPOINT_OVERHEAD = 256 << 10  # RNG states, the batch generator, config, zip records
 LOGIT_CHUNK_BYTES = 4 << 20  # model.LOGIT_CHUNK_BYTES (not imported: that module imports torch)
 CHECKPOINT_FILE = re.compile(r"^step-\d{8,}\.pth$")  # folder.CHECKPOINT_NAME (that module imports torch)
@@ -61,9 +76,14 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def process_bytes(self) -> int:
+        """One process's estimate."""
+        return sum(self.memory.values())
+
+    @property
     def memory_bytes(self) -> int:
         """All processes on this machine together."""
-        return sum(self.memory.values()) * self.processes
+        return self.process_bytes * self.processes
 
     def lines(self) -> list[str]:
         c = self.config
@@ -99,11 +119,13 @@ def plan_run(
     shards = processes if config.fsdp else 1  # what each process holds 1/shards of
     held = -(-params // shards)  # this process's parameters, rounded up
     memory = {
+        "process": PROCESS_BYTES + (AUTOCAST_BYTES if config.dtype != "fp32" else 0),
         "weights": held * FP32 + (params * 2 if config.dtype != "fp32" else 0),
         "gradients": held * FP32,
         "adamw": 2 * held * FP32,
-        **({"gathered": 2 * gathered_parameters(model) * FP32} if shards > 1 else {}),
-        **step_memory(config, model, processes),
+        **({"buckets": params * FP32} if processes > 1 and shards == 1 else {}),
+        **({"gathered": params * FP32 + 4 * gathered_parameters(model) * FP32} if shards > 1 else {}),
+        **{name: int(size * STEP_SLACK) for name, size in step_memory(config, model, processes).items()},
     }
     if async_save:
         memory["staging"] = checkpoint
@@ -123,12 +145,16 @@ def step_memory(config: TrainConfig, model: ModelConfig, processes: int) -> dict
     h, kv, inner = model.hidden_size, model.num_key_value_heads * model.head_dim, model.intermediate_size
     micro = max(1, config.batch // (processes * config.grad_accum))
     tokens = micro * config.seq_len
-    width = FP32 if config.dtype == "fp32" else 2
-    per_token = (8 * h + 4 * kv + 4 * inner) * width + (3 * h if config.dropout else 0)  # + dropout masks
-    scores = micro * model.num_attention_heads * config.seq_len * config.seq_len * width
+    width, layers = (FP32 if config.dtype == "fp32" else 2), model.num_hidden_layers
+    per_token = (8 * h + 4 * kv + 4 * inner) * width
+    scores = micro * model.num_attention_heads * config.seq_len * config.seq_len
+    # A dropped tensor keeps its copy and a byte of mask (5 bytes a value); attention's scores, their
+    # softmax, its mask and its dropped copy stay for every layer (11 bytes a score).
+    dropout = tokens * h * (1 + layers) * 5 + layers * scores * 11 if config.dropout else 0
     return {
-        "activations": tokens * per_token * model.num_hidden_layers,
-        "attention": 2 * scores,
+        "activations": tokens * per_token * layers,
+        **({"dropout": dropout} if dropout else {}),
+        "attention": 2 * scores * width,
         "head": 2 * tokens * h * FP32 + model.vocab_size * h * FP32 + LOGIT_CHUNK_BYTES,
     }
 
