@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,21 @@ def kjv_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("kjv")
     prepare(PrepareConfig(), folder, log=lambda message: None)
     return folder
+
+
+def once_per_session(tmp_path_factory, name: str, compute: Callable[[Path], dict]) -> dict:
+    """`compute(folder)` once for the whole session, however many xdist workers share it: the first
+    worker to ask computes it, the others wait and read its JSON (pytest-xdist's own recipe)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    answer = root / f"{name}.json"
+    with FileLock(f"{answer}.lock"):
+        if not answer.exists():
+            (root / name).mkdir(exist_ok=True)
+            answer.write_text(json.dumps(compute(root / name)))
+        return json.loads(answer.read_text())
 
 
 def run_cli(*args: object, check: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

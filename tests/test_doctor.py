@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, call_cli
+from conftest import assert_one_line_error, call_cli, once_per_session
 from exactresume.cli import main
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
@@ -58,17 +58,20 @@ def train_args(folder: Path, data: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def doctored(tmp_path_factory, tiny_folder) -> dict[str, tuple]:
     """Every script through the doctor once: script -> (exit code, stdout, doctor.json, its folder)."""
-    root = tmp_path_factory.mktemp("doctor")
 
-    def run(script: str):
+    def run(root: Path, script: str):
         folder = root / script
         args = train_args(folder, tiny_folder) if script == "exactresume_train" else doctor_args(folder, script)
         code = main(args)  # threads share sys.stdout: read what it printed from verdict.txt
         facts = json.loads((folder / "doctor" / "doctor.json").read_text())
-        return script, (code, (folder / "doctor" / "verdict.txt").read_text(), facts, folder)
+        return script, [code, (folder / "doctor" / "verdict.txt").read_text(), facts, str(folder)]
 
-    with ThreadPoolExecutor(4) as pool:
-        return dict(pool.map(run, EXPECTED))
+    def every_case(root: Path) -> dict:
+        with ThreadPoolExecutor(4) as pool:
+            return dict(pool.map(lambda script: run(root, script), EXPECTED))
+
+    cases = once_per_session(tmp_path_factory, "doctored", every_case)
+    return {script: (code, text, facts, Path(folder)) for script, (code, text, facts, folder) in cases.items()}
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
@@ -96,7 +99,7 @@ def test_the_missing_state_is_listed_with_a_fix(doctored):
 
 def test_files_are_put_back_and_the_report_is_written(doctored):
     _, stdout, facts, folder = doctored["correct_handwritten"]
-    straight = folder / "doctor" / "files" / "resumed" / "000-resume.pt"
+    straight = folder / "doctor" / "files" / "resumed" / "000-ckpt" / "resume.pt"  # the folder the run made
     assert (folder / "ckpt" / "resume.pt").is_file() and straight.is_file()
     assert not (folder / "doctor" / "files" / "moved.json").exists()
     assert str(folder / "ckpt") in stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -52,3 +53,62 @@ def test_fingerprints_see_dtype_shape_and_values():
     a = torch.arange(6, dtype=torch.float32)
     assert digest(a) == digest(a.clone()) == digest({"x": [a]}["x"][0])
     assert len({digest(a), digest(a.half()), digest(a.reshape(2, 3)), digest(a + 1)}) == 4
+
+
+def test_a_closure_step_owns_the_forward_inside_it(tmp_path):
+    """Lightning and LBFGS run the forward inside optimizer.step(closure): the step gets that batch."""
+    tracer = Tracer(str(tmp_path / "trace"), limit=10**9, crash_from=None)
+    remove = install(tracer)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        inputs, grads = [torch.randn(2, 4) for _ in range(3)], []
+        for x in inputs:
+
+            def closure(x=x):
+                optimizer.zero_grad()
+                loss = model(x).square().mean()
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+            grads.append(digest([p.grad for p in model.parameters()]))
+    finally:
+        remove()
+        tracer.close({"event": "exit", "steps": tracer.step})
+    steps = [r for r in events(tmp_path / "trace") if r["event"] == "step"]
+    assert [s["micro"] for s in steps] == [[digest((x,), {})] for x in inputs]
+    assert [s["grads"] for s in steps] == grads and all(s["loss"] for s in steps)
+
+
+def test_every_writer_of_files_is_seen_and_what_was_there_is_kept(tmp_path):
+    (tmp_path / "notes.txt").write_text("before")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "a.txt").write_text("old")
+    originals = (open, os.open, os.mkdir, os.remove, shutil.rmtree)
+    tracer = Tracer(str(tmp_path / "trace"), limit=10**9, crash_from=None, keep=str(tmp_path / "keep"))
+    remove = install(tracer)
+    try:
+        os.makedirs(tmp_path / "made" / "deep")
+        with open(tmp_path / "made" / "deep" / "state.json", "w") as file:
+            json.dump({"step": 1}, file)
+        with open(tmp_path / "notes.txt", "a") as file:
+            file.write(" and after")
+        shutil.rmtree(tmp_path / "old")
+    finally:
+        remove()
+        tracer.close({"event": "exit", "steps": tracer.step})
+    assert (open, os.open, os.mkdir, os.remove, shutil.rmtree) == originals
+    records = events(tmp_path / "trace")
+    wrote = {r["path"]: r["new"] for r in records if r["event"] == "wrote"}
+    assert wrote == {
+        str(tmp_path / "made"): True,
+        str(tmp_path / "made" / "deep"): True,
+        str(tmp_path / "made" / "deep" / "state.json"): True,
+        str(tmp_path / "notes.txt"): False,
+        str(tmp_path / "old"): False,
+    }
+    kept = {r["path"]: r["copy"] for r in records if r["event"] == "kept"}
+    assert open(kept[str(tmp_path / "notes.txt")]).read() == "before"
+    assert open(os.path.join(kept[str(tmp_path / "old")], "a.txt")).read() == "old"

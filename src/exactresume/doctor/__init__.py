@@ -6,6 +6,6 @@ tracer, and the first piece of state its resume loses, named.
     run       one traced run: the child's environment, its trace read back
     diagnose  alignment, the determinism check, the first difference, the missing state
     causes    from the first differing fingerprints to a cause in the user's words
-    report    report.md and doctor.png
+    verdict   report.md and doctor.png
     tracer/   what runs inside the user's process; it imports nothing of ours (lint-imports checks)
 """

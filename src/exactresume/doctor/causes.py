@@ -32,10 +32,27 @@ class Context:
         return [f for f in self.runs.files if f["path"] in paths]
 
     def unsaved(self, kind: str) -> list[dict]:
-        return [r for f in self.runs.files for r in f["live"] if r["kind"] == kind and not r["saved"]]
+        """The live objects of `kind` that none of the files saved at the resume step holds."""
+        rows = self.live(kind)
+        saved = {r["name"] for r in rows if r["saved"]}
+        return [r for r in rows if r["name"] not in saved]
 
     def live(self, kind: str) -> list[dict]:
-        return [r for f in self.runs.files for r in f["live"] if r["kind"] == kind]
+        return [r for f in self.runs.files for r in f["live"] or [] if r["kind"] == kind]
+
+    def draws(self) -> bool:
+        """Whether the model draws random numbers in its forward (a dropout), as the checkpoint was saved."""
+        return any(f.get("dropout") for f in self.runs.files)
+
+    def resumed_events(self, kind: str) -> list[dict]:
+        """The resumed run's `kind` events before its first step, in order (iterators made, RNG states set)."""
+        return [e for e in self.runs.resumed.first.events if e["event"] == kind and e["step"] == 0]
+
+    def rng_then_iterator(self) -> bool:
+        """The resumed run set the torch RNG, then a DataLoader drew from it as its iterator was made."""
+        events = [e for e in self.runs.resumed.first.events if e["step"] == 0]
+        sets = [i for i, e in enumerate(events) if e["event"] == "rng_set"]
+        return bool(sets) and any(e["event"] == "iter" and e["drew"] for e in events[sets[0] :])
 
     def straight_step_with(self, name: str, value) -> int | None:
         """The first straight step whose fingerprint `name` equals `value`."""
@@ -43,11 +60,19 @@ class Context:
 
 
 def cause_of(c: Context) -> tuple[str, str, list[str]]:
-    for rule in (accumulation_window, weights, weights_only, data_position, schedule, rng, optimizer, scaler):
+    rules = (accumulation_window, weights, weights_only, batch_randomness, data_position, schedule, rng)
+    for rule in (*rules, optimizer, scaler):
         found = rule(c)
         if found:
             return found
     return "state_differs", f"the {', '.join(c.diff)} differ from step {c.step} on", []
+
+
+def also(c: Context, first: str) -> tuple[str, str, list[str]] | None:
+    """A second cause that parts at the same step: the forward's randomness, once the data is named."""
+    if first not in ("data_position_lost", "epoch_lost", "weights_only") or not c.draws():
+        return None
+    return rng(c, data_too=True)
 
 
 def later(c: Context) -> str:
@@ -192,17 +217,46 @@ def schedule(c: Context):
     )
 
 
-def rng(c: Context):
-    if "grads" not in c.diff or {"batch", "params", "lr"} & set(c.diff):
+def rng(c: Context, data_too: bool = False):
+    """The torch RNG is what differs: not saved, or restored and then drawn from by a new DataLoader iterator."""
+    if not {"rng_torch", "rng_cuda"} & set(c.diff) or (not data_too and {"batch", "params", "lr"} & set(c.diff)):
         return None
-    evidence = ["same batch, weights and lr, other gradients"]
-    if "rng_torch" in c.diff:
-        evidence.append("the torch RNG state differs")
+    if not data_too and "grads" not in c.diff and not c.draws():
+        return None
+    start = "" if data_too else later(c)
+    evidence = ["same batch, weights and lr, other gradients"] if not data_too else []
+    evidence.append(f"the torch RNG state differs at step {c.step}")
+    if c.rng_then_iterator() and not c.unsaved("global_rng"):
+        evidence.append("the resumed run set the torch RNG state, then made a DataLoader iterator that drew from it")
+        return (
+            "rng_after_iterator",
+            f"{start}the forward's randomness (dropout) is off: the RNG state was restored, "
+            "then a DataLoader without generator= drew its base seed from it as its iterator was made",
+            evidence,
+        )
     return (
         "rng_lost",
-        f"{later(c)}the forward's randomness (dropout) was not restored: the RNG state was not saved",
+        f"{start}the forward's randomness (dropout) was not restored: the RNG state was not saved",
         evidence,
     )
+
+
+def batch_randomness(c: Context):
+    """The batch itself is drawn from the torch RNG (a random collate_fn or dataset), which the resume
+    restored only after the first batch was drawn."""
+    if "batch" not in c.diff or c.index or "fetch" not in (c.straight.get("drew") or []):
+        return None
+    late = [e for e in c.resumed_events("rng_set") if e.get("fetched")]
+    if not late:
+        return None
+    headline = (
+        "the batch draws random numbers from the torch RNG (in the dataset or the collate_fn), and the resumed run "
+        "restored the RNG state only after it had drawn its first batch: that batch, and every random draw after it, "
+        "differ from the straight run's"
+    )
+    fetched = late[0]["fetched"]
+    evidence = [f"the resumed run set the torch RNG state after it had fetched {fetched} batch(es) for step {c.step}"]
+    return "batch_randomness", headline, evidence
 
 
 def optimizer(c: Context):

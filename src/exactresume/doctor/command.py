@@ -45,6 +45,22 @@ def doctor_parser(doctor: argparse.ArgumentParser) -> None:
     doctor.add_argument(
         "user_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your training command, after --"
     )
+    parse = doctor.parse_known_args
+    doctor.parse_known_args = lambda args=None, namespace=None: parse(joined_resume_args(args), namespace)
+
+
+def joined_resume_args(args: list[str] | None) -> list[str] | None:
+    """`--resume-args --resume` as typed: argparse would take `--resume` for a flag of ours (or an
+    abbreviation of --resume-args itself) and refuse, so a value that starts with '-' is joined to it."""
+    if args is None:
+        return None
+    args = list(args)
+    end = args.index("--") if "--" in args else len(args)
+    for index in range(end - 1):
+        if args[index] == "--resume-args" and args[index + 1].startswith("-") and args[index + 1] != "--":
+            args[index : index + 2] = [f"--resume-args={args[index + 1]}"]
+            break
+    return args
 
 
 def plan_from(args: argparse.Namespace):
@@ -53,6 +69,12 @@ def plan_from(args: argparse.Namespace):
     command = args.user_command[1:] if args.user_command[:1] == ["--"] else args.user_command
     if not command:
         raise UserError("give the training command after --, e.g. -- python train.py")
+    if "--" in command and args.user_command[:1] != ["--"]:
+        stray = " ".join(command[: command.index("--")])
+        raise UserError(
+            f"unexpected {stray!r} before --: --resume-args takes one word as typed; "
+            f"write --resume-args='{args.resume_args} {stray}' for more"
+        )
     if args.steps < 2:
         raise UserError(f"--steps must be at least 2, got {args.steps}")
     if not 1 <= args.stop_after < args.steps:
@@ -70,45 +92,17 @@ def plan_from(args: argparse.Namespace):
 def cmd_doctor(args: argparse.Namespace) -> int:
     from exactresume.doctor.diagnose import diagnose
     from exactresume.doctor.examine import examine
-    from exactresume.doctor.report import write_report
+    from exactresume.doctor.verdict import terminal, write_report
 
     plan = plan_from(args)
     runs = examine(plan)
     diagnosis = diagnose(runs)
     write_json(plan.out / "doctor.json", plan, runs, diagnosis)
     write_report(plan.out, plan, runs, diagnosis)
-    text = verdict(plan, runs, diagnosis)
+    text = terminal(plan, runs, diagnosis)
     (plan.out / "verdict.txt").write_text(text + "\n")
     print(text)
     return diagnosis.exit_code
-
-
-def verdict(plan, runs, diagnosis) -> str:
-    lines = [f"doctor: {diagnosis.headline}"]
-    lines += [f"  evidence: {line}" for line in diagnosis.evidence]
-    lines += [f"  missing from the checkpoint: {r['name']} ({r['detail']}); fix: {r['fix']}" for r in diagnosis.missing]
-    lines += [f"  note: {line}" for line in diagnosis.notes if "not seeded" not in line]
-    files = sorted({shown(Path(m["from"]).parent) for m in runs.moves if "aside" in m})
-    if files:
-        lines.append(f"  the script's checkpoints are in {', '.join(files)} (the straight run's, put back)")
-    restored = [m for m in runs.moves if "restored" in m]
-    if restored:
-        lines.append(
-            f"  {len(restored)} file(s) there before the doctor, replaced by the straight run, are back in place; "
-            f"the straight run's: {shown(plan.out / 'files' / 'straight')}"
-        )
-    lines.append(
-        f"  the doctor's runs' files: {shown(plan.out / 'files' / 'resumed')}; details: {shown(plan.out / 'report.md')}"
-    )
-    return "\n".join(lines)
-
-
-def shown(path: Path) -> str:
-    """A path relative to the working folder when it is inside it."""
-    try:
-        return str(Path(path).relative_to(Path.cwd())) or "."
-    except ValueError:
-        return str(path)
 
 
 def write_json(path: Path, plan, runs, diagnosis) -> None:
@@ -121,6 +115,8 @@ def write_json(path: Path, plan, runs, diagnosis) -> None:
             "steps": run.steps,
             "saves": run.saves,
             "loads": run.loads,
+            "ranks": {str(p.rank): {"pid": p.pid, "steps": len(p.steps), "end": p.end} for p in run.processes},
+            "wrote": run.wrote,
         }
 
     facts = {

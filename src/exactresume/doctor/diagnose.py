@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from exactresume.doctor.causes import Context, cause_of
+from exactresume.doctor.causes import Context, also, cause_of
 from exactresume.doctor.examine import Runs
+from exactresume.doctor.fixes import fix_for, framework_fix
+from exactresume.doctor.ranks import diagnose_ranks
 
 FIELDS = ("batch", "lr", "hparams", "params", "grads", "optim", "scaler", "data")
 RNG_FIELDS = ("rng_torch", "rng_cuda", "rng_numpy", "rng_python")
@@ -46,6 +48,8 @@ class Diagnosis:
     notes: list[str] = field(default_factory=list)
     unseeded: list[str] = field(default_factory=list)  # fingerprints two fresh runs already disagree on
     missing: list[dict] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)  # what to change, in the framework's words
+    causes: list[str] = field(default_factory=list)  # every cause that parts at the first step, the data first
     equal: dict[str, list[bool]] = field(default_factory=dict)  # field -> per straight step 1..N
     distance: list[float | None] = field(default_factory=list)  # weight sample max |a - b| per step
 
@@ -59,6 +63,13 @@ def differing(a: dict, b: dict, fields) -> list[str]:
 
 
 def diagnose(runs: Runs) -> Diagnosis:
+    """The verdict: for one process, or rank by rank under torchrun (ranks.py)."""
+    if len(runs.straight.stepping) > 1:
+        return diagnose_ranks(runs, diagnose_one)
+    return diagnose_one(runs)
+
+
+def diagnose_one(runs: Runs) -> Diagnosis:
     straight, interrupted, resumed, k = (
         runs.straight.steps,
         runs.interrupted.steps,
@@ -84,7 +95,11 @@ def diagnose(runs: Runs) -> Diagnosis:
         notes=notes,
     )
     diagnosis.equal, diagnosis.distance, diagnosis.unseeded = equal, distances(runs), unseeded
-    diagnosis.missing = missing_state(runs)
+    framework = next((f["framework"] for f in runs.files if f.get("framework")), None)
+    diagnosis.missing = missing_state(runs, framework)
+    said = {row["fix"] for row in diagnosis.missing}
+    fixes = [framework_fix(c, framework) or (None if said else fix_for(c, None)) for c in diagnosis.causes]
+    diagnosis.fixes = [fix for fix in dict.fromkeys(fixes) if fix and fix not in said]
     if len(resumed) < len(straight) - k:
         diagnosis.notes.append(
             f"the resumed run took only {len(resumed)} of the {len(straight) - k} steps after the resume"
@@ -101,11 +116,22 @@ def first_difference(runs: Runs, fields: tuple, notes: list[str]) -> Diagnosis |
     for index, (a, b) in enumerate(zip(straight[k:], runs.resumed.steps)):
         diff = differing(a, b, fields)
         if diff:
-            context = Context(runs, index, a, b, diff)
-            cause, headline, evidence = cause_of(context)
-            evidence = [f"differs at step {k + index + 1}: " + ", ".join(NAMES[f] for f in diff)] + evidence
-            return Diagnosis("diverges", cause, headline, k, k + index + 1, diff, evidence, notes)
+            return resume_difference(Context(runs, index, a, b, diff), notes)
     return None
+
+
+def resume_difference(context: Context, notes: list[str]) -> Diagnosis:
+    """The causes of the first resumed step that parts (the data first, then the forward's randomness)."""
+    cause, headline, evidence = cause_of(context)
+    causes = [cause]
+    second = also(context, cause)
+    if second:
+        causes.append(second[0])
+        headline, evidence = f"{headline}; and {second[1]}", evidence + second[2]
+    evidence = [f"differs at step {context.step}: " + ", ".join(NAMES[f] for f in context.diff)] + evidence
+    diagnosis = Diagnosis("diverges", cause, headline, context.runs.resume_step, context.step, context.diff, evidence)
+    diagnosis.notes, diagnosis.causes = notes, causes
+    return diagnosis
 
 
 def not_deterministic(step: int, diff: list[str], k: int, notes: list[str]) -> Diagnosis:
@@ -148,14 +174,20 @@ FIXES = {
 STORE_FIX = "or make it a part of exactresume's CheckpointStore"
 
 
-def missing_state(runs: Runs) -> list[dict]:
-    """Each live stateful object whose state none of the files saved at the resume step holds."""
+KIND_CAUSES = {"global_rng": "rng_lost", "lr_scheduler": "scheduler_lost", "generator": "data_position_lost"}
+
+
+def missing_state(runs: Runs, framework: str | None = None) -> list[dict]:
+    """Each live stateful object whose state none of the files saved at the resume step holds, with
+    its fix (in the framework's words where it has its own)."""
     saved, rows = set(), {}
     for file in runs.files:
-        for row in file["live"]:
+        for row in file["live"] or []:
             key = (row["kind"], row["name"])
             if row["saved"]:
                 saved.add(key)
-            else:
-                rows.setdefault(key, row | {"fix": FIXES.get(row["kind"], "save its state_dict()") + ", " + STORE_FIX})
+                continue
+            fix = framework_fix(KIND_CAUSES.get(row["kind"], ""), framework)
+            fix = fix or FIXES.get(row["kind"], "save its state_dict()") + ", " + STORE_FIX
+            rows.setdefault(key, row | {"fix": fix})
     return [row for key, row in rows.items() if key not in saved]

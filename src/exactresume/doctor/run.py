@@ -1,13 +1,16 @@
-"""One traced run of the user's command: environment, child process, and its trace read back.
+"""One traced run of the user's command: environment, child process, and its traces read back.
 
 The tracer (tracer/) is started in the child by the `sitecustomize` in tracer/shim, put first on
-the child's PYTHONPATH; its trace lands in OUT/traces/NAME and the child's output in OUT/logs/NAME.log.
+the child's PYTHONPATH, and so in every Python process the command starts (each torchrun rank, and
+torchrun itself); each writes OUT/traces/NAME/trace-PID.jsonl, and the command's output goes to
+OUT/logs/NAME.log. The processes that stepped an optimizer are kept, by rank.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -23,50 +26,94 @@ SHIM_DIR = TRACER_DIR / "shim"
 
 
 @dataclass
-class Run:
-    """What one traced run did: its exit code, a record per optimizer step, its saves and loads."""
+class Process:
+    """What one traced process did: a record per optimizer step, its saves and loads."""
+
+    pid: int
+    rank: int | None = None
+    steps: list[dict] = field(default_factory=list)
+    saves: list[dict] = field(default_factory=list)
+    loads: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)  # iterators made, RNG states set, in order
+    end: int | None = None  # CUT or CRASH when the tracer ended it
+    weights: np.ndarray | None = None
+
+
+@dataclass
+class TracedRun:
+    """One run of the command: its exit code, its stepping processes (rank order), the paths it wrote."""
 
     name: str
     command: list[str]
     rc: int
     wall_s: float
     log: Path
-    steps: list[dict] = field(default_factory=list)
-    saves: list[dict] = field(default_factory=list)
-    loads: list[dict] = field(default_factory=list)
-    kept: dict[str, str] = field(default_factory=dict)  # a file that was there before -> its copy
-    weights: np.ndarray | None = None
+    processes: list[Process] = field(default_factory=list)  # those that stepped, saved or loaded, by rank
+    wrote: dict[str, bool] = field(default_factory=dict)  # path -> new (it was not there before)
+    kept: dict[str, str] = field(default_factory=dict)  # a path that was there before -> its copy
+
+    @property
+    def stepping(self) -> list[Process]:
+        return [p for p in self.processes if p.steps]
+
+    @property
+    def first(self) -> Process:
+        return (self.stepping or self.processes or [Process(0)])[0]
+
+    @property
+    def steps(self) -> list[dict]:
+        return self.first.steps
+
+    @property
+    def saves(self) -> list[dict]:
+        return [save for process in self.processes for save in process.saves]
+
+    @property
+    def loads(self) -> list[dict]:
+        return [load for process in self.processes for load in process.loads]
+
+    @property
+    def weights(self) -> np.ndarray | None:
+        return self.first.weights
+
+    def ended(self, code: int) -> bool:
+        """The tracer ended it with `code`: the command's own code, or a launcher's failure over its ranks."""
+        return self.rc == code or (self.rc != 0 and any(p.end == code for p in self.processes))
 
     @property
     def cut(self) -> bool:
-        return self.rc == CUT
+        return self.ended(CUT) and not self.ended(CRASH)
 
     @property
     def crashed(self) -> bool:
-        return self.rc == CRASH
-
-    def written(self) -> list[str]:
-        """The files (or DCP folders) this run saved that are still on disk, each once, in the order first saved."""
-        seen = dict.fromkeys(s["path"] for s in self.saves if s["path"])
-        return [p for p in seen if os.path.exists(p)]  # files, and the folders of DCP saves
+        return self.ended(CRASH)
 
     def failure(self) -> str:
         """One line: the exit code, the last line the command printed, and where all of it is."""
         lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        missing = re.fullmatch(r"ModuleNotFoundError: No module named '([\w.]+)'", lines[-1]) if lines else None
+        if missing:
+            module = missing.group(1)
+            return (
+                f"the command needs {module!r}, which its Python does not have (pip install it, or run the command "
+                f"with the Python that has it); the {self.name} run's output: {self.log}"
+            )
         last = f"its last line: {lines[-1]!r}" if lines else "it printed nothing"
         return f"the command failed (exit code {self.rc}) in the {self.name} run; {last}; its output: {self.log}"
 
 
-def child_env(trace: Path, limit: int, crash_from: int | None, keep: Path | None) -> dict[str, str]:
+def child_env(trace: Path, out: Path, limit: int, crash_from: int | None, made: list[str]) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), env.get("PYTHONPATH", "")) if p)
     env["EXACTRESUME_DOCTOR_TRACER_DIR"] = str(TRACER_DIR)
     env["EXACTRESUME_DOCTOR_TRACE"] = str(trace)
     env["EXACTRESUME_DOCTOR_LIMIT"] = str(limit)
-    for name, value in (("EXACTRESUME_DOCTOR_CRASH_FROM", crash_from), ("EXACTRESUME_DOCTOR_KEEP", keep)):
-        env.pop(name, None)
-        if value is not None:
-            env[name] = str(value)
+    env["EXACTRESUME_DOCTOR_KEEP"] = str(out / "files" / "before" / trace.name)
+    env["EXACTRESUME_DOCTOR_OUT"] = str(out)
+    env["EXACTRESUME_DOCTOR_MADE"] = os.pathsep.join(made)
+    env.pop("EXACTRESUME_DOCTOR_CRASH_FROM", None)
+    if crash_from is not None:
+        env["EXACTRESUME_DOCTOR_CRASH_FROM"] = str(crash_from)
     return env
 
 
@@ -77,48 +124,79 @@ def run_traced(
     limit: int,
     crash_from: int | None = None,
     timeout: float | None = None,
-    keep: Path | None = None,
-) -> Run:
-    """Run `command` once under the tracer, cut as its optimizer step `limit + 1` begins; with `keep`,
-    a file that was there before and that the command replaces is copied there first."""
+    made: list[str] = (),
+) -> TracedRun:
+    """Run `command` once under the tracer, cut as its optimizer step `limit + 1` begins; a path that
+    was there before and that the command changes is copied into OUT/files/before/NAME first (not
+    one of `made`, the paths the doctor's earlier runs made)."""
     trace, log = out / "traces" / name, out / "logs" / f"{name}.log"
     for stale in trace.glob("*") if trace.is_dir() else ():
         stale.unlink()
     log.parent.mkdir(parents=True, exist_ok=True)
+    env = child_env(trace, out, limit, crash_from, list(made))
     started = time.perf_counter()
     with open(log, "wb") as sink:
         try:
-            child = subprocess.Popen(
-                command, stdout=sink, stderr=subprocess.STDOUT, env=child_env(trace, limit, crash_from, keep)
-            )
+            child = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
         except OSError as error:
             raise UserError(f"cannot start the command {command[0]!r}: {error.strerror}") from error
         try:
             rc = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             child.kill()
-            rc = child.wait()
+            child.wait()
             raise UserError(f"the {name} run took longer than --timeout {timeout:g}s; its output: {log}") from None
-    run = Run(name, command, rc, time.perf_counter() - started, log)
-    read_trace(run, trace, child.pid)
+    run = TracedRun(name, command, rc, time.perf_counter() - started, log)
+    read_traces(run, trace)
     return run
 
 
-def read_trace(run: Run, folder: Path, pid: int) -> None:
-    """Fill `run` from the trace of the process that stepped (the child itself, or one it started)."""
-    traces = sorted(folder.glob("trace-*.jsonl")) if folder.is_dir() else []
-    if not traces:
-        return
-    events = {path: load_events(path) for path in traces}
-    chosen = folder / f"trace-{pid}.jsonl"
-    if chosen not in events or not any(e["event"] == "step" for e in events[chosen]):
-        chosen = max(events, key=lambda p: sum(e["event"] == "step" for e in events[p]))
-    follow_renames(run, events[chosen])
-    weights = chosen.with_name(chosen.name.replace("trace-", "weights-").replace(".jsonl", ".f32"))
-    if run.steps and weights.exists():
-        values = np.fromfile(weights, dtype=np.float32)
-        width = values.size // len(run.steps) if len(run.steps) else 0
-        run.weights = values[: width * len(run.steps)].reshape(len(run.steps), width) if width else None
+def read_traces(run: TracedRun, folder: Path) -> None:
+    """Fill `run` from every process's trace: the paths all of them wrote, and the processes that stepped."""
+    earliest: dict[str, int] = {}
+    for path in sorted(folder.glob("trace-*.jsonl")) if folder.is_dir() else []:
+        process = Process(int(path.stem.removeprefix("trace-")))
+        for event in load_events(path):
+            file_event(run, event, earliest)
+            sort_event(process, event)
+        if process.steps or process.saves or process.loads:
+            read_weights(process, path)
+            run.processes.append(process)
+    run.processes.sort(key=lambda p: (p.rank is None, p.rank or 0, -len(p.steps)))
+
+
+def file_event(run: TracedRun, event: dict, earliest: dict[str, int]) -> None:
+    """A written path (new in any process counts as new), and the first copy kept of each path."""
+    if event["event"] == "wrote":
+        run.wrote[event["path"]] = run.wrote.get(event["path"], False) or event["new"]
+    elif event["event"] == "kept" and event["t"] < earliest.get(event["path"], event["t"] + 1):
+        earliest[event["path"]] = event["t"]  # another rank may copy what the first one already changed
+        run.kept[event["path"]] = event["copy"]
+
+
+def sort_event(process: Process, event: dict) -> None:
+    """Steps, saves and loads; a save's path follows the renames after it (atomic writes), and a save
+    into a buffer takes the path of the file the buffer is written to next (Lightning's fsspec write)."""
+    kind = event["event"]
+    if kind == "start":
+        process.rank = event.get("rank")
+    elif kind == "step":
+        process.steps.append(event)
+    elif kind == "save":
+        process.saves.append(event)
+    elif kind == "load":
+        process.loads.append(event)
+    elif kind == "end":
+        process.end = event["code"]
+    elif kind in ("iter", "rng_set", "loader"):
+        process.events.append(event)
+    elif kind == "rename":
+        for save in reversed(process.saves):
+            if save["path"] == event["source"] or save["path"] is None:
+                save["path"] = event["target"]
+                break
+    elif kind == "wrote" and process.saves and process.saves[-1]["path"] is None:
+        process.saves[-1]["path"] = event["path"]
 
 
 def load_events(path: Path) -> list[dict]:
@@ -131,20 +209,9 @@ def load_events(path: Path) -> list[dict]:
     return events
 
 
-def follow_renames(run: Run, events: list[dict]) -> None:
-    """Sort events into steps, saves and loads; a save's path follows the renames after it (atomic writes)."""
-    for event in events:
-        kind = event["event"]
-        if kind == "step":
-            run.steps.append(event)
-        elif kind == "save":
-            run.saves.append(event)
-        elif kind == "load":
-            run.loads.append(event)
-        elif kind == "kept":
-            run.kept[event["path"]] = event["copy"]
-        elif kind == "rename":
-            for save in reversed(run.saves):
-                if save["path"] == event["source"] or save["path"] is None:
-                    save["path"] = event["target"]
-                    break
+def read_weights(process: Process, trace: Path) -> None:
+    weights = trace.with_name(trace.name.replace("trace-", "weights-").replace(".jsonl", ".f32"))
+    if process.steps and weights.exists():
+        values = np.fromfile(weights, dtype=np.float32)
+        width = values.size // len(process.steps)
+        process.weights = values[: width * len(process.steps)].reshape(len(process.steps), width) if width else None

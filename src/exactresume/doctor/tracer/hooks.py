@@ -4,14 +4,18 @@ Environment (set by the doctor):
     EXACTRESUME_DOCTOR_TRACE       folder for this process's trace (trace-PID.jsonl, weights-PID.f32)
     EXACTRESUME_DOCTOR_LIMIT       end the process as optimizer step LIMIT+1 begins (exit code CUT)
     EXACTRESUME_DOCTOR_CRASH_FROM  end it abruptly (exit code CRASH) as the first optimizer step
-                                   after a checkpoint saved at or after this step begins
-    EXACTRESUME_DOCTOR_KEEP        copy a file that was there before this process into this folder
-                                   before a save or rename replaces it (the doctor puts it back)
+                                   after a checkpoint saved at or after this step begins; under
+                                   torchrun every rank ends at that step (a marker in the folder)
+    EXACTRESUME_DOCTOR_KEEP        copy a path that was there before this process into this folder
+                                   before it is changed, replaced or deleted (the doctor puts it back)
+    EXACTRESUME_DOCTOR_OUT         the doctor's own folder: writes there are not reported
 
 A record per step holds the fingerprints of: the batch (the inputs of the outermost training
-forward calls since the last step), each param group's lr and hyperparameters, the parameters
-before the step, the gradients, the optimizer state after it, the RNG states, the DataLoaders'
-sampler state and the GradScalers' state; plus the loss passed to backward().
+forward calls of the step), each param group's lr and hyperparameters, the parameters before the
+step, the gradients, the optimizer state after it, the RNG states, the drawing sampler's state and
+the GradScalers' state; plus the loss passed to backward() and what drew from the global torch RNG
+since the last step. A closure-style step (`optimizer.step(closure)`, as Lightning and LBFGS do)
+gets the batch, loss and gradients of the forward and backward its closure runs first.
 """
 
 from __future__ import annotations
@@ -19,31 +23,41 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
+import sys
 
 import torch
 
 from . import fingerprint as fp
-from .live import Live, coverage, loader_source
+from .files import Files
+from .live import Live, coverage
 
 CUT = 86  # the process was cut after LIMIT steps, as asked
 CRASH = 87  # the process was ended as a crash would end it, right after its checkpoint
+FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "pytorch_lightning": "lightning"}
+FRAMEWORKS |= {"lightning": "lightning", "lightning_fabric": "lightning"}
 
 
 class Tracer:
-    def __init__(self, folder: str, limit: int, crash_from: int | None, keep: str | None = None):
-        self.limit, self.crash_from, self.keep = limit, crash_from, keep
-        self.created: set[str] = set()
+    def __init__(self, folder: str, limit: int, crash_from: int | None, keep: str | None = None, ignore=None):
+        self.limit, self.crash_from = limit, crash_from
         self.inside = 0  # > 0 while a traced save or load runs
         os.makedirs(folder, exist_ok=True)
+        self.marker = os.path.join(folder, "crash-at")
         self.out = open(os.path.join(folder, f"trace-{os.getpid()}.jsonl"), "w")
         self.weights = open(os.path.join(folder, f"weights-{os.getpid()}.f32"), "wb")
-        self.live, self.primary, self.step, self.depth = Live(), None, 0, 0
+        self.files = Files(self.write, keep, ignore)
+        self.live, self.primary, self.step = Live(), None, 0
+        self.depth = 0
         self.micro: list[str] = []
         self.losses: list[float] = []
+        self.drew: list[str] = []  # what drew from the global torch RNG since the last step
+        self.fetched = 0  # batches fetched since the last step
         self.record: dict = {}
         self.armed = False
         self.has_params: dict[int, bool] = {}
+        self.described = ""
+        rank = {name.lower(): int(os.environ[name]) for name in ("RANK", "WORLD_SIZE") if name in os.environ}
+        self.write({"event": "start", "pid": os.getpid(), "argv": sys.argv[:1]} | rank)
 
     def write(self, record: dict) -> None:
         self.out.write(json.dumps(record) + "\n")
@@ -60,7 +74,7 @@ class Tracer:
         self.close({"event": "end", "code": code, "steps": self.step})
         os._exit(code)
 
-    # -- forward, backward ------------------------------------------------------------------
+    # -- forward, backward, data ----------------------------------------------------------------
 
     def on_forward(self, module, args, kwargs) -> None:
         key = id(module)
@@ -74,51 +88,112 @@ class Tracer:
         if tensor.numel() == 1:
             self.losses.append(float(tensor.detach().float()))
 
+    def on_iterator(self, loader, iterator, drew: bool) -> None:
+        """A DataLoader made an iterator (an epoch begins); `drew`: it drew from the global torch RNG."""
+        self.live.on_iterator(loader, iterator)
+        if drew:
+            self.drew.append("iterator")
+        generator = getattr(loader, "generator", None) is not None
+        states = self.live.iterated[loader][-1]
+        described = self.live.describe(loader)
+        self.write({"event": "iter", "step": self.step, "drew": drew, "generator": generator, "generators": states})
+        if described != self.described:  # once per kind of loader: the doctor names it per rank
+            self.described = described
+            self.write({"event": "loader", "step": self.step, "loader": described})
+
+    def on_fetch(self, iterator, drew: bool) -> None:
+        self.live.on_fetch(iterator)
+        self.fetched += 1
+        if drew:
+            self.drew.append("fetch")
+
+    def on_rng_set(self) -> None:
+        """The global torch RNG was set; `fetched`: batches of the coming step fetched before it."""
+        self.write({"event": "rng_set", "step": self.step, "fetched": self.fetched})
+
     # -- optimizer steps ----------------------------------------------------------------------
 
-    def before_step(self, optimizer, args, kwargs) -> None:
+    def before_step(self, optimizer, args, kwargs):
         self.live.optimizers.add(optimizer)
         if self.primary is None:
             self.primary = optimizer
         if optimizer is not self.primary:
-            return
-        if self.armed:
+            return None
+        if self.armed or (self.crash_from is not None and self.marked()):
             self.end(CRASH)
         if self.step >= self.limit:
             self.end(CUT)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        data = self.live.data_state()
         self.record = {
             "event": "step",
             "step": self.step + 1,
-            "batch": fp.digest(self.micro),
-            "micro": list(self.micro),
             "lr": [float(g.get("lr", 0.0)) for g in groups],
             "hparams": fp.digest([{k: v for k, v in g.items() if k != "lr"} for g in groups]),
             "params": fp.digest(params),
-            "grads": fp.digest([p.grad for p in params]),
-            "data": fp.digest(self.live.data_state()),
-            "sampler_epochs": [row[1] for row in self.live.data_state()],
+            "data": fp.digest(data),
+            "sampler_epochs": [row[1] for row in data],
+            "generators": [state for row in data for state in row[2]],
             "scaler": fp.digest([s.state_dict() for s in list(self.live.scalers) if s.is_enabled()]),
             "scale": [float(s.get_scale()) for s in list(self.live.scalers) if s.is_enabled()],
-            "loss": sum(self.losses) if self.losses else None,
         } | fp.rng_digests()
         self.weights.write(fp.weight_sample(params).tobytes())
+        # args holds the optimizer itself first, then step()'s own arguments
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            self.after_forward(params)
+            return None
+        wrapped = self.closing(closure, params)
+        if "closure" in kwargs:
+            return args, kwargs | {"closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    def closing(self, closure, params):
+        """The closure, filling the step's batch and gradients after its first call (LBFGS calls it again)."""
+
+        def traced(*args, **kwargs):
+            result = closure(*args, **kwargs)
+            if "batch" not in self.record:
+                self.after_forward(params)
+            return result
+
+        return traced
+
+    def after_forward(self, params) -> None:
+        self.record |= {
+            "batch": fp.digest(self.micro),
+            "micro": list(self.micro),
+            "grads": fp.digest([p.grad for p in params]),
+            "loss": sum(self.losses) if self.losses else None,
+            "drew": sorted(set(self.drew)),
+        }
 
     def after_step(self, optimizer, args, kwargs) -> None:
         if optimizer is not self.primary or not self.record:
             return
+        if "batch" not in self.record:  # a closure the optimizer never called
+            self.after_forward([p for group in optimizer.param_groups for p in group["params"]])
         states = [optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state]
         self.record["optim"] = fp.digest(states)
         counters = [float(s["step"]) for s in states[:1] if "step" in s]
         self.record["optim_step"] = counters[0] if counters else None
         self.step += 1
         self.write(self.record)
-        self.record, self.micro, self.losses = {}, [], []
+        self.record, self.micro, self.losses, self.drew, self.fetched = {}, [], [], [], 0
+
+    def marked(self) -> bool:
+        """Another rank saved the checkpoint this run ends after: end at the same step it does."""
+        if not os.path.exists(self.marker):
+            return False
+        with contextlib.suppress(OSError, ValueError), open(self.marker) as marker:
+            return self.step >= int(marker.read() or 0)
+        return False
 
     # -- checkpoint files ---------------------------------------------------------------------
 
     def on_save(self, obj, path: str | None) -> None:
+        held = {fp.digest(t) for _, t in fp.tensors_in(obj) if t.dtype == torch.uint8}
         self.write(
             {
                 "event": "save",
@@ -128,15 +203,19 @@ class Tracer:
                 "keys": fp.top_keys(obj),
                 "tensors": fp.summary(obj),
                 "live": coverage(obj, self.live),
-                "loaders": [loader_source(loader) for loader in list(self.live.loaders)],
+                "loaders": [self.live.describe(loader) for loader in self.live.drawing()],
+                "held": sorted(held),
                 "dropout": self.live.dropout(),
+                "framework": framework(),
             }
         )
         if self.crash_from is not None and self.step >= self.crash_from:
             self.armed = True
+            with self.files_busy(), open(self.marker, "w") as marker:
+                marker.write(str(self.step))
 
     def on_load(self, path: str | None) -> None:
-        self.write({"event": "load", "path": path, "step": self.step})
+        self.write({"event": "load", "path": path, "step": self.step, "framework": framework()})
 
     @contextlib.contextmanager
     def within(self):
@@ -146,27 +225,35 @@ class Tracer:
         finally:
             self.inside -= 1
 
-    def before_write(self, path: str | None) -> None:
-        """Keep a copy of a file (or DCP folder) this process did not write before it is replaced."""
-        if path is None or path in self.created:
-            return
-        self.created.add(path)
-        if self.keep and os.path.exists(path):
-            os.makedirs(self.keep, exist_ok=True)
-            copy = os.path.join(self.keep, f"{os.getpid()}-{len(self.created):03d}-{os.path.basename(path)}")
-            (shutil.copytree if os.path.isdir(path) else shutil.copy2)(path, copy)
-            self.write({"event": "kept", "path": path, "copy": copy})
+    @contextlib.contextmanager
+    def files_busy(self):
+        self.files.busy += 1
+        try:
+            yield
+        finally:
+            self.files.busy -= 1
 
     def on_rename(self, source, target) -> None:
         self.write({"event": "rename", "source": os.path.abspath(source), "target": os.path.abspath(target)})
+
+
+def framework() -> str | None:
+    """The outermost framework on the stack (the one the script called): whose code saves or loads."""
+    found, frame = None, sys._getframe(1)
+    while frame is not None:
+        package = str(frame.f_globals.get("__name__", "")).split(".")[0]
+        found = FRAMEWORKS.get(package, found)
+        frame = frame.f_back
+    return found
 
 
 def file_path(file) -> str | None:
     """The path a torch.save / torch.load argument names: a path, or an open file's name."""
     if isinstance(file, str | os.PathLike):
         return os.path.abspath(file)
-    for holder in (file, getattr(file, "file", None), getattr(file, "raw", None)):
+    for holder in (file, getattr(file, "file", None), getattr(file, "raw", None), getattr(file, "f", None)):
         name = getattr(holder, "name", None)
         if isinstance(name, str):
             return os.path.abspath(name)
-    return None
+    path = getattr(file, "path", None)  # fsspec's local files
+    return os.path.abspath(path) if isinstance(path, str) else None

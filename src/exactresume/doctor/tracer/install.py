@@ -1,5 +1,6 @@
 """Start the tracer in this process: PyTorch's global optimizer hooks and thin wrappers around
-Module.__call__, Tensor.backward, torch.save / torch.load, safetensors and os.replace / os.rename.
+Module.__call__, Tensor.backward, DataLoader iterators, torch.set_rng_state, torch.save / torch.load,
+safetensors, DCP, os.replace / os.rename and every writer of files (files.py).
 Every wrapper calls the original unchanged and only records what went through it; `install`
 returns the function that takes them all off again (the overhead bench uses it).
 """
@@ -10,12 +11,15 @@ import atexit
 import importlib.abc
 import importlib.util
 import os
+import shutil
 import sys
 from collections.abc import Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from . import fingerprint as fp
+from .files import wrap_writes
 from .hooks import Tracer, file_path
 
 
@@ -25,8 +29,10 @@ def start_from_environment() -> Tracer | None:
         return None
     crash_from = os.environ.get("EXACTRESUME_DOCTOR_CRASH_FROM")
     limit = int(os.environ.get("EXACTRESUME_DOCTOR_LIMIT", "1000000000"))
-    keep = os.environ.get("EXACTRESUME_DOCTOR_KEEP")
-    tracer = Tracer(folder, limit, int(crash_from) if crash_from else None, keep)
+    keep, ignore = os.environ.get("EXACTRESUME_DOCTOR_KEEP"), os.environ.get("EXACTRESUME_DOCTOR_OUT")
+    made = os.environ.get("EXACTRESUME_DOCTOR_MADE", "")
+    tracer = Tracer(folder, limit, int(crash_from) if crash_from else None, keep, ignore)
+    tracer.files.made = tuple(os.path.join(path, "") for path in made.split(os.pathsep) if path)
     install(tracer)
     atexit.register(lambda: tracer.close({"event": "exit", "steps": tracer.step}))
     return tracer
@@ -58,7 +64,9 @@ def install(tracer: Tracer) -> Callable[[], None]:
         patches.undo.append(handle.remove)
     patches.replace(torch.nn.Module, "__call__", lambda original: module_call(tracer, original))
     patches.replace(torch.Tensor, "backward", lambda original: backward(tracer, original))
+    wrap_data(tracer, patches)
     wrap_files(tracer, patches)
+    wrap_writes(tracer.files, patches.replace)
     return patches.remove
 
 
@@ -83,12 +91,51 @@ def backward(tracer: Tracer, original):
     return traced
 
 
+def rng_state() -> str:
+    return fp.digest(torch.get_rng_state())
+
+
+def wrap_data(tracer: Tracer, patches: Patches) -> None:
+    """DataLoader iterators (each epoch's, and each batch they yield) and torch.set_rng_state."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    def iterating(original):
+        def traced(loader):
+            before = rng_state()
+            iterator = original(loader)
+            tracer.on_iterator(loader, iterator, rng_state() != before)
+            return iterator
+
+        return traced
+
+    def fetching(original):
+        def traced(iterator):
+            before = rng_state()
+            batch = original(iterator)
+            tracer.on_fetch(iterator, rng_state() != before)
+            return batch
+
+        return traced
+
+    def setting(original):
+        def traced(*args, **kwargs):
+            original(*args, **kwargs)
+            tracer.on_rng_set()
+
+        return traced
+
+    patches.replace(torch.utils.data.DataLoader, "__iter__", iterating)
+    patches.replace(_BaseDataLoaderIter, "__next__", fetching)
+    for owner in (torch, torch.random):
+        patches.replace(owner, "set_rng_state", setting)
+
+
 def saving(tracer: Tracer, original):
     def traced(obj, f, *args, **kwargs):
         if tracer.inside:  # a save within a traced one (DCP writes some items with torch.save)
             return original(obj, f, *args, **kwargs)
         if isinstance(f, str | os.PathLike):
-            tracer.before_write(file_path(f))
+            tracer.files.before_write(f)
         with tracer.within():
             result = original(obj, f, *args, **kwargs)
         tracer.on_save(obj, file_path(f))
@@ -109,7 +156,7 @@ def loading(tracer: Tracer, original):
 
 def renaming(tracer: Tracer, original):
     def traced(source, target, *args, **kwargs):
-        tracer.before_write(os.path.abspath(target))
+        tracer.files.before_write(target)
         original(source, target, *args, **kwargs)
         tracer.on_rename(source, target)
 
@@ -122,6 +169,7 @@ def wrap_files(tracer: Tracer, patches: Patches) -> None:
         patches.replace(owner, "load", lambda original: loading(tracer, original))
     for name in ("replace", "rename"):
         patches.replace(os, name, lambda original: renaming(tracer, original))
+    patches.replace(shutil, "move", lambda original: renaming(tracer, original))  # across devices it copies
     if "torch.distributed.checkpoint" in sys.modules:
         wrap_dcp(tracer, patches, sys.modules["torch.distributed.checkpoint"])
     else:  # DCP takes half a second to import: wrap it only when the script imports it
@@ -167,7 +215,7 @@ def dcp_path(kwargs: dict, role: str) -> str | None:
 def wrap_dcp(tracer: Tracer, patches: Patches, module) -> None:
     def saving_dcp(original):
         def traced(state_dict, *args, **kwargs):
-            tracer.before_write(dcp_path(kwargs, "storage_writer"))
+            tracer.files.before_write(dcp_path(kwargs, "storage_writer"))
             with tracer.within():
                 result = original(state_dict, *args, **kwargs)
             tracer.on_save(state_dict, dcp_path(kwargs, "storage_writer"))

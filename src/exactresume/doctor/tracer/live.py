@@ -13,11 +13,12 @@ import weakref
 
 import torch
 
+from . import order
 from .fingerprint import HALF_DTYPES, dicts_in, digest, tensors_in
 
 
 class Live:
-    """Weak sets of the stateful objects seen so far."""
+    """Weak sets of the stateful objects seen so far, and the DataLoaders' iterators."""
 
     def __init__(self):
         self.models: weakref.WeakSet = weakref.WeakSet()
@@ -25,17 +26,47 @@ class Live:
         self.schedulers: weakref.WeakSet = weakref.WeakSet()
         self.scalers: weakref.WeakSet = weakref.WeakSet()
         self.loaders: weakref.WeakSet = weakref.WeakSet()
+        self.wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> who built it
+        self.iterated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> states at each epoch start
+        self.of_iterator: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # iterator -> its loader
+        self.current = None  # a weak reference to the loader whose iterator yielded last
 
     def install(self, replace) -> None:
         """Wrap the constructors through `replace(owner, name, make_wrapper)` (install.Patches)."""
         from torch.optim.lr_scheduler import LRScheduler
 
-        for cls, registry in (
-            (LRScheduler, self.schedulers),
-            (torch.amp.GradScaler, self.scalers),
-            (torch.utils.data.DataLoader, self.loaders),
-        ):
+        for cls, registry in ((LRScheduler, self.schedulers), (torch.amp.GradScaler, self.scalers)):
             replace(cls, "__init__", lambda original, registry=registry: tracking(original, registry))
+        replace(torch.utils.data.DataLoader, "__init__", lambda original: self.tracking_loader(original))
+
+    def tracking_loader(self, original):
+        def init(loader, *args, **kwargs):
+            original(loader, *args, **kwargs)
+            self.loaders.add(loader)
+            wrapper = order.wrapper_of(loader)
+            if wrapper:
+                self.wrappers[loader] = wrapper
+
+        return init
+
+    def on_iterator(self, loader, iterator) -> None:
+        """A new epoch's iterator: remember the generators' states as the epoch starts."""
+        self.iterated.setdefault(loader, []).append([digest(g.get_state()) for _, g in order.generators(loader)])
+        self.of_iterator[iterator] = loader
+
+    def on_fetch(self, iterator) -> None:
+        loader = self.of_iterator.get(iterator)
+        if loader is not None:
+            self.current = weakref.ref(loader)
+
+    def drawing(self) -> list:
+        """The loaders iterated so far, the one that yielded last first."""
+        current = self.current() if self.current else None
+        rest = [loader for loader in list(self.iterated) if loader is not current]
+        return ([current] if current is not None else []) + rest
+
+    def describe(self, loader) -> str:
+        return order.describe(loader, self.wrappers.get(loader))
 
     def dropout(self) -> bool:
         """Whether a model draws random numbers in its forward (a dropout with p > 0)."""
@@ -43,15 +74,9 @@ class Live:
         return any(isinstance(m, kinds) and m.p > 0 for model in self.models for m in model.modules())
 
     def data_state(self) -> list:
-        """Per DataLoader: its sampler's kind, epoch (DistributedSampler) and generator states."""
-        rows = []
-        for loader in list(self.loaders):
-            sampler = getattr(loader, "sampler", None)
-            gens = [g for g in (loader.generator, getattr(sampler, "generator", None)) if g is not None]
-            rows.append(
-                [type(sampler).__name__, getattr(sampler, "epoch", None), [digest(g.get_state()) for g in gens]]
-            )
-        return rows
+        """The drawing sampler of the loader that yielded last: its kind, epoch and generator states."""
+        drawing = self.drawing()[:1] or list(self.loaders)
+        return [order.state(loader) for loader in drawing]
 
 
 def tracking(original, registry: weakref.WeakSet):
@@ -60,19 +85,6 @@ def tracking(original, registry: weakref.WeakSet):
         registry.add(self)
 
     return init
-
-
-def loader_source(loader) -> str:
-    """Where a DataLoader's order comes from, in words."""
-    sampler = getattr(loader, "sampler", None)
-    kind = type(sampler).__name__
-    if hasattr(sampler, "set_epoch"):
-        return f"a DataLoader over a {kind} (order from its seed and set_epoch's epoch)"
-    if getattr(sampler, "generator", None) is not None or loader.generator is not None:
-        return f"a DataLoader over a {kind} (order from the torch.Generator passed as generator=)"
-    if kind == "RandomSampler":
-        return f"a DataLoader over a {kind} (order drawn from the global torch RNG at each epoch's start)"
-    return f"a DataLoader over a {kind}"
 
 
 def coverage(saved, live: Live) -> list[dict]:
@@ -92,9 +104,8 @@ def coverage(saved, live: Live) -> list[dict]:
     for scaler in [s for s in list(live.scalers) if s.is_enabled()]:
         found = any("_growth_tracker" in d and "scale" in d for d in dicts)
         rows.append(row("grad_scaler", scaler, found, "" if found else "its state_dict() is not in the file"))
-    states = {tuple(t.shape) for _, t in tensors_in(saved) if t.dtype == torch.uint8}
-    for loader in list(live.loaders):
-        rows.extend(loader_rows(loader, states))
+    for loader in live.drawing():
+        rows.extend(loader_rows(loader, live, held))
     if live.dropout():
         found = digest(torch.get_rng_state()) in held
         rows.append(
@@ -121,15 +132,13 @@ def model_row(model, held: set, halves: set) -> dict:
     return row("model", model, False, f"{len(missing)} of {len(state)} tensors not in the file")
 
 
-def loader_rows(loader, states: set) -> list[dict]:
-    """A DataLoader's generators count as saved when the file holds a generator state (a uint8 tensor
-    of that size): a script may rightly keep the state at the epoch's start rather than the current one."""
-    sampler = getattr(loader, "sampler", None)
+def loader_rows(loader, live: Live, held: set) -> list[dict]:
+    """A loader's generators count as saved when the file holds the bytes of their state now or at the
+    start of an epoch (a script may rightly keep the state an epoch began with)."""
     rows = []
-    gens = (("generator", loader.generator), ("sampler generator", getattr(sampler, "generator", None)))
-    for index, (where, gen) in enumerate(gens):
-        if gen is not None and not (index and gen is loader.generator):
-            found = tuple(gen.get_state().shape) in states
-            detail = "" if found else f"the {where}'s get_state() is not in the file"
-            rows.append({"kind": "generator", "name": f"DataLoader {where}", "saved": found, "detail": detail})
+    starts = [state for epoch in live.iterated.get(loader, []) for state in epoch]
+    for where, gen in order.generators(loader):
+        found = digest(gen.get_state()) in held or any(state in held for state in starts)
+        detail = "" if found else f"the {where} state (get_state()) is not in the file"
+        rows.append({"kind": "generator", "name": where, "saved": found, "detail": detail})
     return rows

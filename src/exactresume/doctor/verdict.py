@@ -1,4 +1,4 @@
-"""OUT/report.md and OUT/doctor.png: the verdict, its evidence, the missing state, and a figure.
+"""The verdict: on the terminal (and OUT/verdict.txt), in OUT/report.md, and in OUT/doctor.png.
 
 The figure's top panel is the step x fingerprint map (equal / different; steps 1..K compare the
 interrupted run with the straight one, steps K+1..N the resumed one); the bottom panel is the
@@ -20,6 +20,37 @@ from exactresume.atomic import atomic_write_bytes
 from exactresume.doctor.diagnose import NAMES
 
 FLOOR = 1e-12
+
+
+def terminal(plan, runs, diagnosis) -> str:
+    """The verdict as the terminal shows it: the headline, its evidence, the missing state, where the files are."""
+    lines = [f"doctor: {diagnosis.headline}"]
+    lines += [f"  evidence: {line}" for line in diagnosis.evidence]
+    lines += [f"  missing from the checkpoint: {r['name']} ({r['detail']}); fix: {r['fix']}" for r in diagnosis.missing]
+    lines += [f"  fix: {line}" for line in diagnosis.fixes]
+    lines += [f"  note: {line}" for line in diagnosis.notes if "not seeded" not in line]
+    roots = [Path(m["from"]) for m in runs.moves if m.get("run") == "straight"]
+    files = sorted({shown(root if root.is_dir() else root.parent) for root in roots})
+    if files:
+        lines.append(f"  the script's files are in {', '.join(files)} (the straight run's, put back)")
+    restored = [m for m in runs.moves if "restored" in m]
+    if restored:
+        lines.append(
+            f"  {len(restored)} path(s) there before the doctor, changed by its runs, are back as they were; "
+            f"the straight run's versions: {shown(plan.out / 'files' / 'straight')}"
+        )
+    lines.append(
+        f"  the doctor's runs' files: {shown(plan.out / 'files' / 'resumed')}; details: {shown(plan.out / 'report.md')}"
+    )
+    return "\n".join(lines)
+
+
+def shown(path: Path) -> str:
+    """A path relative to the working folder when it is inside it."""
+    try:
+        return str(Path(path).relative_to(Path.cwd())) or "."
+    except ValueError:
+        return str(path)
 
 
 def draw(diagnosis) -> Figure:
@@ -80,7 +111,7 @@ def markdown(plan, runs, diagnosis) -> str:
     for name in ("straight", "interrupted", "resumed"):
         run = getattr(runs, name)
         lines.append(f"- {name}: {len(run.steps)} steps, exit code {run.rc}, {run.wall_s:.1f} s, output in `{run.log}`")
-    lines += [f"- `{m['from']}` → `{m.get('to') or m.get('aside')}`" for m in runs.moves if "to" in m]
+    lines += [f"- `{m['from']}` → `{m['to']}`" for m in runs.moves if m.get("run") != "straight"]
     lines.append("- the straight run's files are back where the script wrote them")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,71 @@
+"""The fix for a cause, in the words of the framework that wrote the checkpoint (Hugging Face's
+Trainer, Accelerate, Lightning), or in plain PyTorch's; and what to say where no fix exists.
+
+The framework is the outermost one on the stack when the checkpoint was saved (the tracer's
+`framework`): the Trainer calls Accelerate, and Lightning calls its own Fabric, but the user wrote
+against the outer one.
+"""
+
+from __future__ import annotations
+
+FIXES: dict[tuple[str, str | None], str] = {
+    ("data_position_lost", "accelerate"): (
+        "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)) and "
+        "loader.set_epoch(epoch) as each epoch begins (the loader of skip_first_batches too): the order is then "
+        "a function of the seed and the epoch; or DataLoaderConfiguration(use_stateful_dataloader=True) "
+        "(torchdata), whose position save_state() and load_state() keep"
+    ),
+    ("data_position_lost", "lightning"): (
+        "Lightning restarts a plain DataLoader from its epoch's first batch after a mid-epoch checkpoint (its "
+        "warning: 'your dataloader is not resumable'): give fit() a DataLoader with state_dict() and "
+        "load_state_dict(), such as torchdata's StatefulDataLoader, whose state Lightning keeps in the checkpoint; "
+        "or checkpoint at epoch ends only, ModelCheckpoint(every_n_epochs=1)"
+    ),
+    ("data_position_lost", "transformers"): (
+        "the Trainer keeps the order itself (a seedable sampler, and skip_first_batches on resume) unless "
+        "TrainingArguments(ignore_data_skip=True) or a DataLoader of your own (a get_train_dataloader override) "
+        "draws it: keep that DataLoader's sampler state in the checkpoint"
+    ),
+    ("data_position_lost", None): (
+        "save the sampler's state (its generator's get_state() at the epoch's start, or its epoch) with the "
+        "checkpoint and restore it before iterating, then skip the batches already seen"
+    ),
+    ("epoch_lost", None): "save the epoch and call sampler.set_epoch(epoch) before iterating on resume",
+    ("rng_after_iterator", None): (
+        "give the DataLoader its own generator, DataLoader(..., generator=torch.Generator().manual_seed(SEED)): "
+        "making its iterator then draws from that generator and leaves the global RNG alone; or restore the RNG "
+        "after the iterator is made"
+    ),
+    ("rng_after_iterator", "accelerate"): (
+        "give the DataLoader you prepare its own generator, DataLoader(..., generator=torch.Generator()"
+        ".manual_seed(SEED)): making its iterator (skip_first_batches makes a new one) then leaves the RNG "
+        "load_state() restored alone"
+    ),
+    ("batch_randomness", "transformers"): (
+        "no TrainingArguments setting changes this: on a mid-epoch resume the Trainer loads rng_state.pth only "
+        "after it has fetched the first batch; draw the collator's (or dataset's) randomness from a "
+        "torch.Generator seeded by the sample or batch index, not from the global RNG"
+    ),
+    ("batch_randomness", None): (
+        "restore the RNG state before the first batch is drawn, or draw the dataset's or collate_fn's randomness "
+        "from a torch.Generator seeded by the sample or batch index"
+    ),
+    ("rng_lost", "lightning"): (
+        "Lightning's checkpoint holds no RNG state and no Trainer flag adds it: save torch.get_rng_state() in the "
+        "LightningModule's on_save_checkpoint(checkpoint) and set it back in on_load_checkpoint(checkpoint)"
+    ),
+    ("scheduler_lost", "accelerate"): (
+        "prepare the scheduler with accelerator.prepare(), or accelerator.register_for_checkpointing(scheduler), "
+        "so that save_state() keeps it"
+    ),
+}
+
+
+def fix_for(cause: str, framework: str | None) -> str | None:
+    """The fix for `cause` in `framework`'s words, else in plain PyTorch's, else None."""
+    return FIXES.get((cause, framework)) or FIXES.get((cause, None))
+
+
+def framework_fix(cause: str, framework: str | None) -> str | None:
+    """The fix for `cause` only where `framework` has words of its own for it."""
+    return FIXES.get((cause, framework)) if framework else None

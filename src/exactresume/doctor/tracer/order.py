@@ -1,0 +1,97 @@
+"""Where a DataLoader's order really comes from: its batch_sampler and the wrappers around it followed
+down to the sampler and the generator that draw it.
+
+A DataLoader given a batch_sampler keeps a SequentialSampler as `.sampler` that nothing draws from;
+Accelerate's DataLoaderShard builds its DataLoader that way over a BatchSamplerShard or a
+SkipBatchSampler around the user's BatchSampler and its RandomSampler. Every sampler, batch sampler
+and wrapper met on the way down (`.batch_sampler`, then `.sampler`) is named; the last is the one
+that draws.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .fingerprint import digest
+
+SEEDED = ("seed", "initial_seed")  # samplers whose order is a function of a seed and set_epoch's epoch
+
+
+def chain(loader) -> list:
+    """The loader's batch sampler, the samplers it wraps, down to the one that draws the order."""
+    found: list = []
+    node = getattr(loader, "batch_sampler", None) or getattr(loader, "sampler", None)
+    while node is not None and len(found) < 8 and all(node is not seen for seen in found):
+        found.append(node)
+        node = getattr(node, "batch_sampler", None) or getattr(node, "sampler", None)
+    return found
+
+
+def drawer(loader):
+    """The sampler that draws the order (None for an iterable dataset)."""
+    found = chain(loader)
+    return found[-1] if found else None
+
+
+def generators(loader) -> list[tuple[str, torch.Generator]]:
+    """The torch.Generators the order and the workers' base seed come from, each once, with where it is;
+    not a seeded sampler's (it seeds its generator from its seed and epoch as each epoch begins)."""
+    sampler = drawer(loader)
+    rows: list[tuple[str, torch.Generator]] = []
+    own = None if seeded(sampler) else getattr(sampler, "generator", None)
+    for where, gen in (
+        (f"{type(sampler).__name__}'s generator", own),
+        ("DataLoader's generator", getattr(loader, "generator", None)),
+    ):
+        if isinstance(gen, torch.Generator) and all(gen is not g for _, g in rows):
+            rows.append((where, gen))
+    return rows
+
+
+def seeded(sampler) -> bool:
+    return hasattr(sampler, "set_epoch") and any(hasattr(sampler, name) for name in SEEDED)
+
+
+def state(loader) -> list:
+    """The drawing sampler's kind, its epoch (set_epoch), and its generators' states: the data fingerprint."""
+    sampler = drawer(loader)
+    return [
+        type(sampler).__name__,
+        getattr(sampler, "epoch", None),
+        [digest(g.get_state()) for _, g in generators(loader)],
+    ]
+
+
+def draws_from(loader) -> str:
+    """What the drawing sampler's order is a function of, in words."""
+    sampler = drawer(loader)
+    kind = type(sampler).__name__
+    if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+        return f"a {type(loader).__name__} over a {kind} (its position is in its state_dict())"
+    if seeded(sampler):
+        return f"a {kind} (order from its seed and set_epoch's epoch)"
+    if isinstance(getattr(sampler, "generator", None), torch.Generator):
+        return f"a {kind} (order from the torch.Generator passed as generator=)"
+    if isinstance(sampler, torch.utils.data.RandomSampler | torch.utils.data.SubsetRandomSampler):
+        return f"a {kind} drawing its seed from the global torch RNG each time an iterator is made"
+    return f"a {kind}"
+
+
+def describe(loader, wrapper: str | None) -> str:
+    """The whole way down, e.g. "Accelerate's DataLoaderShard > DataLoader > BatchSampler > a RandomSampler ..."."""
+    names = [type(node).__name__ for node in chain(loader)[:-1]]
+    outer = [wrapper] if wrapper else []
+    return " > ".join([*outer, "DataLoader", *names, draws_from(loader)])
+
+
+def wrapper_of(loader) -> str | None:
+    """The object whose __init__ built this DataLoader as its inner loader (Accelerate's adapters), in words."""
+    frame = sys._getframe(2)  # the caller of the DataLoader.__init__ wrapper
+    outer = frame.f_locals.get("self")
+    # type(), not isinstance(): an Accelerate adapter's __class__ pretends to be its inner DataLoader's
+    if outer is None or outer is loader or issubclass(type(outer), torch.utils.data.DataLoader):
+        return None
+    package = type(outer).__module__.split(".")[0]
+    return f"{package.capitalize()}'s {type(outer).__name__}"

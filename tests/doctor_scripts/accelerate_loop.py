@@ -1,0 +1,59 @@
+"""An Accelerate loop as its checkpointing docs show it: prepare(), save_state() every --save-every
+steps into OUT/step_N, and on --resume load_state() of the newest with skip_first_batches(). The
+resume reshuffles the order (the RandomSampler draws its seed from the RNG load_state() restored) and
+shifts the dropout masks. With --fixed, the fixes the doctor names: use_seedable_sampler=True,
+set_epoch() as each epoch begins, and a generator of the DataLoader's own; the resume is then exact."""
+
+import argparse
+import os
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import set_seed
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", default="ckpt")
+parser.add_argument("--steps", type=int, default=8)
+parser.add_argument("--save-every", type=int, default=2)
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--fixed", action="store_true", help="apply the fixes the doctor names")
+parser.add_argument("--record", help="write each step's batch and the final weights here (to check by hand)")
+args = parser.parse_args()
+torch.set_num_threads(1)
+set_seed(0)
+
+accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=args.fixed))
+data = torch.utils.data.TensorDataset(torch.randn(48, 8), torch.randn(48, 1))
+own = {"generator": torch.Generator().manual_seed(1)} if args.fixed else {}
+loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, **own)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.1, total_iters=args.steps)
+model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+step, batches = 0, []
+if args.resume:
+    newest = max(os.listdir(args.out), key=lambda name: int(name.removeprefix("step_")))
+    accelerator.load_state(os.path.join(args.out, newest))
+    step = int(newest.removeprefix("step_"))
+epoch, skip = divmod(step, len(loader))
+while step < args.steps:
+    if args.fixed:
+        loader.set_epoch(epoch)
+    active = accelerator.skip_first_batches(loader, skip) if skip else loader
+    skip = 0
+    for x, y in active:
+        batches.append(x.clone())
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        step += 1
+        if step % args.save_every == 0:
+            accelerator.save_state(os.path.join(args.out, f"step_{step}"))
+        if step == args.steps:
+            break
+    epoch += 1
+if args.record:
+    torch.save({"batches": batches, "weights": accelerator.unwrap_model(model).state_dict()}, args.record)

@@ -1,0 +1,218 @@
+"""`exactresume doctor` on the frameworks people train with: Hugging Face's Trainer, Accelerate,
+Lightning, torchrun, and a plain loop's subtle DataLoader case.
+
+Each verdict is checked against the truth found by hand, outside the doctor: a straight run records
+every step's batch and its final weights, a copy of its checkpoint at the resume step is resumed in
+a folder of its own, and the two are compared with torch.equal. Every case (the doctor, and the runs
+by hand) runs once per session, side by side; nothing is downloaded (the scripts build their models).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_one_line_error, call_cli, once_per_session
+from exactresume.cli import main
+
+SCRIPTS = Path(__file__).parent / "doctor_scripts"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass(frozen=True)
+class Case:
+    script: str
+    checkpoint: str  # what the straight run saved at the resume step, copied for the resume by hand
+    resume_step: int
+    extra: tuple[str, ...] = ()
+    launcher: tuple[str, ...] = (sys.executable,)
+    copied_as: str | None = None  # the copy's name, where the resume looks for another (Lightning's last.ckpt)
+
+    def command(self, out: Path, *more: str) -> list[str]:
+        return [*self.launcher, str(SCRIPTS / f"{self.script}.py"), "--out", str(out), *self.extra, *more]
+
+
+CASES = {
+    "hf_trainer": Case("hf_trainer", "checkpoint-4", 4),
+    "hf_trainer_masking": Case("hf_trainer", "checkpoint-4", 4, ("--mask-tokens",)),
+    "accelerate_loop": Case("accelerate_loop", "step_4", 4),
+    "lightning_checkpoint": Case("lightning_checkpoint", "epoch=0-step=4.ckpt", 4, copied_as="last.ckpt"),
+    "torchrun_rank_sampler": Case("torchrun_rank_sampler", "step-6.pt", 6, launcher=tuple(TORCHRUN)),
+    "dataloader_base_seed": Case("dataloader_base_seed", "step-4.pt", 4),
+}
+
+
+# The fixes the doctor names, applied (--fixed) and checked by hand only: each resumes exactly.
+FIXED = {name: replace(CASES[name], extra=("--fixed",)) for name in ("accelerate_loop", "dataloader_base_seed")}
+
+
+def by_hand(case: Case, folder: Path) -> dict:
+    """The straight run and a resumed copy of its checkpoint, outside the doctor: per rank, which of
+    the resumed steps drew the straight run's batch, which straight step each resumed batch matches,
+    and whether the final weights are equal."""
+    env = os.environ | OFFLINE
+    straight, resumed = folder / "straight", folder / "resumed"
+    subprocess.run(case.command(straight, "--record", str(folder / "a")), env=env, check=True, capture_output=True)
+    resumed.mkdir(parents=True)
+    copy = shutil.copytree if (straight / case.checkpoint).is_dir() else shutil.copy2
+    copy(straight / case.checkpoint, resumed / (case.copied_as or case.checkpoint))
+    subprocess.run(
+        case.command(resumed, "--resume", "--record", str(folder / "b")), env=env, check=True, capture_output=True
+    )
+    suffixes = ["-0.pt", "-1.pt"] if case.launcher != (sys.executable,) else [""]
+    return {str(rank): compare(folder / f"a{s}", folder / f"b{s}", case.resume_step) for rank, s in enumerate(suffixes)}
+
+
+def compare(straight_record: Path, resumed_record: Path, k: int) -> dict:
+    a, b = torch.load(straight_record), torch.load(resumed_record)
+    first, later = a["batches"][:k], a["batches"][k:]
+    return {
+        "same_batch": [torch.equal(x, y) for x, y in zip(later, b["batches"], strict=True)],
+        "drew_step": [
+            next((i + 1 for i, x in enumerate(a["batches"]) if torch.equal(x, y)), None) for y in b["batches"]
+        ],
+        "weights_equal": all(torch.equal(a["weights"][name], b["weights"][name]) for name in a["weights"]),
+        "steps": [len(first), len(b["batches"])],
+    }
+
+
+def doctor_args(case: Case, folder: Path) -> list[str]:
+    # `--resume-args --resume` as two words, as a user types it
+    flags = ["--steps", "8", "--stop-after", "4", "--out", str(folder / "doctor"), "--resume-args", "--resume"]
+    return ["doctor", *flags, "--", *case.command(folder / "out")]
+
+
+def run_case(root: Path, name: str) -> tuple[str, dict]:
+    case, folder = CASES[name], root / name
+    with ThreadPoolExecutor(1) as hand:
+        truth = hand.submit(by_hand, case, folder / "by_hand")
+        fixed = hand.submit(by_hand, FIXED[name], folder / "fixed") if name in FIXED else None
+        code = main(doctor_args(case, folder))
+        facts = json.loads((folder / "doctor" / "doctor.json").read_text())
+        verdict = (folder / "doctor" / "verdict.txt").read_text()
+        found = {"code": code, "verdict": verdict, "facts": facts, "truth": truth.result(), "folder": str(folder)}
+        return name, found | {"fixed": fixed.result() if fixed else None}
+
+
+@pytest.fixture(scope="module")
+def frameworks(tmp_path_factory) -> dict:
+    """Every case through the doctor and by hand, once: name -> code, verdict, doctor.json, truth."""
+    for name, value in OFFLINE.items():
+        os.environ.setdefault(name, value)
+
+    def every_case(root: Path) -> dict:
+        with ThreadPoolExecutor(3) as pool:
+            return dict(pool.map(lambda name: run_case(root, name), CASES))
+
+    return once_per_session(tmp_path_factory, "frameworks", every_case)
+
+
+def diagnosis(frameworks, name) -> dict:
+    return frameworks[name]["facts"]["diagnosis"]
+
+
+def test_the_trainer_as_its_docs_show_is_exact(frameworks):
+    truth = frameworks["hf_trainer"]["truth"]["0"]
+    assert truth["same_batch"] == [True] * 4 and truth["weights_equal"]  # by hand: the Trainer resumes exactly
+    assert frameworks["hf_trainer"]["code"] == 0, frameworks["hf_trainer"]["verdict"]
+    assert diagnosis(frameworks, "hf_trainer")["cause"] == "exact"
+    assert diagnosis(frameworks, "hf_trainer")["missing"] == []
+    out = Path(frameworks["hf_trainer"]["folder"]) / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert (out / "checkpoint-8" / "trainer_state.json").is_file()  # the straight run's, back in place
+
+
+def test_the_trainer_restores_the_rng_after_the_first_batch(frameworks):
+    truth = frameworks["hf_trainer_masking"]["truth"]["0"]
+    assert not truth["same_batch"][0] and not truth["weights_equal"]  # by hand: step 5 is masked otherwise
+    found = diagnosis(frameworks, "hf_trainer_masking")
+    assert found["cause"] == "batch_randomness" and found["first_step"] == 5, found["headline"]
+    assert "restored the RNG state only after it had drawn its first batch" in found["headline"]
+    assert any("no TrainingArguments setting" in fix for fix in found["fixes"])
+
+
+def test_accelerate_names_the_sampler_that_draws(frameworks):
+    truth = frameworks["accelerate_loop"]["truth"]["0"]
+    assert truth["drew_step"][0] is None and not truth["weights_equal"]  # by hand: reshuffled
+    found = diagnosis(frameworks, "accelerate_loop")
+    assert found["causes"] == ["data_position_lost", "rng_after_iterator"], found["headline"]
+    assert "Accelerate's DataLoaderShard" in found["headline"] and "SequentialSampler" not in found["headline"]
+    assert "RandomSampler drawing its seed from the global torch RNG" in found["headline"]
+    assert any("use_seedable_sampler=True" in fix for fix in found["fixes"])
+    assert any("generator=torch.Generator()" in fix for fix in found["fixes"])
+    fixed = frameworks["accelerate_loop"]["fixed"]["0"]
+    assert fixed["same_batch"] == [True] * 4 and fixed["weights_equal"]  # by hand: those fixes make it exact
+
+
+def test_lightning_steps_are_filed_under_their_own_step(frameworks):
+    truth = frameworks["lightning_checkpoint"]["truth"]["0"]
+    assert truth["drew_step"][:2] == [1, 2] and not truth["weights_equal"]  # by hand: the epoch restarts
+    found = diagnosis(frameworks, "lightning_checkpoint")
+    assert found["causes"] == ["data_position_lost", "rng_lost"] and found["first_step"] == 5, found["headline"]
+    assert any("drew step 1's batch" in line for line in found["evidence"])
+    assert any("StatefulDataLoader" in fix for fix in found["fixes"])
+    straight = frameworks["lightning_checkpoint"]["facts"]["runs"]["straight"]["steps"]
+    assert len({step["batch"] for step in straight}) == 8  # each closure step holds its own batch
+
+
+def test_torchrun_names_the_rank_whose_sampler_parts(frameworks):
+    truth = frameworks["torchrun_rank_sampler"]["truth"]
+    assert truth["0"]["same_batch"] == [True, True] and truth["1"]["same_batch"][0] is False  # by hand
+    found = diagnosis(frameworks, "torchrun_rank_sampler")
+    assert found["headline"].startswith("on rank 1 (of 2): the data position was lost"), found["headline"]
+    assert found["first_step"] == 7 and any(line.startswith("rank 0: differs at step 7") for line in found["evidence"])
+    assert any(row["name"] == "rank 1's sampler generator" for row in found["missing"])
+    ranks = frameworks["torchrun_rank_sampler"]["facts"]["runs"]["interrupted"]["ranks"]
+    assert sorted(ranks) == ["0", "1"] and ranks["0"]["end"] == 87  # ended as a crash would, after its save
+    assert [r["steps"] for r in ranks.values()] == [6, 6]  # and rank 1 with it, at the same step
+
+
+def test_a_dataloader_without_generator_shifts_the_restored_rng(frameworks):
+    truth = frameworks["dataloader_base_seed"]["truth"]["0"]
+    assert truth["same_batch"] == [True] * 4 and not truth["weights_equal"]  # by hand: same batches, other masks
+    found = diagnosis(frameworks, "dataloader_base_seed")
+    assert found["cause"] == "rng_after_iterator", found["headline"]
+    assert "DataLoader without generator=" in found["headline"]
+    assert frameworks["dataloader_base_seed"]["facts"]["plan"]["resume_args"] == ["--resume"]  # typed as two words
+    fixed = frameworks["dataloader_base_seed"]["fixed"]["0"]
+    assert fixed["same_batch"] == [True] * 4 and fixed["weights_equal"]  # by hand: generator= makes it exact
+
+
+def test_a_framework_that_is_not_installed(tmp_path):
+    command = ["--", sys.executable, str(SCRIPTS / "missing_framework.py")]
+    finished = call_cli("doctor", "--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", *command)
+    assert_one_line_error(finished, "needs 'lightning'", "does not have")
+
+
+def test_a_script_that_never_checkpoints(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("the user's own file")
+    command = [sys.executable, str(SCRIPTS / "dataloader_base_seed.py"), "--out", str(tmp_path / "out")]
+    flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--resume-args", "--resume"]
+    finished = call_cli("doctor", *flags, "--", *command, "--save-every", "100")
+    assert_one_line_error(finished, "saved no checkpoint", "it saved nothing the doctor could see")
+    assert sorted(os.listdir(tmp_path / "out")) == ["notes.txt"]
+    assert (tmp_path / "out" / "notes.txt").read_text() == "the user's own file"
+
+
+def test_torchrun_ranks_that_disagree_on_the_step_count(tmp_path):
+    command = [*TORCHRUN, str(SCRIPTS / "torchrun_uneven.py"), "--out", str(tmp_path / "out")]
+    finished = call_cli("doctor", "--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--", *command)
+    assert_one_line_error(finished, "ranks disagree on the step count", "rank 0 took 8", "rank 1 took 6")
+    assert sorted(os.listdir(tmp_path / "out")) == ["rank0.pt", "rank1.pt"]  # the straight run's, put back
+
+
+def test_resume_args_as_typed(tmp_path):
+    flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--resume-args", "--from_resume", "1"]
+    finished = call_cli("doctor", *flags, "--", sys.executable, "train.py")
+    assert_one_line_error(finished, "--resume-args='--from_resume 1'")
