@@ -216,3 +216,16 @@ def test_resume_args_as_typed(tmp_path):
     flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--resume-args", "--from_resume", "1"]
     finished = call_cli("doctor", *flags, "--", sys.executable, "train.py")
     assert_one_line_error(finished, "--resume-args='--from_resume 1'")
+
+
+def test_an_older_checkpoint_found_by_the_resume_is_named_and_kept(tmp_path):
+    command = [sys.executable, str(SCRIPTS / "dataloader_base_seed.py"), "--out", str(tmp_path / "out")]
+    subprocess.run([*command, "--steps", "2"], check=True, capture_output=True)
+    older = tmp_path / "out" / "step-100.pt"  # the newest name, so the script's resume picks it
+    (tmp_path / "out" / "step-2.pt").rename(older)
+    before = older.read_bytes()
+    flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--resume-args", "--resume"]
+    finished = call_cli("doctor", *flags, "--", *command)
+    assert_one_line_error(finished, f"but {older}, which was there before the doctor")
+    assert older.read_bytes() == before  # and the straight run's own checkpoints are back beside it
+    assert sorted(os.listdir(tmp_path / "out")) == ["step-100.pt", "step-2.pt", "step-4.pt", "step-6.pt", "step-8.pt"]

@@ -12,11 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from exactresume.doctor.files import Ledger, put_back, roots, set_aside
 from exactresume.doctor.run import TracedRun, run_traced
-from exactresume.doctor.tracer.fingerprint import summary, top_keys
 from exactresume.errors import UserError
 
 
@@ -104,6 +101,13 @@ def check_resumed(run: TracedRun, interrupted: TracedRun, plan: Plan) -> None:
         raise UserError(run.failure())
     written = {s["path"] for s in interrupted.saves}
     if not any(load["path"] in written for load in run.loads):
+        older = [load["path"] for load in run.loads if load["path"] and load["path"] not in interrupted.wrote]
+        if older:
+            raise UserError(
+                f"the resumed run loaded none of the interrupted run's checkpoint files but {older[0]}, which was "
+                "there before the doctor: if it is an older checkpoint, move it away or give the script a fresh "
+                "output folder"
+            )
         hint = f"the resume arguments {' '.join(plan.resume_args)!r}" if plan.resume_args else "no --resume-args"
         raise UserError(f"the resumed run started at step 0: it loaded none of the checkpoint files; {hint} ignored?")
     if not run.steps:
@@ -112,6 +116,10 @@ def check_resumed(run: TracedRun, interrupted: TracedRun, plan: Plan) -> None:
 
 def read_files(run: TracedRun, step: int) -> list[dict]:
     """What each file saved at the resume step holds, read back with weights_only=True."""
+    import torch
+
+    from exactresume.doctor.tracer.fingerprint import summary, top_keys
+
     rows = []
     for process, save in ((p, s) for p in run.processes for s in p.saves):
         if save["step"] != step or not save["path"]:

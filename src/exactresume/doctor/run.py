@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exactresume.doctor.tracer.hooks import CRASH, CUT
+from exactresume.doctor.tracer import CRASH, CUT
 from exactresume.errors import UserError
 
 TRACER_DIR = Path(__file__).resolve().parent / "tracer"

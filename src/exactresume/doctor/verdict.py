@@ -2,8 +2,8 @@
 
 The figure's top panel is the step x fingerprint map (equal / different; steps 1..K compare the
 interrupted run with the straight one, steps K+1..N the resumed one); the bottom panel is the
-largest weight difference over a fixed sample of about 4096 weights, per step, zeros drawn on a
-floor line of their own.
+largest weight difference over a fixed sample of about 4096 weights (of the eight largest
+parameters), per step, zeros drawn on a floor line of their own.
 """
 
 from __future__ import annotations

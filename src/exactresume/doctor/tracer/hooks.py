@@ -27,12 +27,11 @@ import sys
 
 import torch
 
+from . import CRASH, CUT
 from . import fingerprint as fp
 from .files import Files
 from .live import Live, coverage
 
-CUT = 86  # the process was cut after LIMIT steps, as asked
-CRASH = 87  # the process was ended as a crash would end it, right after its checkpoint
 FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "pytorch_lightning": "lightning"}
 FRAMEWORKS |= {"lightning": "lightning", "lightning_fabric": "lightning"}
 
