@@ -1,5 +1,5 @@
 """This process's place among the run's processes: rank, size, and the few collectives every layer
-may use (gather, barrier, any). Nothing here wraps a model: DDP and FSDP live in `exactresume.dist`.
+may use (gather, barrier, any). Nothing here wraps a model: DDP and FSDP live in `exactresume.parallel`.
 torch is imported only by the collectives, so a command can ask for its rank before paying for torch.
 """
 

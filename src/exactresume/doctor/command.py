@@ -9,8 +9,10 @@ a resume), 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -89,13 +91,32 @@ def plan_from(args: argparse.Namespace):
     return Plan(command, resume_args, args.steps, args.stop_after, args.out.resolve(), args.timeout)
 
 
+# What the doctor itself needs once the runs are done (torch reads the checkpoint files, matplotlib draws).
+VERDICT_MODULES = ("torch", "exactresume.doctor.diagnose", "exactresume.doctor.verdict")
+
+
+def import_quietly(modules: tuple[str, ...]) -> None:
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # imported again where it is used, and reported there
+            return
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from exactresume.doctor.diagnose import diagnose
     from exactresume.doctor.examine import examine
-    from exactresume.doctor.verdict import terminal, write_report
 
     plan = plan_from(args)
-    runs = examine(plan)
+    # The doctor only waits while the user's command runs: import the verdict's modules meanwhile.
+    imports = threading.Thread(target=import_quietly, args=(VERDICT_MODULES,), name="doctor-imports")
+    imports.start()
+    try:
+        runs = examine(plan)
+    finally:
+        imports.join()
+    from exactresume.doctor.diagnose import diagnose
+    from exactresume.doctor.verdict import terminal, write_report
+
     diagnosis = diagnose(runs)
     write_json(plan.out / "doctor.json", plan, runs, diagnosis)
     write_report(plan.out, plan, runs, diagnosis)
