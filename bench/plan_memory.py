@@ -2,6 +2,7 @@
 
     python -m bench.plan_memory --data data/kjv --out runs/plan_memory   # writes plan_memory.json
     python -m bench.plan_memory --markdown docs/plan_memory.json --page docs/fault-tolerance.md
+    python -m bench.plan_memory --estimate-again docs/plan_memory.json   # the plan changed, the peaks did not
 
 Each configuration (preset × processes × DDP or FSDP × fp32 or bf16 × dropout) trains a few steps
 in a new process tree; its peak is the largest resident set of one process of it (a rank under
@@ -20,6 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.pages import replace_block
 from exactresume.config import TrainConfig
 from exactresume.training.plan import data_vocab_size, plan_run
 
@@ -79,23 +81,32 @@ def measured_peak(cell: Cell, data: Path, out: Path, batch: int, seq_len: int) -
     return int(finished.stdout.split()[-1])
 
 
-def estimate(cell: Cell, data: Path, batch: int, seq_len: int) -> int:
+def estimate(cell: Cell, vocab_size: int | None, batch: int, seq_len: int) -> int:
     config = TrainConfig(
         steps=STEPS, batch=batch, seq_len=seq_len, preset=cell.preset, shard=cell.shard, dtype=cell.dtype
     )
     config = config.with_changes(dropout=cell.dropout)
-    return plan_run(config, cell.nproc, vocab_size=data_vocab_size(data)).process_bytes
+    return plan_run(config, cell.nproc, vocab_size=vocab_size).process_bytes
+
+
+def estimated_again(figures: dict) -> dict:
+    """`figures` with each row's estimate made by today's plan (the peaks are as measured)."""
+    cells = {cell.name(): cell for cell in CELLS}
+    size = (figures["vocab_size"], figures["batch"], figures["seq_len"])
+    rows = [row | {"estimate": estimate(cells[row["cell"]], *size)} for row in figures["rows"]]
+    return figures | {"rows": rows}
 
 
 def measure(cells: list[Cell], data: Path, batch: int, seq_len: int) -> dict:
-    rows = []
+    rows, vocab_size = [], data_vocab_size(data)
     for cell in cells:
         with tempfile.TemporaryDirectory() as scratch:
             peak = measured_peak(cell, data, Path(scratch) / "run", batch, seq_len)
-        planned = estimate(cell, data, batch, seq_len)
+        planned = estimate(cell, vocab_size, batch, seq_len)
         rows.append({"cell": cell.name(), "flags": cell.flags(), "estimate": planned, "peak": peak})
         print(f"{cell.name()}: estimate {planned / 1e6:,.0f} MB, peak {peak / 1e6:,.0f} MB", file=sys.stderr)
-    return {"batch": batch, "seq_len": seq_len, "steps": STEPS, "goal": list(GOAL), "rows": rows}
+    figures = {"batch": batch, "seq_len": seq_len, "steps": STEPS, "goal": list(GOAL), "rows": rows}
+    return figures | {"vocab_size": vocab_size}
 
 
 def render(figures: dict) -> str:
@@ -120,11 +131,6 @@ def render_dry_run() -> str:
     return "```\n$ " + DRY_RUN + "\n" + "\n".join(plan.lines()) + "\n```\n"
 
 
-def replace_block(text: str, begin: str, end: str, block: str) -> str:
-    start, stop = text.index(begin) + len(begin), text.index(end)
-    return text[:start] + "\n" + block + text[stop:]
-
-
 def write_block(page: Path, figures: dict) -> None:
     text = replace_block(page.read_text(), BEGIN, END, render(figures))
     page.write_text(replace_block(text, DRY_BEGIN, DRY_END, render_dry_run()))
@@ -139,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", default="default,minimind-26m,minimind-64m")
     parser.add_argument("--markdown", type=Path, help="measure nothing: render this json into --page")
     parser.add_argument("--page", type=Path, default=Path("docs/fault-tolerance.md"))
+    parser.add_argument("--estimate-again", type=Path, help="measure nothing: today's estimates into this json")
     args = parser.parse_args(argv)
+    if args.estimate_again:
+        figures = estimated_again(json.loads(args.estimate_again.read_text()))
+        args.estimate_again.write_text(json.dumps(figures, indent=2) + "\n")
+        return 0
     if args.markdown:
         write_block(args.page, json.loads(args.markdown.read_text()))
         return 0

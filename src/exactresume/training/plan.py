@@ -19,6 +19,8 @@ The memory estimate of one process is the sum of what it holds at the peak of a 
     attention    one layer's score matrix and its softmax, micro-batch x heads x seq-len^2
     head         the chunked cross-entropy's saved gradients and one chunk of logits
     staging      --async-save's copy of the state (weights and AdamW), kept between saves
+    whole        with --shard fsdp: what rank 0 gathers whole to write a single file, the weights
+                 (final.pth) and, with --save-every, the weights and AdamW state of each checkpoint
 
 What a step allocates (activations to head) is counted with the allocator's slack (STEP_SLACK): the
 blocks freed by one operation are not all the right size for the next. Under --nproc N each of N
@@ -125,6 +127,7 @@ def plan_run(
         "adamw": 2 * held * FP32,
         **({"buckets": params * FP32} if processes > 1 and shards == 1 else {}),
         **({"gathered": params * FP32 + 4 * gathered_parameters(model) * FP32} if shards > 1 else {}),
+        **({"whole": (3 if save_every else 1) * params * FP32} if shards > 1 else {}),
         **{name: int(size * STEP_SLACK) for name, size in step_memory(config, model, processes).items()},
     }
     if async_save:
