@@ -1,6 +1,6 @@
 """The doctor's costs on the framework scripts of tests/doctor_scripts (Hugging Face's Trainer,
 Accelerate, Lightning): the tracer's per-step overhead, and the doctor's wall time against one
-straight run of the same command. `bench/doctor_overhead.py --frameworks` prints them.
+straight run of the same command; bench/doctor_costs.py writes them into docs/doctor_costs.json.
 
 Per step: each script runs STEPS steps in a fresh process, with a bare optimizer-step hook that
 only reads the clock (plain), or with the whole tracer installed as the doctor installs it
@@ -86,13 +86,3 @@ def measure(script: str, steps: int, repeats: int) -> dict:
         "doctor_s": median(doctor),
         "wall_ratio": median(doctor) / median(straight),
     }
-
-
-def report(steps: int, repeats: int) -> None:
-    for script in FRAMEWORK_SCRIPTS:
-        m = measure(script, steps, repeats)
-        print(
-            f"{script}: per step {m['step_plain_s'] * 1e3:.2f} ms plain, {m['step_traced_s'] * 1e3:.2f} ms traced "
-            f"({m['step_ratio']:.3f}x; {steps} steps, median of {repeats} alternated processes); doctor "
-            f"{m['doctor_s']:.1f} s against {m['straight_s']:.1f} s for one straight run ({m['wall_ratio']:.2f}x)"
-        )

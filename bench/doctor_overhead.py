@@ -1,10 +1,8 @@
 """What the doctor's tracer adds to a training step: the default preset's steps with and without it, interleaved.
 
-    .venv/bin/python bench/doctor_overhead.py [--data data/kjv] [--steps 20]
-    .venv/bin/python bench/doctor_overhead.py --frameworks [--steps 60] [--repeats 3]
+    python -m bench.doctor_overhead [--data data/kjv] [--steps 20]
 
-With --frameworks, the same for the Trainer, Accelerate and Lightning scripts of tests/doctor_scripts,
-each in fresh processes, and the doctor's wall time on each against one straight run (bench/doctor_frameworks.py).
+bench/doctor_costs.py keeps its figure, beside the framework scripts', in docs/doctor_costs.json.
 
 Two identical runs in this one process; steps alternate between them, the tracer installed (every
 hook and wrapper of `exactresume doctor`, its trace written to a temporary folder) around the
@@ -52,14 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data/kjv"))
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--frameworks", action="store_true", help="the framework scripts instead of the preset")
-    parser.add_argument("--repeats", type=int, default=3, help="with --frameworks: processes of each kind")
     args = parser.parse_args()
-    if args.frameworks:
-        from doctor_frameworks import report
-
-        report(max(args.steps, 20), args.repeats)
-        return
     plain, traced = measure(args.data, args.steps)
     print(
         f"per step: {plain:.4f} s without the tracer, {traced:.4f} s with it "

@@ -89,12 +89,16 @@ def block_of(text: str, name: str) -> str:
     return text.split(begin, 1)[1].split(end, 1)[0]
 
 
+def replace_block(text: str, begin: str, end: str, block: str) -> str:
+    """`text` with what lies between the markers `begin` and `end` replaced by `block`."""
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[:start] + "\n" + block + text[stop:]
+
+
 def update_pages(bench: dict, root: Path = ROOT) -> None:
     for page, name, render in PAGE_BLOCKS:
-        path, (begin, end) = root / page, markers(name)
-        text = path.read_text()
-        start, stop = text.index(begin) + len(begin), text.index(end)
-        path.write_text(text[:start] + "\n" + render(bench) + text[stop:])
+        path = root / page
+        path.write_text(replace_block(path.read_text(), *markers(name), render(bench)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,7 +137,7 @@ def test_every_page_block_is_what_docs_bench_json_renders():
 
 
 def test_the_plan_memory_table_and_the_dry_run_are_rendered_from_their_sources():
-    from bench.plan_memory import BEGIN, DRY_BEGIN, DRY_END, END, render, render_dry_run
+    from bench.plan_memory import BEGIN, CELLS, DRY_BEGIN, DRY_END, END, estimated_again, render, render_dry_run
 
     page = (ROOT / "docs" / "fault-tolerance.md").read_text()
     figures = json.loads((ROOT / "docs" / "plan_memory.json").read_text())
@@ -145,3 +145,15 @@ def test_the_plan_memory_table_and_the_dry_run_are_rendered_from_their_sources()
     assert page.split(DRY_BEGIN, 1)[1].split(DRY_END, 1)[0] == "\n" + render_dry_run()
     low, high = figures["goal"]
     assert all(low <= row["estimate"] / row["peak"] <= high for row in figures["rows"]), figures["rows"]
+    assert figures == estimated_again(figures)  # the estimates are today's plan's
+    assert {row["cell"] for row in figures["rows"]} == {cell.name() for cell in CELLS}  # every preset and mode
+
+
+def test_the_doctor_costs_are_rendered_from_their_json():
+    from bench.doctor_costs import BEGIN, END, render
+
+    figures = json.loads((ROOT / "docs" / "doctor_costs.json").read_text())
+    page = (ROOT / "docs" / "doctor.md").read_text()
+    assert page.split(BEGIN, 1)[1].split(END, 1)[0] == "\n" + render(figures)
+    scripts = {"hf_trainer.py", "accelerate_loop.py", "lightning_checkpoint.py"}
+    assert set(figures["rows"]) == {"exactresume train"} | scripts

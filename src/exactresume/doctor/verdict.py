@@ -53,6 +53,9 @@ def shown(path: Path) -> str:
         return str(path)
 
 
+LABELS_INCHES = 2.4  # the row names of the figure's grid, at 8 points
+
+
 def draw(diagnosis) -> Figure:
     fields = list(diagnosis.equal)
     steps = len(next(iter(diagnosis.equal.values()), []))
@@ -60,14 +63,17 @@ def draw(diagnosis) -> Figure:
     grid = np.array(
         [[2 if f in ignored else (0 if ok else 1) for ok in diagnosis.equal[f]] for f in fields], dtype=float
     ).reshape(len(fields), steps)
-    figure = Figure(figsize=(max(6.5, 0.35 * steps + 3.5), 5.5), layout="constrained")
+    width = max(6.5, 0.35 * steps + 3.5)
+    figure = Figure(figsize=(width, 5.5))
+    # A fixed margin wide enough for the longest row name: a layout engine would cost the doctor a second.
+    figure.subplots_adjust(left=LABELS_INCHES / width, right=0.97, top=0.93, bottom=0.1, hspace=0.12)
     top, bottom = figure.subplots(2, 1, height_ratios=(3, 2), sharex=True)
     colours = ListedColormap(["#4caf50", "#e53935", "#bdbdbd"])
     extent = (0.5, steps + 0.5, len(fields) - 0.5, -0.5)
     top.imshow(grid, aspect="auto", cmap=colours, vmin=0, vmax=2, extent=extent, interpolation="nearest")
     labels = [NAMES[f] + (" (not seeded)" if f in ignored else "") for f in fields]
     top.set_yticks(range(len(fields)), labels, fontsize=8)
-    top.set_title("vs the straight run: equal (green), different (red), ignored (grey)", fontsize=10)
+    figure.suptitle("vs the straight run: equal (green), different (red), ignored (grey)", fontsize=10)
     distance = [FLOOR if d == 0 else (np.nan if d is None else d) for d in diagnosis.distance]
     xs = np.arange(1, len(distance) + 1)
     bottom.semilogy(xs, distance, marker="o", color="#1f77b4")
