@@ -5,10 +5,12 @@ write are in test_fault_tolerance.py, resumed in new processes."""
 from __future__ import annotations
 
 import errno
+import threading
 import time
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from conftest import SMALL, assert_one_line_error, call_cli
 from exactresume.config import TrainConfig
@@ -43,10 +45,17 @@ def test_the_next_optimizer_step_waits_for_the_copy(fp16_run, tmp_path):
     expected = CheckpointStore(tmp_path / "sync").save(2, fp16_run.parts()).read_bytes()
     saver = BackgroundSaver(CheckpointStore(tmp_path / "background"))
     copy = saver.staging.copy
-    saver.staging.copy = lambda state: (time.sleep(0.5), copy(state))[1]  # a copy slower than the step
-    path = saver.save(2, fp16_run.parts())
-    train(fp16_run, until=4)  # the loop goes on: two optimizer steps change every weight and moment in place
-    saver.wait()
+    # The copy ends 0.3 s after the loop reached its next optimizer step, however busy the machine:
+    # global step pre-hooks run before the saver's own, which is the one that waits.
+    reached = threading.Event()
+    saver.staging.copy = lambda state: (reached.wait(120), time.sleep(0.3), copy(state))[2]
+    handle = register_optimizer_step_pre_hook(lambda *args: reached.set())
+    try:
+        path = saver.save(2, fp16_run.parts())
+        train(fp16_run, until=4)  # the loop goes on: two optimizer steps change every weight and moment in place
+        saver.wait()
+    finally:
+        handle.remove()
     assert path.read_bytes() == expected
     assert saver.blocked_seconds >= 0.3  # the first optimizer step waited for the copy
 
