@@ -101,7 +101,7 @@ class SeaweedServer:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
-            self.process.wait(5)
+            self.process.wait(2)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()

@@ -163,6 +163,9 @@ def add_s3_flags(group) -> None:
     group.add_argument(
         "--s3-tries", type=int, default=5, metavar="N", help="tries of each S3 request, with backoff, before stopping"
     )
+    group.add_argument(
+        "--s3-part-mib", type=int, default=64, metavar="MIB", help="larger files go up in parts this size (min 5)"
+    )
 
 
 def train_output_flags(outputs) -> None:

@@ -56,7 +56,7 @@ def s3_config(args: argparse.Namespace):
     """How the command reaches an object store: --s3-endpoint (else AWS_ENDPOINT_URL), --s3-tries."""
     from exactresume.store.locations import S3Config
 
-    return S3Config(endpoint=args.s3_endpoint, tries=args.s3_tries)
+    return S3Config(endpoint=args.s3_endpoint, tries=args.s3_tries, part_bytes=args.s3_part_mib << 20)
 
 
 def place(value, args: argparse.Namespace):

@@ -41,7 +41,7 @@ class S3Config:
         if self.tries < 1:
             raise UserError(f"--s3-tries must be at least 1, got {self.tries}")
         if self.part_bytes < MIN_PART_BYTES:
-            raise UserError(f"an upload part must be at least {MIN_PART_BYTES:,} bytes, got {self.part_bytes:,}")
+            raise UserError(f"--s3-part-mib must be at least {MIN_PART_BYTES >> 20}, got {self.part_bytes / 2**20:g}")
         # No user info (user:secret@host): an endpoint is printed in error lines, a credential never is.
         if self.endpoint is not None and not re.match(r"^https?://[^/\s@]+/?$", self.endpoint):
             raise UserError("--s3-endpoint is not an http(s)://host[:port] URL (credentials go in the AWS chain)")

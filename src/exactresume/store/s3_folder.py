@@ -59,19 +59,19 @@ class S3CheckpointStore(NumberedStore):
         return self.folder / f"step-{step:08d}.pth"
 
     def _listing(self) -> tuple[list[Checkpoint], list[str]]:
-        """One paginated listing: the committed checkpoints (oldest first) and the names of the uncommitted."""
+        """One paginated listing: the committed checkpoints (oldest first) and the uncommitted objects.
+
+        The commit decides: a commit whose object is gone is listed (and refused when read, saying so)."""
         names = self.objects.list(self.folder)
         committed, uncommitted = [], []
         for name in names:
             found = CHECKPOINT_NAME.match(name.removesuffix(COMMIT_SUFFIX))
-            if found is None or "/" in name:
+            if found is None:
                 continue
-            is_commit = name.endswith(COMMIT_SUFFIX)
-            paired = (name.removesuffix(COMMIT_SUFFIX) if is_commit else name + COMMIT_SUFFIX) in names
-            if not paired:
+            if name.endswith(COMMIT_SUFFIX):
+                committed.append(Checkpoint(int(found.group(1)), self.folder / found.group(0)))
+            elif name + COMMIT_SUFFIX not in names:
                 uncommitted.append(name)
-            elif not is_commit:
-                committed.append(Checkpoint(int(found.group(1)), self.folder / name))
         return sorted(committed, key=lambda c: c.step), sorted(uncommitted)
 
     def checkpoints(self) -> list[Checkpoint]:
@@ -79,7 +79,7 @@ class S3CheckpointStore(NumberedStore):
         return self._listing()[0]
 
     def leftovers(self) -> list[S3Location]:
-        """Objects of saves that did not commit (a checkpoint without its commit, or the reverse)."""
+        """Objects of saves that did not commit (a checkpoint without its commit)."""
         return [self.folder / name for name in self._listing()[1]]
 
     def remove_leftovers(self) -> list[S3Location]:
