@@ -67,6 +67,9 @@ class SeaweedServer:
         command += [f"-master.port={self.master}", f"-volume.port={self.volume}", f"-filer.port={self.filer}"]
         # Each bucket is a collection of its own volumes: the tests share one bucket, a prefix each.
         command += ["-s3", f"-s3.port={self.s3}", "-master.volumeSizeLimitMB=64", "-volume.max=32"]
+        # Only the S3 gateway: no Iceberg or Lance catalogs on their fixed ports, no telemetry sent out.
+        command += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"]
+        command += ["-master.resumeState=false"]  # a restart elects its one master at once (else ~15 s)
         log = open(self.folder / "weed.log", "ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
         self._wait_until_answering(timeout)
@@ -101,7 +104,7 @@ class SeaweedServer:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
-            self.process.wait(2)
+            self.process.wait(float(os.environ.get("WAITT", "2")))
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()

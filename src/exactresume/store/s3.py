@@ -121,6 +121,7 @@ class ObjectStore:
         """Upload `path` to `target` and verify what the server holds; its size and xxh3."""
         info = info or file_info(path)
         if info.size <= self.config.part_bytes:
+            self.before_part(1)
             with open(path, "rb") as file:
                 data = file.read()
             checksum = _b64(_crc32(data))
