@@ -23,6 +23,7 @@ from pathlib import Path
 
 from exactresume import __version__
 from exactresume.commands import (
+    add_s3_flags,
     any_location,
     cmd_ablate,
     cmd_diff,
@@ -120,7 +121,6 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
     )
     checkpoints.add_argument(
         "--checkpoints",
-        type=str,
         metavar="FOLDER|s3://BUCKET/PREFIX",
         help="where the periodic checkpoints go (default OUT/checkpoints); on s3:// the resume file goes there too",
     )
@@ -150,21 +150,6 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
         "--sharded",
         action="store_true",
         help="write the resume state as OUT/resume.dcp, a torch.distributed.checkpoint folder",
-    )
-
-
-def add_s3_flags(group) -> None:
-    """--s3-endpoint and --s3-tries: how an s3:// location is reached (credentials: the AWS chain)."""
-    group.add_argument(
-        "--s3-endpoint",
-        metavar="URL",
-        help="an S3-compatible server, http(s)://host:port (default AWS_ENDPOINT_URL, else AWS itself)",
-    )
-    group.add_argument(
-        "--s3-tries", type=int, default=5, metavar="N", help="tries of each S3 request, with backoff, before stopping"
-    )
-    group.add_argument(
-        "--s3-part-mib", type=int, default=64, metavar="MIB", help="larger files go up in parts this size (min 5)"
     )
 
 
@@ -247,9 +232,7 @@ def diff_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def inspect_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "path", type=any_location, help="a resume file, weights file, export, or sharded checkpoint folder (or s3://)"
-    )
+    parser.add_argument("path", type=any_location, help="a resume or weights file, export or sharded folder (or s3://)")
     add_s3_flags(parser)
     parser.add_argument("--json", action="store_true", help="print the facts as JSON, for scripts")
 

@@ -52,6 +52,21 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_s3_flags(group) -> None:
+    """--s3-endpoint and --s3-tries: how an s3:// location is reached (credentials: the AWS chain)."""
+    group.add_argument(
+        "--s3-endpoint",
+        metavar="URL",
+        help="an S3-compatible server, http(s)://host:port (default AWS_ENDPOINT_URL, else AWS itself)",
+    )
+    group.add_argument(
+        "--s3-tries", type=int, default=5, metavar="N", help="tries of each S3 request, with backoff, before stopping"
+    )
+    group.add_argument(
+        "--s3-part-mib", type=int, default=64, metavar="MIB", help="larger files go up in parts this size (min 5)"
+    )
+
+
 def s3_config(args: argparse.Namespace):
     """How the command reaches an object store: --s3-endpoint (else AWS_ENDPOINT_URL), --s3-tries."""
     from exactresume.store.locations import S3Config

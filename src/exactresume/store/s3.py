@@ -288,8 +288,11 @@ def _refusal(what: str, code: str, error: Exception) -> Exception:
 
 def _make_client(config: S3Config) -> Any:
     """A boto3 S3 client: credentials from the standard chain, our own retries (boto3's are turned off)."""
-    import boto3
-    from botocore.config import Config
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise UserError("s3:// locations need boto3: pip install 'exactresume[s3]'") from None
 
     settings = Config(
         retries={"total_max_attempts": 1},
