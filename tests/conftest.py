@@ -149,10 +149,10 @@ def assert_lab_dict(path: Path, step: int) -> dict:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """A real S3 server on this machine (tests/s3server.py), with test credentials in the environment."""
+    """A real S3 server on this machine (bench/seaweed.py), with test credentials in the environment."""
     import os
 
-    from s3server import CREDENTIALS, SeaweedServer
+    from bench.seaweed import CREDENTIALS, SeaweedServer
 
     os.environ.update(CREDENTIALS)
     server = SeaweedServer(tmp_path_factory.mktemp("seaweed")).start()

@@ -33,7 +33,7 @@ from typing import Any
 
 import xxhash
 
-from exactresume.errors import CheckpointError, StorageError, UserError
+from exactresume.errors import CheckpointError, MissingObject, StorageError, UserError
 from exactresume.store.locations import S3Config, S3Location
 
 READ_PIECE = 8 << 20  # a download is written and hashed this many bytes at a time
@@ -130,7 +130,9 @@ class ObjectStore:
             )
         else:
             answer, checksum = self._put_parts(target, path, info.size)
-        self._check_stored(target, info, answer.get("ChecksumCRC32"), checksum)
+        self._check_stored(
+            target, info, answer.get("ChecksumCRC32"), checksum, parts=info.size > self.config.part_bytes
+        )
         return info
 
     def put_bytes(self, target: S3Location, data: bytes) -> ObjectInfo:
@@ -167,11 +169,15 @@ class ObjectStore:
         answer = self.call("complete_multipart_upload", what, **ids, MultipartUpload={"Parts": parts})
         return answer, composite
 
-    def _check_stored(self, target: S3Location, info: ObjectInfo, reported: str | None, expected: str) -> None:
-        """The server holds `info`'s bytes: its checksum is ours and its size is right, else read back."""
-        size = self.size(target)
-        if size != info.size:
-            raise OSError(f"{target} was stored with {size} bytes, not {info.size}: the upload lost bytes")
+    def _check_stored(
+        self, target: S3Location, info: ObjectInfo, reported: str | None, expected: str, parts: bool = False
+    ) -> None:
+        """The server holds `info`'s bytes: its checksum is ours (and after a multipart upload, whose
+        parts a server may lose, its size is right), else the object is read back and hashed."""
+        if parts or reported is None:
+            size = self.size(target)
+            if size != info.size:
+                raise OSError(f"{target} was stored with {size} bytes, not {info.size}: the upload lost bytes")
         if reported is None:  # a server that keeps no checksum: read the object back
             if self.digest(target) != info.xxh3:
                 raise OSError(f"{target} read back with other bytes than were uploaded")
@@ -184,7 +190,7 @@ class ObjectStore:
         """The size of the object at `target`, or None when there is none."""
         try:
             return self.call("head_object", f"HEAD {target}", Bucket=target.bucket, Key=target.key)["ContentLength"]
-        except CheckpointError:
+        except MissingObject:
             return None
 
     def _chunks(self, target: S3Location) -> Iterator[bytes]:
@@ -278,7 +284,7 @@ class ObjectStore:
 def _refusal(what: str, code: str, error: Exception) -> Exception:
     """A store's refusal as one line: a missing object is a checkpoint's problem, the rest the user's."""
     if code in ("NoSuchKey", "404", "NotFound"):
-        return CheckpointError(f"{what}: no such object")
+        return MissingObject(f"{what}: no such object")
     if code == "NoSuchBucket":
         return UserError(f"{what}: the bucket does not exist")
     if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, MissingObject
 from exactresume.store.formats import check_format
 from exactresume.store.locations import S3Location
 from exactresume.store.s3 import ObjectInfo, ObjectStore
@@ -57,9 +57,10 @@ def write_commit(store: ObjectStore, at: S3Location, state: dict) -> None:
 
 def read_commit(store: ObjectStore, at: S3Location, into: Path, format: str, version: int) -> dict:
     """The commit object at `at`, downloaded to `into`, checked: CheckpointError when missing or damaged."""
-    if store.size(at) is None:
-        raise CheckpointError(f"{at} is missing: the checkpoint was never committed, so it is not trusted")
-    store.download(at, into)
+    try:
+        store.download(at, into)
+    except MissingObject:
+        raise CheckpointError(f"{at} is missing: the checkpoint was never committed, so it is not trusted") from None
     try:
         state = check_format(at, load_sealed(into), format, version, "an exactresume commit object")
     except CheckpointError as error:
@@ -85,6 +86,7 @@ def fetch_committed(store: ObjectStore, folder: S3Location, commit: dict, into: 
         size = commit["bytes"][name]
         if not isinstance(size, int) or not isinstance(digest, str):
             raise CheckpointError(f"{folder}: its commit gives {name} no size or checksum")
-        if store.size(folder / name) is None:
-            raise CheckpointError(f"{folder / name} is missing, though its commit names it")
-        store.get_file(folder / name, into / name, ObjectInfo(size, digest))
+        try:
+            store.get_file(folder / name, into / name, ObjectInfo(size, digest))
+        except MissingObject:
+            raise CheckpointError(f"{folder / name} is missing, though its commit names it") from None

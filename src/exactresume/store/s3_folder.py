@@ -58,7 +58,7 @@ class S3CheckpointStore(NumberedStore):
     def path_for(self, step: int) -> S3Location:
         return self.folder / f"step-{step:08d}.pth"
 
-    def _listing(self) -> tuple[list[Checkpoint], list[str]]:
+    def _listing(self) -> tuple[list[Checkpoint], list[str], dict[str, int]]:
         """One paginated listing: the committed checkpoints (oldest first) and the uncommitted objects.
 
         The commit decides: a commit whose object is gone is listed (and refused when read, saying so)."""
@@ -72,7 +72,7 @@ class S3CheckpointStore(NumberedStore):
                 committed.append(Checkpoint(int(found.group(1)), self.folder / found.group(0)))
             elif name + COMMIT_SUFFIX not in names:
                 uncommitted.append(name)
-        return sorted(committed, key=lambda c: c.step), sorted(uncommitted)
+        return sorted(committed, key=lambda c: c.step), sorted(uncommitted), names
 
     def checkpoints(self) -> list[Checkpoint]:
         """The committed checkpoints, oldest step first (one listing; nothing is read)."""
@@ -112,8 +112,9 @@ class S3CheckpointStore(NumberedStore):
 
     def load_newest(self, names: Collection[str]) -> tuple[Checkpoint, dict] | None:
         """The newest committed checkpoint whose objects verify and hold every part in `names`, with its state."""
-        for checkpoint in reversed(self.checkpoints()):
-            with local_folder() as folder:
+        committed, _, sizes = self._listing()
+        for checkpoint in reversed(committed):
+            with local_folder(sizes.get(checkpoint.path.name, 0)) as folder:
                 try:
                     local = fetch_file(self.objects, checkpoint.path, folder)
                     state = load_sealed(local)

@@ -48,7 +48,8 @@ def local_copy(target: S3Location) -> Iterator[Path]:
     from exactresume.store.sharded import COMMIT, SHARDED_FORMAT, SHARDED_VERSION
 
     kind, objects = s3_kind(target), ObjectStore(target.config)
-    with local_folder() as folder:
+    size = objects.size(target) if kind == "file" else sum(objects.list(target).values())
+    with local_folder(size or 0) as folder:
         if kind == "file":
             yield fetch_file(objects, target, folder)
         elif kind == "sharded":

@@ -25,7 +25,7 @@ from exactresume.store.locations import S3Location
 from exactresume.store.resume import capture
 from exactresume.store.s3 import ObjectInfo, ObjectStore, file_info
 from exactresume.store.s3_commit import commit_state, fetch_committed, read_commit, write_commit
-from exactresume.store.s3_files import local_folder
+from exactresume.store.s3_files import local_folder, state_bytes
 from exactresume.store.sharded import (
     COMMIT,
     SHARDED_FORMAT,
@@ -48,7 +48,7 @@ def save_sharded_s3(target: S3Location, parts: Mapping[str, Stateful], world: Wo
     if world.is_main:
         objects.delete([target / COMMIT])  # from here until the new commit, the prefix is not trusted
     world.barrier()
-    with local_folder() as staging:
+    with local_folder(state_bytes(state) // world.size) as staging:
         with quiet_single_process(), first_failure():
             dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=False), no_dist=world.size == 1)
         uploaded, failure = _upload_own(objects, target, staging)
@@ -82,7 +82,7 @@ def _upload_own(
 def load_sharded_s3(target: S3Location, destination: Destination | None = None, needs: Collection[str] = ()) -> dict:
     """Verify and read a committed sharded checkpoint on the store (as sharded.load_sharded reads a folder)."""
     objects = ObjectStore(target.config)
-    with local_folder() as folder:
+    with local_folder(sum(objects.list(target).values())) as folder:
         commit = read_commit(objects, target / COMMIT, folder / COMMIT, SHARDED_FORMAT, SHARDED_VERSION)
         fetch_committed(objects, target, commit, folder)
         try:

