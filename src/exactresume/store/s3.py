@@ -193,6 +193,11 @@ class ObjectStore:
         except MissingObject:
             return None
 
+    def body(self, target: S3Location) -> Any:
+        """The open body of one GET of the whole object: a file-like object with `readinto` (urllib3's)."""
+        body = self.call("get_object", f"GET {target}", Bucket=target.bucket, Key=target.key)["Body"]
+        return getattr(body, "_raw_stream", body)  # botocore's wrapper reads only into new bytes
+
     def _chunks(self, target: S3Location) -> Iterator[bytes]:
         body = self.call("get_object", f"GET {target}", Bucket=target.bucket, Key=target.key)["Body"]
         try:
@@ -285,6 +290,8 @@ def _refusal(what: str, code: str, error: Exception) -> Exception:
     """A store's refusal as one line: a missing object is a checkpoint's problem, the rest the user's."""
     if code in ("NoSuchKey", "404", "NotFound"):
         return MissingObject(f"{what}: no such object")
+    if code == "InvalidRange":
+        return CheckpointError(f"{what}: the object is shorter than its commit says: truncated or replaced")
     if code == "NoSuchBucket":
         return UserError(f"{what}: the bucket does not exist")
     if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):

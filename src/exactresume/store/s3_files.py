@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, MissingObject
 from exactresume.store.locations import S3Location
-from exactresume.store.s3 import ObjectStore, file_info
+from exactresume.store.s3 import ObjectInfo, ObjectStore, file_info
 from exactresume.store.s3_commit import (
     COMMIT_FORMAT,
     COMMIT_VERSION,
@@ -91,10 +91,24 @@ def fetch_file(objects: ObjectStore, source: S3Location, folder: Path) -> Path:
     return folder / source.name
 
 
-def load_committed(objects: ObjectStore, source: S3Location) -> Any:
-    """The verified contents of a committed sealed file on the store (weights_only, as load_sealed)."""
-    with local_folder(objects.size(source) or 0) as folder:
-        local = fetch_file(objects, source, folder)
+def load_committed(objects: ObjectStore, source: S3Location, size: int | None = None) -> Any:
+    """The verified contents of a committed sealed file on the store (weights_only, as load_sealed):
+    streamed in as it arrives (s3_stream.py), or where that does not apply downloaded and loaded."""
+    from exactresume.store.s3_stream import NOT_STREAMED, load_streamed
+
+    with local_folder(size if size is not None else objects.size(source) or 0) as folder:
+        commit = read_commit(objects, commit_of(source), folder / "commit", COMMIT_FORMAT, COMMIT_VERSION)
+        if list(commit["files"]) != [source.name]:
+            raise CheckpointError(f"{commit_of(source)}: commits other objects than {source.name}")
+        expected = ObjectInfo(commit["bytes"][source.name], commit["files"][source.name])
+        try:
+            loaded = load_streamed(objects, source, expected)
+        except MissingObject:
+            raise CheckpointError(f"{source} is missing, though its commit names it") from None
+        if loaded is not NOT_STREAMED:
+            return loaded
+        fetch_committed(objects, source.parent, commit, folder)
+        local = folder / source.name
         try:
             return load_sealed(local)
         except CheckpointError as error:

@@ -27,8 +27,7 @@ from exactresume.store.lock import FolderLock
 from exactresume.store.numbered import CHECKPOINT_NAME, Checkpoint, NumberedStore, check_checkpoint, print_to_stderr
 from exactresume.store.s3 import ObjectStore
 from exactresume.store.s3_commit import COMMIT_SUFFIX, commit_of
-from exactresume.store.s3_files import fetch_file, local_folder, publish_sealed
-from exactresume.store.sealed import load_sealed
+from exactresume.store.s3_files import load_committed, publish_sealed
 
 
 class S3CheckpointStore(NumberedStore):
@@ -114,12 +113,9 @@ class S3CheckpointStore(NumberedStore):
         """The newest committed checkpoint whose objects verify and hold every part in `names`, with its state."""
         committed, _, sizes = self._listing()
         for checkpoint in reversed(committed):
-            with local_folder(sizes.get(checkpoint.path.name, 0)) as folder:
-                try:
-                    local = fetch_file(self.objects, checkpoint.path, folder)
-                    state = load_sealed(local)
-                    return checkpoint, check_checkpoint(Checkpoint(checkpoint.step, local), state, names)
-                except CheckpointError as error:
-                    reason = str(error).replace(str(folder / checkpoint.path.name), str(checkpoint.path))
-                    self.notify(f"skipping damaged checkpoint {reason}")
+            try:
+                state = load_committed(self.objects, checkpoint.path, sizes.get(checkpoint.path.name, 0))
+                return checkpoint, check_checkpoint(checkpoint, state, names)
+            except CheckpointError as error:
+                self.notify(f"skipping damaged checkpoint {error}")
         return None
