@@ -67,7 +67,8 @@ class SeaweedServer:
         command = [weed_binary(), "server", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
         command += [f"-master.port={self.master}", f"-volume.port={self.volume}", f"-filer.port={self.filer}"]
         # Each bucket is a collection of its own volumes: the tests share one bucket, a prefix each.
-        command += ["-s3", f"-s3.port={self.s3}", "-master.volumeSizeLimitMB=64", "-volume.max=32"]
+        # Room for a few hundred GB of writes (space a delete frees is reclaimed only by a vacuum).
+        command += ["-s3", f"-s3.port={self.s3}", "-master.volumeSizeLimitMB=1024", "-volume.max=300"]
         # Only the S3 gateway: no Iceberg or Lance catalogs on their fixed ports, no telemetry sent out.
         command += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"]
         command += ["-master.resumeState=false"]  # a restart elects its one master at once (else ~15 s)

@@ -196,3 +196,37 @@ def test_errors_name_the_store_never_a_credential(s3):
     with local_folder() as folder:
         assert SECRET.encode() not in fetch_file(checkpoints.objects, checkpoints.path_for(1), folder).read_bytes()
     assert SECRET not in os.environ.get("AWS_ENDPOINT_URL", "")
+
+
+def test_a_sharded_folder_is_read_by_ranged_gets_each_item_verified(s3, monkeypatch):
+    from exactresume.store.s3 import ObjectStore
+    from exactresume.store.s3_sharded import load_sharded_s3, save_sharded_s3
+    from exactresume.world import World
+
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    target = location(f"s3://{BUCKET}/sharded/resume.dcp")
+    save_sharded_s3(target, {"model": model, "optimizer": optimizer}, World(), step=5)
+    whole, ranges = [], []
+    get_file, get_range = ObjectStore.download, ObjectStore.get_range
+    monkeypatch.setattr(
+        ObjectStore, "download", lambda self, source, path: whole.append(source.name) or get_file(self, source, path)
+    )
+    monkeypatch.setattr(
+        ObjectStore,
+        "get_range",
+        lambda self, source, start, length: (
+            ranges.append((source.name, length)) or get_range(self, source, start, length)
+        ),
+    )
+    state = load_sharded_s3(target)
+    assert torch.equal(state["model"]["weight"], model.weight) and state["checkpoint_step"] == 5
+    assert sorted(whole) == [".metadata", "commit.pth"]  # the shards only by range, an item a GET
+    assert {name for name, _ in ranges} == {"__0_0.distcp"} and all(length > 0 for _, length in ranges)
+    key = "sharded/resume.dcp/__0_0.distcp"
+    data = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=key, Body=data[:200] + bytes([data[200] ^ 1]) + data[201:])
+    with pytest.raises(CheckpointError, match="are damaged"):
+        load_sharded_s3(target)

@@ -20,6 +20,7 @@ never a credential (an endpoint with user info is refused in locations.py).
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import struct
 import threading
@@ -38,7 +39,8 @@ from exactresume.store.locations import S3Config, S3Location
 
 READ_PIECE = 8 << 20  # a download is written and hashed this many bytes at a time
 UPLOAD_THREADS = 4  # parts of one multipart upload in flight at once
-RETRIED_CODES = {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "ServiceUnavailable"}
+# Answers worth another try: a busy or failing server, and bytes damaged on the way (BadDigest).
+RETRIED_CODES = {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "ServiceUnavailable", "BadDigest"}
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,13 @@ class ObjectStore:
             answer = self.call("upload_part", what, **ids, PartNumber=number, Body=data, ChecksumCRC32=_b64(crc))
             return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": _b64(crc), "crc": crc}
 
-        with ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="exactresume-upload") as pool:
-            parts = list(pool.map(send, range(1, count + 1)))
+        try:
+            with ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="exactresume-upload") as pool:
+                parts = list(pool.map(send, range(1, count + 1)))
+        except BaseException:
+            with contextlib.suppress(Exception):  # else the next run's start aborts it
+                self.client.abort_multipart_upload(**ids)
+            raise
         composite = f"{_b64(_crc32(b''.join(part.pop('crc') for part in parts)))}-{count}"
         answer = self.call("complete_multipart_upload", what, **ids, MultipartUpload={"Parts": parts})
         return answer, composite

@@ -209,9 +209,21 @@ def load_sharded(folder: Path, destination: Destination | None = None, needs: Co
     """
     folder = Path(folder)
     marker = verify_sharded(folder)
-    reader = VerifiedReader(folder)
+    return read_verified(folder, VerifiedReader(folder), marker["files"], destination, needs)
+
+
+def read_verified(
+    folder: Path,
+    reader: VerifiedReader,
+    listed: Mapping[str, str],
+    destination: Destination | None,
+    needs: Collection[str],
+    sizes: Mapping[str, int] | None = None,
+) -> dict:
+    """The state DCP reads through `reader` from a folder whose commit (listing `listed`) was verified;
+    `sizes` are the committed objects' when they are on a store, read by range (s3_ranges.py)."""
     metadata = reader.read_metadata()
-    check_index(folder, metadata, marker["files"])  # before a byte is allocated for what it names
+    check_index(folder, metadata, listed, sizes)  # before a byte is allocated for what it names
     try:
         paths = metadata.planner_data or {}
         saved = metadata.state_dict_metadata.items()
