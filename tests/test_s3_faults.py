@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread, run_cli
-from exactresume.store.faults import FAULT_ENV
+from exactresume.store.faults import FAULT_ENV, OBJECT_STORE_STAGES
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config
 
@@ -53,6 +53,11 @@ def committed(endpoint: str, prefix: str) -> list[int]:
 
 
 KILL_POINTS = ["write@1", "upload@1", "upload@2", "upload@3", "upload@4", "commit@1", "retention@1"]
+
+
+def test_the_kill_points_cover_every_stage_of_an_upload():
+    """Every stage of a save to an object store but the snapshot, which happens before any upload."""
+    assert {point.split("@")[0] for point in KILL_POINTS} == set(OBJECT_STORE_STAGES) - {"snapshot"}
 
 
 def test_kill_9_during_uploads_then_resume_auto_is_bit_exact(tmp_path, kjv_folder, reference, s3_server, s3_prefix):

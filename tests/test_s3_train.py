@@ -62,7 +62,9 @@ def test_resume_auto_from_the_newest_committed_checkpoint(tmp_path, kjv_folder, 
     out = tmp_path / "run"
     flags = ("--checkpoints", prefix, "--save-every", 3, "--resume", "auto")
     train(out, kjv_folder, endpoint, *flags, "--steps", 8, "--stop-at", 5)
-    finished = train(out, kjv_folder, endpoint, *flags)
+    # The endpoint from the environment, as the AWS chain reads it (no --s3-endpoint).
+    command = ["train", "--out", out, "--data", kjv_folder, *SMALL, *flags]
+    finished = run_cli(*command, check=True, env={"AWS_ENDPOINT_URL": endpoint})
     assert "resumed from s3://" in finished.stderr + finished.stdout
     assert_same_run(out, tmp_path / "straight")
     objects = ObjectStore(S3Config(endpoint))
