@@ -24,12 +24,19 @@ def train(out: Path, data: Path, endpoint: str, *flags: object) -> None:
     run_cli("train", "--out", out, "--data", data, *FLAGS, *reach, *flags, check=True, env={"OMP_NUM_THREADS": "1"})
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, kjv_folder, s3_server) -> Path:
-    """Straight runs to compare with: two processes (DDP), and one."""
-    folder = tmp_path_factory.mktemp("straight")
-    train(folder / "two", kjv_folder, s3_server.endpoint, "--nproc", 2)
-    train(folder / "one", kjv_folder, s3_server.endpoint)
+@pytest.fixture
+def straight_two(tmp_path_factory, kjv_folder, s3_server) -> Path:
+    """The straight run on two processes (DDP) to compare with."""
+    folder = tmp_path_factory.mktemp("straight-two")
+    train(folder, kjv_folder, s3_server.endpoint, "--nproc", 2)
+    return folder
+
+
+@pytest.fixture
+def straight_one(tmp_path_factory, kjv_folder, s3_server) -> Path:
+    """The straight run on one process to compare with."""
+    folder = tmp_path_factory.mktemp("straight-one")
+    train(folder, kjv_folder, s3_server.endpoint)
     return folder
 
 
@@ -40,7 +47,7 @@ def committed_shards(endpoint: str, prefix: str) -> dict:
 
 
 def test_two_processes_each_upload_a_shard_then_resume_bit_identical(
-    tmp_path, kjv_folder, s3_server, s3_prefix, straight
+    tmp_path, kjv_folder, s3_server, s3_prefix, straight_two
 ):
     endpoint, out = s3_server.endpoint, tmp_path / "run"
     flags = ("--nproc", 2, "--checkpoints", s3_prefix, "--save-every", 2)
@@ -48,11 +55,11 @@ def test_two_processes_each_upload_a_shard_then_resume_bit_identical(
     commit = committed_shards(endpoint, f"{s3_prefix}/resume.dcp")
     assert commit["processes"] == 2 and {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= commit["files"].keys()
     train(out, kjv_folder, endpoint, *flags, "--resume", f"{s3_prefix}/resume.dcp")
-    assert_weights_equal(straight / "two" / "final.pth", out / "final.pth")
-    assert (out / "log.csv").read_bytes() == (straight / "two" / "log.csv").read_bytes()
+    assert_weights_equal(straight_two / "final.pth", out / "final.pth")
+    assert (out / "log.csv").read_bytes() == (straight_two / "log.csv").read_bytes()
 
 
-def test_fsdp_stopped_on_two_resumed_on_one_from_the_store(tmp_path, kjv_folder, s3_server, s3_prefix, straight):
+def test_fsdp_stopped_on_two_resumed_on_one_from_the_store(tmp_path, kjv_folder, s3_server, s3_prefix, straight_one):
     """On one process the reduction order differs (tests/test_fsdp.py); from the store it is the same
     run, to the bit, as from the same bytes on a disk."""
     endpoint, stopped = s3_server.endpoint, tmp_path / "stopped"
@@ -64,6 +71,6 @@ def test_fsdp_stopped_on_two_resumed_on_one_from_the_store(tmp_path, kjv_folder,
     with local_copy(location(state, S3Config(endpoint))) as local:
         train(from_disk, kjv_folder, endpoint, "--shard", "fsdp", "--resume", local)
     assert_weights_equal(from_disk / "final.pth", from_store / "final.pth")
-    reference = read_samples(straight / "one" / "samples.csv")
+    reference = read_samples(straight_one / "samples.csv")
     assert read_samples(from_store / "samples.csv") == {step: reference[step] for step in range(STOP + 1, 9)}
-    assert max_abs_difference(straight / "one" / "final.pth", from_store / "final.pth") < CROSS_N_ATOL
+    assert max_abs_difference(straight_one / "final.pth", from_store / "final.pth") < CROSS_N_ATOL
