@@ -57,10 +57,13 @@ def bench_async_block(run: Run, folder: Path, reps: int) -> dict:
     }
 
 
-def bench_async_throughput(run: Run, folder: Path, reps: int, steps: int = 30, every: int = 1) -> dict:
-    """steps/s with a background save every `every` steps over steps/s without; at every 1 a save asked
-    for while the one before is still written is skipped (as `train --save-every 1 --async-save` does)."""
-    saver = BackgroundSaver(CheckpointStore(folder / "throughput", keep=1))
+def bench_async_throughput(
+    run: Run, folder: Path, reps: int, steps: int = 30, every: int = 1, store: CheckpointStore | None = None
+) -> dict:
+    """steps/s with a background save every `every` steps (into `store`, default a folder) over steps/s
+    without; at every 1 a save asked for while the one before is still written is skipped (as
+    `train --save-every 1 --async-save` does)."""
+    saver = BackgroundSaver(store or CheckpointStore(folder / "throughput", keep=1))
     log = StepLog(folder / "log.csv", LOSS_HEADER, 0).open()
 
     def saving() -> float:

@@ -160,3 +160,25 @@ def assert_lab_dict(path: Path, step: int) -> dict:
     assert type(state["step"]) is int and state["step"] == step
     assert state["gen_state"].dtype == torch.uint8 and state["gen_state"].dim() == 1
     return state
+
+
+# ---- object stores (s3://): one SeaweedFS server per test process, a prefix of its bucket per test ----
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server on this machine (bench/seaweed.py), with test credentials in the environment."""
+    import os
+
+    from bench.seaweed import CREDENTIALS, SeaweedServer
+
+    os.environ.update(CREDENTIALS)
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_prefix(s3_server) -> str:
+    """`s3://BUCKET/PREFIX`: a prefix no other test uses, on the session's server."""
+    return s3_server.new_prefix()

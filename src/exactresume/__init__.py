@@ -35,6 +35,7 @@ PUBLIC = {
     "load_resume": "exactresume.store.resume",
     "read_resume": "exactresume.store.resume",
     "CheckpointStore": "exactresume.store.folder",
+    "S3Config": "exactresume.store.locations",
     "BackgroundSaver": "exactresume.store.background",
     "open_resume": "exactresume.store.access",
     "Resumed": "exactresume.store.access",

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from exactresume import __version__
 from exactresume.commands import (
+    add_s3_flags,
+    any_location,
     cmd_ablate,
     cmd_diff,
     cmd_export,
@@ -118,6 +120,12 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
         "--save-every", type=int, metavar="N", help="also write OUT/checkpoints/step-N.pth every N steps and at the end"
     )
     checkpoints.add_argument(
+        "--checkpoints",
+        metavar="FOLDER|s3://BUCKET/PREFIX",
+        help="where the periodic checkpoints go (default OUT/checkpoints); on s3:// the resume file goes there too",
+    )
+    add_s3_flags(checkpoints)
+    checkpoints.add_argument(
         "--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (0: all; default 3)"
     )
     checkpoints.add_argument(
@@ -210,8 +218,9 @@ def ablate_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def diff_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", type=Path)
-    parser.add_argument("b", type=Path)
+    parser.add_argument("a", type=any_location, help="a weights or resume file, sharded folder, or s3:// of one")
+    parser.add_argument("b", type=any_location)
+    add_s3_flags(parser)
     parser.add_argument(
         "--atol",
         type=float,
@@ -223,7 +232,8 @@ def diff_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def inspect_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", type=Path, help="a resume file, weights file, export, or sharded checkpoint folder")
+    parser.add_argument("path", type=any_location, help="a resume or weights file, export or sharded folder (or s3://)")
+    add_s3_flags(parser)
     parser.add_argument("--json", action="store_true", help="print the facts as JSON, for scripts")
 
 

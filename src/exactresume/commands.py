@@ -52,6 +52,35 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_s3_flags(group) -> None:
+    """--s3-endpoint and --s3-tries: how an s3:// location is reached (credentials: the AWS chain)."""
+    group.add_argument(
+        "--s3-endpoint",
+        metavar="URL",
+        help="an S3-compatible server, http(s)://host:port (default AWS_ENDPOINT_URL, else AWS itself)",
+    )
+    group.add_argument(
+        "--s3-tries", type=int, default=5, metavar="N", help="tries of each S3 request, with backoff, before stopping"
+    )
+    group.add_argument(
+        "--s3-part-mib", type=int, default=64, metavar="MIB", help="larger files go up in parts this size (min 5)"
+    )
+
+
+def s3_config(args: argparse.Namespace):
+    """How the command reaches an object store: --s3-endpoint (else AWS_ENDPOINT_URL), --s3-tries."""
+    from exactresume.store.locations import S3Config
+
+    return S3Config(endpoint=args.s3_endpoint, tries=args.s3_tries, part_bytes=args.s3_part_mib << 20)
+
+
+def place(value, args: argparse.Namespace):
+    """A flag's location: an `s3://` one reached as --s3-endpoint says, anything else a Path (or as it is)."""
+    from exactresume.store.locations import is_s3, location
+
+    return location(value, s3_config(args)) if is_s3(value) else value
+
+
 def train_job(args: argparse.Namespace):
     """The job the flags describe (its config built once, here); making it imports no torch."""
     from exactresume.training.job import TrainJob
@@ -62,7 +91,7 @@ def train_job(args: argparse.Namespace):
         args.data,
         args.out,
         stop_at=args.stop_at,
-        resume=args.resume,
+        resume=place(args.resume, args),
         skip_parts=skip,
         weights=args.weights,
         log=args.log,
@@ -74,6 +103,7 @@ def train_job(args: argparse.Namespace):
         sharded=args.sharded,
         divergence=args.divergence,
         wait_lock=args.wait_lock,
+        checkpoints=place(args.checkpoints, args) if args.checkpoints else None,
     )
 
 
@@ -130,8 +160,13 @@ def train_here(args: argparse.Namespace, job, world) -> int:
 
 
 def resume_source(text: str) -> Path | str:
-    """--resume's value: 'auto', or a resume file or checkpoint folder."""
-    return text if text == "auto" else Path(text)
+    """--resume's value: 'auto', an `s3://` location (made with --s3-endpoint later), or a file or folder."""
+    return text if text == "auto" or text.startswith("s3://") else Path(text)
+
+
+def any_location(text: str) -> Path | str:
+    """A path, or an `s3://` location (kept as text until --s3-endpoint is known)."""
+    return text if text.startswith("s3://") else Path(text)
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
@@ -203,7 +238,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from exactresume.core.compare import tensor_differences
     from exactresume.store.weights import read_weights
 
-    differences = tensor_differences(read_weights(args.a)[0], read_weights(args.b)[0])
+    differences = tensor_differences(read_weights(place(args.a, args))[0], read_weights(place(args.b, args))[0])
     unequal = {name: diff for name, diff in differences.items() if not diff.within(args.atol)}
     summary = {
         "command": "diff",
@@ -237,7 +272,7 @@ def render_diff(summary: dict) -> list[str]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from exactresume.store.contents import format_inspection, inspect_checkpoint
 
-    emit(args, inspect_checkpoint(args.path), lambda info: [format_inspection(info)], gap=False)
+    emit(args, inspect_checkpoint(place(args.path, args)), lambda info: [format_inspection(info)], gap=False)
     return 0
 
 

@@ -33,6 +33,10 @@ class CheckpointError(UserError):
     """A checkpoint file that cannot be trusted or does not fit the run."""
 
 
+class MissingObject(CheckpointError):
+    """An object an object store does not hold (a 404)."""
+
+
 class StorageError(UserError):
     """A write failed (disk full, I/O error); what was written before it is intact."""
 

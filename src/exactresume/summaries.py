@@ -12,6 +12,8 @@ import json
 import shlex
 from pathlib import Path
 
+from exactresume.store.locations import S3Location
+
 FIGURE_NAMES = ("sizes", "loss_curves", "loss_diff", "divergence")  # report.figures.FIGURES, without matplotlib
 
 
@@ -51,8 +53,15 @@ def size_of(path: Path) -> int:
     return path.stat().st_size
 
 
-def written(path: Path) -> dict | None:
-    """{"path", "bytes"} of an output that exists, else None."""
+def written(path: Path | S3Location) -> dict | None:
+    """{"path", "bytes"} of an output that exists (a file, a folder, or its objects on a store), else None."""
+    if isinstance(path, S3Location):
+        from exactresume.store.s3 import ObjectStore
+
+        objects = ObjectStore(path.config)
+        size = objects.size(path)
+        size = sum(objects.list(path).values()) if size is None else size
+        return {"path": str(path), "bytes": size} if size else None
     return {"path": str(path), "bytes": size_of(path)} if path.exists() else None
 
 
@@ -94,7 +103,9 @@ def log_rows(path: Path) -> list[list[str]]:
 def train_summary(job, argv: list[str], memory: dict | None = None) -> dict:
     """What `exactresume train` wrote (a TrainJob's outputs), the step its log reached and how to go on."""
     rows = log_rows(job.log_file)
-    checkpoints = sorted(job.checkpoint_folder.glob("step-*.pth")) if job.checkpoint_folder.is_dir() else []
+    from exactresume.store.folder import CheckpointStore  # imports torch: only once a run is over
+
+    checkpoints = [checkpoint.path for checkpoint in CheckpointStore(job.checkpoint_folder, keep=None).checkpoints()]
     stopped = job.stop_at is not None
     files = {
         "resume": written(job.resume_file) if stopped else None,

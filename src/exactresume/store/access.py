@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from exactresume.errors import CheckpointError
 from exactresume.store.background import BackgroundSaver
-from exactresume.store.folder import CheckpointStore, print_to_stderr
+from exactresume.store.folder import CheckpointStore
 from exactresume.store.formats import is_sharded_folder, path_kind
+from exactresume.store.locations import Location, S3Location, is_s3, location
+from exactresume.store.numbered import NumberedStore, print_to_stderr
 from exactresume.store.resume import capture, read_resume, restore, save_resume, saved_step, saved_world_size
 from exactresume.world import World
 
@@ -48,7 +50,7 @@ class Resumed:
 
     state: dict
     step: int
-    path: Path
+    path: Location
     kind: str  # "file", "sharded" or "store" (a checkpoint of a CheckpointStore folder)
 
     @property
@@ -80,8 +82,8 @@ class Resumed:
 
 
 def open_resume(
-    source: Path | str,
-    checkpoints: Path | str | None = None,
+    source: Location | str,
+    checkpoints: Location | str | None = None,
     needs: Collection[str] = (),
     notify: Callable[[str], None] = print_to_stderr,
     destination: Destination | None = None,
@@ -98,18 +100,42 @@ def open_resume(
     if source == AUTO:
         if checkpoints is None:
             raise ValueError("open_resume('auto') needs the run's checkpoint folder")
-        return _newest_in(Path(checkpoints), needs, notify, required=False)
-    path = Path(source)
-    kind = path_kind(path)
+        return _newest_in(location(checkpoints), needs, notify, required=False)
+    path = location(source)
+    kind = _kind(path)
     if kind == "folder":
         return _newest_in(path, needs, notify, required=True)
     if kind == "sharded":
-        from exactresume.store.sharded import load_sharded
-
-        state = load_sharded(path, destination, needs)
+        state = _read_sharded(path, destination, needs)
         return Resumed(state, _step_of(path, state), path, "sharded")
-    state = read_resume(path, needs)  # a missing path, safetensors or any torch file: refused with its reason
+    state = _read_file(path, needs)  # a missing path, safetensors or any torch file: refused with its reason
     return Resumed(state, _step_of(path, state), path, "file")
+
+
+def _kind(path: Location) -> str:
+    if isinstance(path, S3Location):
+        from exactresume.store.s3_kinds import s3_kind
+
+        return s3_kind(path)
+    return path_kind(path)
+
+
+def _read_sharded(path: Location, destination: Destination | None, needs: Collection[str]) -> dict:
+    if isinstance(path, S3Location):
+        from exactresume.store.s3_sharded import load_sharded_s3
+
+        return load_sharded_s3(path, destination, needs)
+    from exactresume.store.sharded import load_sharded
+
+    return load_sharded(path, destination, needs)
+
+
+def _read_file(path: Location, needs: Collection[str]) -> dict:
+    if isinstance(path, S3Location):
+        from exactresume.store.s3_kinds import read_s3_resume
+
+        return read_s3_resume(path, needs)
+    return read_resume(path, needs)
 
 
 def _step_of(path: Path, state: dict) -> int:
@@ -119,13 +145,14 @@ def _step_of(path: Path, state: dict) -> int:
     return step
 
 
-def _newest_in(folder: Path, needs: Collection[str], notify, required: bool) -> Resumed | None:
+def _newest_in(folder: Location, needs: Collection[str], notify, required: bool) -> Resumed | None:
     """The newest valid checkpoint of a store folder; nothing in it is deleted (it may be someone else's)."""
     skipped: list[str] = []
     store = CheckpointStore(folder, keep=None, notify=skipped.append)
     found = store.load_newest(needs)
     if found is None and required:
-        details = [f"only {len(store.leftovers())} .tmp leftover(s) of interrupted saves"] if store.leftovers() else []
+        what = "uncommitted object(s)" if is_s3(folder) else ".tmp leftover(s)"
+        details = [f"only {len(store.leftovers())} {what} of interrupted saves"] if store.leftovers() else []
         details += skipped[:1] + ([f"and {len(skipped) - 1} more damaged"] if len(skipped) > 1 else [])
         raise CheckpointError("; ".join([f"{folder} holds no complete checkpoint", *details]))
     for message in skipped:
@@ -158,22 +185,33 @@ class _SavesAtOnce:
 
 
 class ResumeFileSaver(_SavesAtOnce):
-    """A sealed resume file at one path, replaced by each save."""
+    """A sealed resume file at one path (or object, committed: s3_files.py), replaced by each save."""
 
-    def __init__(self, path: Path | str):
-        self.path = Path(path)
+    def __init__(self, path: Location | str):
+        self.path = location(path)
 
-    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
+    def save(self, step: int, parts: Mapping[str, Stateful]) -> Location:
+        if isinstance(self.path, S3Location):
+            from exactresume.store.s3 import ObjectStore
+            from exactresume.store.s3_files import publish_sealed
+
+            publish_sealed(ObjectStore(self.path.config), self.path, capture(parts, step))
+            return self.path
         return save_resume(self.path, parts, step)
 
 
 class ShardedSaver(_SavesAtOnce):
     """A DCP folder of every rank's shard, committed by rank 0 (sharded.py); every rank calls `save`."""
 
-    def __init__(self, folder: Path | str, world: World = World()):
-        self.path, self.world = Path(folder), world
+    def __init__(self, folder: Location | str, world: World = World()):
+        self.path, self.world = location(folder), world
 
-    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
+    def save(self, step: int, parts: Mapping[str, Stateful]) -> Location:
+        if isinstance(self.path, S3Location):
+            from exactresume.store.s3_sharded import save_sharded_s3
+
+            save_sharded_s3(self.path, parts, self.world, step)
+            return self.path
         from exactresume.store.sharded import save_sharded
 
         save_sharded(self.path, parts, self.world, step)
@@ -203,13 +241,16 @@ class MainRankSaver:
 
 
 def make_saver(
-    destination: Path | str | CheckpointStore, world: World = World(), background: bool = False, sharded: bool = False
+    destination: Location | str | CheckpointStore,
+    world: World = World(),
+    background: bool = False,
+    sharded: bool = False,
 ) -> Saver:
-    """The writer for `destination`: a CheckpointStore's (in a background thread with `background`),
-    a sharded DCP folder's with `sharded`, else a sealed resume file's."""
+    """The writer for `destination` (a path or an `s3://` location): a CheckpointStore's (in a background
+    thread with `background`), a sharded DCP folder's with `sharded`, else a sealed resume file's."""
     if sharded:
-        return ShardedSaver(Path(destination), world)
-    if isinstance(destination, CheckpointStore):
+        return ShardedSaver(destination, world)
+    if isinstance(destination, NumberedStore):
         writer: Saver = BackgroundSaver(destination) if background and world.is_main else destination
     else:
         writer = ResumeFileSaver(destination)

@@ -32,6 +32,7 @@ import torch
 from exactresume.errors import CheckpointError
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format, content_kind, path_kind
 from exactresume.store.listing import format_listing, list_checkpoints
+from exactresume.store.locations import Location, S3Location
 from exactresume.store.resume import RESERVED_NAMES, read_resume
 from exactresume.store.safetensors_weights import DIGEST_KEY, load_verified, tied_names
 from exactresume.store.sealed import load_sealed, read_seal
@@ -222,8 +223,10 @@ def _description(info: dict) -> str:
     return f"torch file, not an exactresume layout (keys: {', '.join(info['keys'][:8])})"
 
 
-def inspect_checkpoint(path: Path) -> dict:
-    """Everything `inspect` reports about `path`, as plain JSON-ready values."""
+def inspect_checkpoint(path: Location) -> dict:
+    """Everything `inspect` reports about `path` (a path or an `s3://` location), as plain JSON-ready values."""
+    if isinstance(path, S3Location):
+        return _inspect_s3(path)
     path = Path(path)
     kind = path_kind(path)
     if kind == "missing":
@@ -244,6 +247,20 @@ def inspect_checkpoint(path: Path) -> dict:
     ordered |= {"parts": info["parts"], "total": info["total"], "tied": info.get("tied", {})}
     ordered["description"] = _description(info)
     return ordered
+
+
+def _inspect_s3(target: S3Location) -> dict:
+    """A store prefix listed, or a committed file or sharded folder inspected in its verified local copy."""
+    from exactresume.store.s3_kinds import local_copy, s3_kind
+
+    if s3_kind(target) == "folder":
+        return list_checkpoints(target, summarize)
+    with local_copy(target) as local:
+        try:
+            info = inspect_checkpoint(local)
+        except CheckpointError as error:
+            raise CheckpointError(str(error).replace(str(local), str(target))) from None
+    return info | {"path": str(target)}
 
 
 def resume_size_breakdown(path: Path) -> dict:

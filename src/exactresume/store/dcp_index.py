@@ -12,6 +12,7 @@ for it.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import pickle
@@ -61,14 +62,18 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata(folder: Path) -> Metadata:
     """DCP's index of a sharded folder, unpickled through an allow-list (so reading it runs no code)."""
     plain_file(Path(folder), ".metadata")
+    return parse_index((Path(folder) / ".metadata").read_bytes(), f"{folder}/.metadata")
+
+
+def parse_index(data: bytes, where: str) -> Metadata:
+    """DCP's index from its bytes (`where` names them in an error), through the allow-list."""
     try:
-        with open(Path(folder) / ".metadata", "rb") as file:
-            metadata = _MetadataUnpickler(file).load()
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as error:  # unpickling raises many types; all mean the same thing here
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"{folder}/.metadata is not a readable DCP index ({reason[:160]})") from None
+        raise CheckpointError(f"{where} is not a readable DCP index ({reason[:160]})") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{folder}/.metadata is not a DCP index")
+        raise CheckpointError(f"{where} is not a DCP index")
     return metadata
 
 
@@ -96,10 +101,13 @@ def plain_file(folder: Path, name: object) -> Path:
     return path
 
 
-def check_index(folder: Path, metadata: Metadata, listed: Mapping[str, str]) -> None:
+def check_index(
+    folder: Path, metadata: Metadata, listed: Mapping[str, str], committed_sizes: Mapping[str, int] | None = None
+) -> None:
     """Hold the index to the folder: its files are the committed ones, its chunks lie in them, its
-    tensors fit in them, its paths are well formed; all before anything is allocated."""
-    sizes: dict[str, int] = {}
+    tensors fit in them, its paths are well formed; all before anything is allocated. The files'
+    sizes are the folder's, or `committed_sizes` (objects on a store, named by their commit)."""
+    sizes: dict[str, int] = dict(committed_sizes or {})
     for index, info in (metadata.storage_data or {}).items():
         name = getattr(info, "relative_path", None)
         if name not in listed:

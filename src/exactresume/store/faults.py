@@ -25,6 +25,8 @@ from exactresume.errors import UserError
 FAULT_ENV = "EXACTRESUME_FAULT"
 # The stages of CheckpointStore.save, in order (see folder.py; atomic.atomic_write reports the middle four).
 STAGES = ("snapshot", "write", "fsync", "rename", "folder-fsync", "verify", "retention")
+# On an object store (s3_folder.py): snapshot, write (the local copy), upload (each part), commit, retention.
+OBJECT_STORE_STAGES = ("snapshot", "write", "upload", "commit", "retention")
 ACTIONS = ("kill", "stop", "enospc", "eio")
 
 
@@ -37,8 +39,9 @@ class Fault:
     action: str = "kill"
 
     def __post_init__(self) -> None:
-        if self.stage not in STAGES:
-            raise UserError(f"{FAULT_ENV}: unknown stage {self.stage!r}; stages are {', '.join(STAGES)}")
+        if self.stage not in STAGES + OBJECT_STORE_STAGES:
+            known = ", ".join(dict.fromkeys(STAGES + OBJECT_STORE_STAGES))
+            raise UserError(f"{FAULT_ENV}: unknown stage {self.stage!r}; stages are {known}")
         if self.action not in ACTIONS:
             raise UserError(f"{FAULT_ENV}: unknown action {self.action!r}; actions are {', '.join(ACTIONS)}")
         if self.nth < 1:

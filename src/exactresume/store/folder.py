@@ -31,47 +31,46 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
-import sys
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
 from exactresume.errors import CheckpointError, ReadBackError
 from exactresume.store.faults import FaultPoints
+from exactresume.store.locations import S3Location, is_s3
 from exactresume.store.lock import FolderLock
-from exactresume.store.resume import STEP_KEY, capture, check_resume_state, restore
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.stateful import Stateful
+from exactresume.store.numbered import (
+    CHECKPOINT_NAME,
+    Checkpoint,
+    NumberedStore,
+    check_checkpoint,
+    checkpoint_name,
+    print_to_stderr,
+    snapshot,
+)
 from exactresume.store.sealed import load_sealed, verify, write_sealed
 
-CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})\.pth$")
+# What callers have always imported from here: the names and checks every store shares (numbered.py).
+__all__ = ["CHECKPOINT_NAME", "Checkpoint", "CheckpointStore", "check_checkpoint", "checkpoint_name", "snapshot"]
 
 
-def checkpoint_name(step: int) -> str:
-    """The file name of the checkpoint at `step`: zero-padded so names sort like steps."""
-    return f"step-{step:08d}.pth"
+class CheckpointStore(NumberedStore):
+    """Numbered checkpoints in one folder: save, list, restore the newest valid one, keep the newest `keep`.
 
+    Given an `s3://bucket/prefix` (a string or an S3Location), it is an S3CheckpointStore (s3_folder.py).
+    """
 
-def print_to_stderr(message: str) -> None:
-    print(f"exactresume: {message}", file=sys.stderr)
+    def __new__(cls, folder: Path | str | S3Location, *args: Any, **kwargs: Any) -> CheckpointStore:
+        if cls is CheckpointStore and is_s3(folder):
+            from exactresume.store.s3_folder import S3CheckpointStore  # boto3 only where a store is remote
 
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One checkpoint file of a store and the step its name says it holds."""
-
-    step: int
-    path: Path
-
-
-class CheckpointStore:
-    """Numbered checkpoints in one folder: save, list, restore the newest valid one, keep the newest `keep`."""
+            store = object.__new__(S3CheckpointStore)
+            store.__init__(folder, *args, **kwargs)
+            return store
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -96,12 +95,6 @@ class CheckpointStore:
         if self.lock is not None and self.owns_lock:
             self.lock.release()
             self.lock = None
-
-    def __enter__(self) -> CheckpointStore:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def path_for(self, step: int) -> Path:
         return self.folder / checkpoint_name(step)
@@ -131,11 +124,6 @@ class CheckpointStore:
         return removed
 
     # -- saving: one sequence of stages, each a fault-injection point ---------------------------
-
-    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
-        """Write `parts` as the checkpoint at `step`, durably and verified, then prune old ones."""
-        self.faults.reached("snapshot")
-        return self.commit(step, snapshot(step, parts))
 
     def commit(self, step: int, state: dict) -> Path:
         """The stages after the snapshot: write, fsync, rename, folder fsync, verify, retention.
@@ -196,9 +184,6 @@ class CheckpointStore:
         except OSError as error:
             self.notify(f"warning: could not delete old checkpoints in {self.folder}: {error.strerror or error}")
 
-    def wait(self) -> None:
-        """Nothing to wait for: `save` returns once the checkpoint is durable (the Saver interface)."""
-
     # -- restoring ---------------------------------------------------------------------------------
 
     def load_newest(self, names: Collection[str]) -> tuple[Checkpoint, dict] | None:
@@ -209,41 +194,6 @@ class CheckpointStore:
             except CheckpointError as error:
                 self.notify(f"skipping damaged checkpoint {error}")
         return None
-
-    def load(self, parts: Mapping[str, Stateful], skip: Collection[str] = (), clean: bool = True) -> int | None:
-        """Load the newest valid checkpoint into `parts` (except `skip`): its step, or None when there is none.
-
-        With `clean` (the writer) it first locks the folder and removes `.tmp` leftovers; without (a
-        reader, such as another rank of a run whose rank 0 writes) it takes no lock.
-
-        A run's identity mismatch (a `RunIdentity` part) raises CheckpointError rather than falling
-        back to an older file: an older file of a different run is no better.
-        """
-        if clean:
-            self.remove_leftovers()
-        found = self.load_newest([name for name in parts if name not in skip])
-        if found is None:
-            return None
-        checkpoint, state = found
-        restore(state, parts, skip=skip)
-        return checkpoint.step
-
-
-def snapshot(step: int, parts: Mapping[str, Stateful]) -> dict:
-    """The state to write: every part's state_dict and the step.
-
-    The tensors are references to the live ones, not copies: fine while `save` runs before the next
-    step; a writer in the background works on a copy (background.py).
-    """
-    return capture(parts, step)
-
-
-def check_checkpoint(checkpoint: Checkpoint, state: Any, names: Collection[str]) -> dict:
-    """`state` as a store checkpoint of `checkpoint.step` holding `names`, else CheckpointError."""
-    state = check_resume_state(checkpoint.path, state, names)
-    if state.get(STEP_KEY) != checkpoint.step:
-        raise CheckpointError(f"{checkpoint.path}: holds step {state.get(STEP_KEY)}, not the step its name says")
-    return state
 
 
 def _tensor_bytes(state: Any) -> int:

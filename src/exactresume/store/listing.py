@@ -13,13 +13,31 @@ from typing import Any
 
 from exactresume.errors import CheckpointError
 from exactresume.store.folder import CheckpointStore
+from exactresume.store.locations import Location, S3Location
 from exactresume.store.resume import RESERVED_NAMES, check_resume_state
 from exactresume.store.sealed import load_sealed
 
 
-def _checkpoint(step: int, path: Path, summarize) -> dict:
+def _load(path: Location) -> Any:
+    if isinstance(path, S3Location):  # the committed object, downloaded and verified (s3_files.py)
+        from exactresume.store.s3 import ObjectStore
+        from exactresume.store.s3_files import load_committed
+
+        return load_committed(ObjectStore(path.config), path)
+    return load_sealed(path)
+
+
+def _size(path: Location) -> int | None:
+    if isinstance(path, S3Location):
+        from exactresume.store.s3 import ObjectStore
+
+        return ObjectStore(path.config).size(path)
+    return path.stat().st_size
+
+
+def _checkpoint(step: int, path: Location, summarize) -> dict:
     try:
-        state = check_resume_state(path, load_sealed(path))
+        state = check_resume_state(path, _load(path))
     except CheckpointError as error:
         return {"step": step, "path": str(path), "status": "damaged", "problem": str(error), "parts": {}}
     parts = {name: summarize(value) for name, value in state.items() if name not in RESERVED_NAMES}
@@ -29,17 +47,18 @@ def _checkpoint(step: int, path: Path, summarize) -> dict:
     return {"step": step, "path": str(path), "status": status, "problem": problem, "parts": parts}
 
 
-def list_checkpoints(folder: Path, summarize) -> dict:
+def list_checkpoints(folder: Location, summarize) -> dict:
     """The folder's checkpoints (oldest first), each verified; `summarize(value)` sizes one part."""
     store = CheckpointStore(folder, keep=None, notify=lambda message: None)
     found = store.checkpoints()
     if not found:
         leftovers = store.leftovers()
-        detail = f": only {len(leftovers)} .tmp leftover(s) of interrupted saves" if leftovers else ""
+        what = "uncommitted object(s)" if isinstance(folder, S3Location) else ".tmp leftover(s)"
+        detail = f": only {len(leftovers)} {what} of interrupted saves" if leftovers else ""
         raise CheckpointError(f"{folder} is a folder holding no checkpoint (step-*.pth) and no sharded one{detail}")
     checkpoints = [_checkpoint(c.step, c.path, summarize) for c in found]
     for checkpoint, file in zip(checkpoints, found):
-        checkpoint["file_bytes"] = file.path.stat().st_size
+        checkpoint["file_bytes"] = _size(file.path)
     valid = [c["step"] for c in checkpoints if c["status"] == "verified"]
     return {
         "path": str(folder),

@@ -134,9 +134,9 @@ class _Records:
         return torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
 
-def _read_records(path: Path, file: BinaryIO, recorded: str, seal_length: int) -> _Records | None:
+def _read_records(path: Path, file: BinaryIO, recorded: str, seal_length: int, size: int | None) -> _Records | None:
     """Every record of the file, read once and verified against the seal; None for a zip we do not expect."""
-    size = os.fstat(file.fileno()).st_size
+    size = os.fstat(file.fileno()).st_size if size is None else size
     found = _central_directory(file, size - seal_length)
     if found is None:
         return None
@@ -162,11 +162,12 @@ def _read_records(path: Path, file: BinaryIO, recorded: str, seal_length: int) -
     return _Records(records, storages)
 
 
-def load_verified(path: Path, file: BinaryIO, recorded: str, seal_length: int) -> Any:
-    """The object saved in `file`, whose bytes hash to `recorded`; NOT_READ where the public way must read it."""
+def load_verified(path: Path, file: BinaryIO, recorded: str, seal_length: int, size: int | None = None) -> Any:
+    """The object saved in `file` (of `size` bytes: a file-like object without a descriptor gives it),
+    whose bytes hash to `recorded`; NOT_READ where the public way must read it."""
     if Unpickler is None:
         return NOT_READ
-    records = _read_records(path, file, recorded, seal_length)
+    records = _read_records(path, file, recorded, seal_length, size)
     if records is None or not records.native_byte_order():
         return NOT_READ
     unpickler = Unpickler(io.BytesIO(records.records["data.pkl"]), encoding="utf-8")

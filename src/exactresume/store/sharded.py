@@ -105,7 +105,7 @@ def save_sharded(folder: Path, parts: Mapping[str, Stateful], world: World, step
         shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
         staging.mkdir(parents=True)
     world.barrier()
-    with _quiet_single_process(), _first_failure():
+    with quiet_single_process(), first_failure():
         # sync_files: each shard and the metadata are fsynced before DCP returns.
         dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=True), no_dist=world.size == 1)
     if world.is_main:  # dcp.save returns on rank 0 only after every rank's shard and the metadata are written
@@ -159,7 +159,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _first_failure() -> Iterator[None]:
+def first_failure() -> Iterator[None]:
     """Raise the exception a DCP call met itself, not its CheckpointException (a BaseException) around it."""
     try:
         yield
@@ -168,7 +168,7 @@ def _first_failure() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
+def quiet_single_process() -> Iterator[None]:
     # Without a process group DCP warns that it assumes one process: that is what we mean.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -209,14 +209,26 @@ def load_sharded(folder: Path, destination: Destination | None = None, needs: Co
     """
     folder = Path(folder)
     marker = verify_sharded(folder)
-    reader = VerifiedReader(folder)
+    return read_verified(folder, VerifiedReader(folder), marker["files"], destination, needs)
+
+
+def read_verified(
+    folder: Path,
+    reader: VerifiedReader,
+    listed: Mapping[str, str],
+    destination: Destination | None,
+    needs: Collection[str],
+    sizes: Mapping[str, int] | None = None,
+) -> dict:
+    """The state DCP reads through `reader` from a folder whose commit (listing `listed`) was verified;
+    `sizes` are the committed objects' when they are on a store, read by range (s3_ranges.py)."""
     metadata = reader.read_metadata()
-    check_index(folder, metadata, marker["files"])  # before a byte is allocated for what it names
+    check_index(folder, metadata, listed, sizes)  # before a byte is allocated for what it names
     try:
         paths = metadata.planner_data or {}
         saved = metadata.state_dict_metadata.items()
         flat = {key: _target(item, paths.get(key, (key,)), destination) for key, item in saved}
-        with _quiet_single_process(), _first_failure():
+        with quiet_single_process(), first_failure():
             dcp.load(flat, storage_reader=reader, planner=_SafeLoadPlanner(folder), no_dist=True)
         state = unflatten(flat, paths)
     except CheckpointError:

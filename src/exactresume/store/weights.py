@@ -15,6 +15,7 @@ import torch
 from exactresume.config import ModelConfig
 from exactresume.errors import CheckpointError
 from exactresume.store.formats import content_kind, path_kind
+from exactresume.store.locations import Location, S3Location
 from exactresume.store.resume import check_resume_state
 from exactresume.store.safetensors_weights import read_safetensors
 from exactresume.store.sealed import load_sealed, save_sealed
@@ -27,8 +28,16 @@ def save_weights(path: Path, state_dict: StateDict) -> None:
     save_sealed(Path(path), dict(state_dict))
 
 
-def read_weights(path: Path) -> tuple[StateDict, ModelConfig | None]:
-    """The model state dict held by `path`, and its ModelConfig when the file records one."""
+def read_weights(path: Location) -> tuple[StateDict, ModelConfig | None]:
+    """The model state dict held by `path` (or a committed `s3://` one), and its ModelConfig when recorded."""
+    if isinstance(path, S3Location):
+        from exactresume.store.s3_kinds import local_copy
+
+        with local_copy(path) as local:
+            try:
+                return read_weights(local)
+            except CheckpointError as error:
+                raise CheckpointError(str(error).replace(str(local), str(path))) from None
     path = Path(path)
     kind, config = path_kind(path), None
     if kind == "sharded":  # a sharded resume checkpoint (--sharded)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from exactresume.config import TrainConfig, check_stop_at
 from exactresume.errors import UserError
+from exactresume.store.locations import Location, S3Location
 
 # --resume auto (store.access.AUTO): the newest valid checkpoint in OUT/checkpoints, or a fresh start
 AUTO_RESUME = "auto"
@@ -39,7 +40,7 @@ class TrainJob:
     data: Path
     out: Path
     stop_at: int | None = None  # stop after this global step and write out/resume.pth
-    resume: Path | str | None = None  # a resume file, a checkpoint folder, or AUTO_RESUME
+    resume: Location | str | None = None  # a resume file, a checkpoint folder (or s3:// of either), or AUTO_RESUME
     skip_parts: frozenset[str] = field(default_factory=frozenset)  # parts not restored (ablations)
     weights: Path | None = None  # default out/final.pth
     log: Path | None = None  # default out/log.csv
@@ -51,6 +52,7 @@ class TrainJob:
     sharded: bool = False  # write the resume state as a DCP folder, out/resume.dcp, each rank its shard
     divergence: Path | None = None  # step a fully restored twin alongside; log the distance (divergence.py)
     wait_lock: float = 0.0  # seconds to wait for another writer of OUT to finish
+    checkpoints: Location | None = None  # where the periodic checkpoints go (default out/checkpoints)
 
     def __post_init__(self) -> None:
         if self.stop_at is not None:
@@ -92,12 +94,14 @@ class TrainJob:
         return self.sharded or self.config.fsdp
 
     @property
-    def resume_file(self) -> Path:
-        return self.out / ("resume.dcp" if self.writes_sharded else "resume.pth")
+    def resume_file(self) -> Location:
+        """OUT/resume.pth (or .dcp); beside the checkpoints when they are on an object store."""
+        name = "resume.dcp" if self.writes_sharded else "resume.pth"
+        return self.checkpoint_folder / name if isinstance(self.checkpoint_folder, S3Location) else self.out / name
 
     @property
-    def checkpoint_folder(self) -> Path:
-        return self.out / "checkpoints"
+    def checkpoint_folder(self) -> Location:
+        return self.checkpoints if self.checkpoints is not None else self.out / "checkpoints"
 
     @property
     def weights_file(self) -> Path:

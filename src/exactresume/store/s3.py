@@ -1,0 +1,326 @@
+"""One bucket's objects through boto3: put a file verified, get one verified, list, delete, abort.
+
+    objects = ObjectStore(S3Config(endpoint="http://127.0.0.1:8333"))
+    info = objects.put_file(location("s3://bucket/run/step-00000030.pth"), local_path)   # size + xxh3
+    objects.get_file(location, into_path, info)       # CheckpointError unless the bytes are `info`'s
+
+boto3 is AWS's own SDK: the standard credential chain (environment, profile, instance role),
+`AWS_ENDPOINT_URL` for an S3-compatible server, checksums the server verifies, ranged GETs; it is
+made lazily, on the first request, so a command that reaches no store never imports it. A file is
+one PUT up to `S3Config.part_bytes`, else a multipart upload whose parts go up in parallel; either
+way each part carries its CRC-32, which the server checks on arrival and reports back, and the
+object's size is read back with HEAD: a part the server lost (mlcommons/storage #593) changes both.
+A server that reports no checksum gets the object read back and hashed instead.
+
+Every request is tried `S3Config.tries` times with backoff (0.5 s, 1 s, 2 s, ...) while the server
+does not answer or answers 5xx; then the run stops with one StorageError line naming the endpoint,
+never a credential (an endpoint with user info is refused in locations.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from exactresume.errors import CheckpointError, MissingObject, StorageError, UserError
+from exactresume.store.locations import S3Config, S3Location
+
+READ_PIECE = 8 << 20  # a download is written and hashed this many bytes at a time
+UPLOAD_THREADS = 4  # parts of one multipart upload in flight at once
+# Answers worth another try: a busy or failing server, and bytes damaged on the way (BadDigest).
+RETRIED_CODES = {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "ServiceUnavailable", "BadDigest"}
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a commit records of one object: its size and the xxh3-128 of its bytes."""
+
+    size: int
+    xxh3: str
+
+
+def file_info(path: Path) -> ObjectInfo:
+    """The size and xxh3-128 of a local file."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as file:
+        while piece := file.read(READ_PIECE):
+            digest.update(piece)
+    return ObjectInfo(os.path.getsize(path), digest.hexdigest())
+
+
+def _crc32(data: bytes | memoryview) -> bytes:
+    return struct.pack(">I", zlib.crc32(data))
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+class ObjectStore:
+    """The requests exactresume makes of an object store, each retried, each error one line."""
+
+    def __init__(self, config: S3Config | None = None):
+        self.config = config or S3Config()
+        self._client: Any = None
+        self._made = threading.Lock()
+        self.before_part: Callable[[int], None] = lambda number: None  # faults.py's upload point
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint requests go to, as an error line names it."""
+        environment = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return self.config.endpoint or environment or "AWS S3"
+
+    @property
+    def client(self) -> Any:
+        with self._made:
+            if self._client is None:
+                self._client = _make_client(self.config)
+        return self._client
+
+    def call(self, operation: str, what: str, **arguments: Any) -> Any:
+        """`client.<operation>(**arguments)`, retried with backoff while the store does not answer."""
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+        for attempt in range(self.config.tries):
+            try:
+                return getattr(self.client, operation)(**arguments)
+            except NoCredentialsError:
+                raise UserError(
+                    f"no AWS credentials for {what} (environment, ~/.aws profile or instance role)"
+                ) from None
+            except ClientError as error:
+                code = error.response.get("Error", {}).get("Code", "")
+                status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if code not in RETRIED_CODES and status < 500:
+                    raise _refusal(what, code, error) from None
+                reason = code or f"HTTP {status}"
+            except BotoCoreError as error:
+                reason = str(error).split(":")[0]
+            if attempt + 1 < self.config.tries:
+                time.sleep(0.5 * 2**attempt)
+        waited = sum(0.5 * 2**attempt for attempt in range(self.config.tries - 1))
+        raise StorageError(
+            f"the object store at {self.endpoint} did not answer {what} ({reason}; {self.config.tries} tries "
+            f"over {waited:g} s); the committed checkpoints are unchanged: rerun with --resume auto once it is back"
+        )
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def put_file(self, target: S3Location, path: Path, info: ObjectInfo | None = None) -> ObjectInfo:
+        """Upload `path` to `target` and verify what the server holds; its size and xxh3."""
+        info = info or file_info(path)
+        if info.size <= self.config.part_bytes:
+            self.before_part(1)
+            with open(path, "rb") as file:
+                data = file.read()
+            checksum = _b64(_crc32(data))
+            answer = self.call(
+                "put_object", f"PUT {target}", Bucket=target.bucket, Key=target.key, Body=data, ChecksumCRC32=checksum
+            )
+        else:
+            answer, checksum = self._put_parts(target, path, info.size)
+        self._check_stored(
+            target, info, answer.get("ChecksumCRC32"), checksum, parts=info.size > self.config.part_bytes
+        )
+        return info
+
+    def put_bytes(self, target: S3Location, data: bytes) -> ObjectInfo:
+        """Upload a small object in one PUT, verified as put_file verifies."""
+        info = ObjectInfo(len(data), xxhash.xxh3_128_hexdigest(data))
+        checksum = _b64(_crc32(data))
+        answer = self.call(
+            "put_object", f"PUT {target}", Bucket=target.bucket, Key=target.key, Body=data, ChecksumCRC32=checksum
+        )
+        self._check_stored(target, info, answer.get("ChecksumCRC32"), checksum)
+        return info
+
+    def _put_parts(self, target: S3Location, path: Path, size: int) -> tuple[dict, str]:
+        """A multipart upload of `path`, its parts in parallel; the answer and the expected composite CRC-32."""
+        what = f"a multipart upload to {target}"
+        upload = self.call(
+            "create_multipart_upload", what, Bucket=target.bucket, Key=target.key, ChecksumAlgorithm="CRC32"
+        )
+        ids = {"Bucket": target.bucket, "Key": target.key, "UploadId": upload["UploadId"]}
+        count = -(-size // self.config.part_bytes)
+
+        def send(number: int) -> dict:
+            self.before_part(number)
+            with open(path, "rb") as file:
+                file.seek((number - 1) * self.config.part_bytes)
+                data = file.read(self.config.part_bytes)
+            crc = _crc32(data)
+            answer = self.call("upload_part", what, **ids, PartNumber=number, Body=data, ChecksumCRC32=_b64(crc))
+            return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": _b64(crc), "crc": crc}
+
+        try:
+            with ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="exactresume-upload") as pool:
+                parts = list(pool.map(send, range(1, count + 1)))
+        except BaseException:
+            with contextlib.suppress(Exception):  # else the next run's start aborts it
+                self.client.abort_multipart_upload(**ids)
+            raise
+        composite = f"{_b64(_crc32(b''.join(part.pop('crc') for part in parts)))}-{count}"
+        answer = self.call("complete_multipart_upload", what, **ids, MultipartUpload={"Parts": parts})
+        return answer, composite
+
+    def _check_stored(
+        self, target: S3Location, info: ObjectInfo, reported: str | None, expected: str, parts: bool = False
+    ) -> None:
+        """The server holds `info`'s bytes: its checksum is ours (and after a multipart upload, whose
+        parts a server may lose, its size is right), else the object is read back and hashed."""
+        if parts or reported is None:
+            size = self.size(target)
+            if size != info.size:
+                raise OSError(f"{target} was stored with {size} bytes, not {info.size}: the upload lost bytes")
+        if reported is None:  # a server that keeps no checksum: read the object back
+            if self.digest(target) != info.xxh3:
+                raise OSError(f"{target} read back with other bytes than were uploaded")
+        elif reported != expected:
+            raise OSError(f"{target}: the server's checksum {reported} is not the uploaded bytes' {expected}")
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def size(self, target: S3Location) -> int | None:
+        """The size of the object at `target`, or None when there is none."""
+        try:
+            return self.call("head_object", f"HEAD {target}", Bucket=target.bucket, Key=target.key)["ContentLength"]
+        except MissingObject:
+            return None
+
+    def body(self, target: S3Location) -> Any:
+        """The open body of one GET of the whole object: a file-like object with `readinto` (urllib3's)."""
+        body = self.call("get_object", f"GET {target}", Bucket=target.bucket, Key=target.key)["Body"]
+        return getattr(body, "_raw_stream", body)  # botocore's wrapper reads only into new bytes
+
+    def _chunks(self, target: S3Location) -> Iterator[bytes]:
+        body = self.call("get_object", f"GET {target}", Bucket=target.bucket, Key=target.key)["Body"]
+        try:
+            yield from body.iter_chunks(READ_PIECE)
+        except Exception as error:  # a connection cut mid-body: botocore's and urllib3's many types
+            reason = type(error).__name__
+            raise StorageError(f"the object store at {self.endpoint} broke off GET {target} ({reason})") from None
+
+    def digest(self, target: S3Location) -> str:
+        """The xxh3-128 of the object's bytes, read back."""
+        digest = xxhash.xxh3_128()
+        for chunk in self._chunks(target):
+            digest.update(chunk)
+        return digest.hexdigest()
+
+    def get_bytes(self, target: S3Location) -> bytes:
+        return b"".join(self._chunks(target))
+
+    def get_range(self, target: S3Location, start: int, length: int) -> bytes:
+        """`length` bytes of the object from `start` (one ranged GET)."""
+        if length == 0:
+            return b""
+        span = f"bytes={start}-{start + length - 1}"
+        answer = self.call("get_object", f"GET {target}", Bucket=target.bucket, Key=target.key, Range=span)
+        return answer["Body"].read()
+
+    def download(self, source: S3Location, path: Path) -> ObjectInfo:
+        """Write the object at `source` to `path`, hashing as it is written; its size and xxh3."""
+        digest, size = xxhash.xxh3_128(), 0
+        with open(path, "wb") as file:
+            for chunk in self._chunks(source):
+                digest.update(chunk)
+                file.write(chunk)
+                size += len(chunk)
+        return ObjectInfo(size, digest.hexdigest())
+
+    def get_file(self, source: S3Location, path: Path, expected: ObjectInfo) -> None:
+        """Download `source` to `path`; CheckpointError unless its bytes are `expected`'s."""
+        got = self.download(source, path)
+        if got.size != expected.size:
+            raise CheckpointError(
+                f"{source} holds {got.size:,} bytes, its commit says {expected.size:,}: truncated or replaced"
+            )
+        if got.xxh3 != expected.xxh3:
+            raise CheckpointError(f"{source}: checksum mismatch against its commit, the object is damaged")
+
+    def list(self, prefix: S3Location) -> dict[str, int]:
+        """Every object under `prefix` (a folder's counterpart): name below the prefix -> size, all pages."""
+        found, token = {}, None
+        while True:
+            more = {"ContinuationToken": token} if token else {}
+            page = self.call(
+                "list_objects_v2", f"the listing of {prefix}", Bucket=prefix.bucket, Prefix=prefix.prefix, **more
+            )
+            for entry in page.get("Contents", []):
+                found[entry["Key"][len(prefix.prefix) :]] = entry["Size"]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return found
+
+    # -- removing --------------------------------------------------------------------------------
+
+    def delete(self, targets: list[S3Location]) -> None:
+        """Delete objects (a thousand a request, S3's most)."""
+        for start in range(0, len(targets), 1000):
+            batch = targets[start : start + 1000]
+            objects = {"Objects": [{"Key": target.key} for target in batch], "Quiet": True}
+            what = f"DELETE under {batch[0].parent}"
+            answer = self.call("delete_objects", what, Bucket=batch[0].bucket, Delete=objects)
+            if answer.get("Errors"):
+                failed = answer["Errors"][0]
+                raise OSError(f"could not delete s3://{batch[0].bucket}/{failed.get('Key')}: {failed.get('Code')}")
+
+    def abort_uploads(self, prefix: S3Location) -> int:
+        """Abort the multipart uploads under `prefix` that a killed save left (they cost storage): how many."""
+        aborted, markers = 0, {}
+        while True:
+            what = f"the uploads under {prefix}"
+            page = self.call("list_multipart_uploads", what, Bucket=prefix.bucket, Prefix=prefix.prefix, **markers)
+            for upload in page.get("Uploads", []) or []:
+                ids = {"Bucket": prefix.bucket, "Key": upload["Key"], "UploadId": upload["UploadId"]}
+                self.call("abort_multipart_upload", f"aborting an upload under {prefix}", **ids)
+                aborted += 1
+            if not page.get("IsTruncated"):
+                return aborted
+            markers = {"KeyMarker": page.get("NextKeyMarker"), "UploadIdMarker": page.get("NextUploadIdMarker")}
+
+
+def _refusal(what: str, code: str, error: Exception) -> Exception:
+    """A store's refusal as one line: a missing object is a checkpoint's problem, the rest the user's."""
+    if code in ("NoSuchKey", "404", "NotFound"):
+        return MissingObject(f"{what}: no such object")
+    if code == "InvalidRange":
+        return CheckpointError(f"{what}: the object is shorter than its commit says: truncated or replaced")
+    if code == "NoSuchBucket":
+        return UserError(f"{what}: the bucket does not exist")
+    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        return UserError(f"{what}: access denied ({code}); check the AWS credentials and the bucket's policy")
+    return UserError(f"{what}: refused by the object store ({code or type(error).__name__})")
+
+
+def _make_client(config: S3Config) -> Any:
+    """A boto3 S3 client: credentials from the standard chain, our own retries (boto3's are turned off)."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise UserError("s3:// locations need boto3: pip install 'exactresume[s3]'") from None
+
+    settings = Config(
+        retries={"total_max_attempts": 1},
+        connect_timeout=config.timeout,
+        read_timeout=config.timeout * 6,
+        max_pool_connections=UPLOAD_THREADS * 4,
+        request_checksum_calculation="when_required",  # we send each part's CRC-32 ourselves
+        response_checksum_validation="when_required",
+    )
+    session = boto3.session.Session()
+    return session.client("s3", endpoint_url=config.endpoint, config=settings)

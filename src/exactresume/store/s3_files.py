@@ -1,0 +1,115 @@
+"""Single sealed torch files on an object store: a resume file, a store's checkpoint, read and written.
+
+    publish_sealed(objects, location("s3://b/run/resume.pth"), state)   # object, verified, then commit
+    state = load_committed(objects, location("s3://b/run/resume.pth"))  # commit, object, seal: verified
+
+The object's bytes are exactly the file save_sealed writes on a disk, so `torch.load` of a downloaded
+copy, with nothing of ours imported, gives the lab's dict. It is written to a local temporary file
+first (the seal is the hash of what torch.save wrote), uploaded and verified, and committed by its
+commit object (s3_commit.py); reading downloads it beside its commit, checks size and xxh3 against
+the commit while writing, then loads it as a local sealed file is loaded (the seal checked again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exactresume.errors import CheckpointError, MissingObject
+from exactresume.store.locations import S3Location
+from exactresume.store.s3 import ObjectInfo, ObjectStore, file_info
+from exactresume.store.s3_commit import (
+    COMMIT_FORMAT,
+    COMMIT_VERSION,
+    commit_of,
+    commit_state,
+    fetch_committed,
+    read_commit,
+    write_commit,
+)
+from exactresume.store.sealed import load_sealed, write_sealed
+
+Stage = Callable[[str], None]
+
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+@contextlib.contextmanager
+def local_folder(needed_bytes: int = 0) -> Iterator[Path]:
+    """A private temporary folder for the local copies of objects, removed afterwards: in memory
+    (/dev/shm) when it has room for twice `needed_bytes`, for a copy that never waits for a disk."""
+    place = None
+    with contextlib.suppress(OSError):
+        free = os.statvfs(SHARED_MEMORY)
+        place = SHARED_MEMORY if free.f_bavail * free.f_frsize > 2 * needed_bytes + (64 << 20) else None
+    with tempfile.TemporaryDirectory(prefix="exactresume-s3-", dir=place) as folder:
+        yield Path(folder)
+
+
+def state_bytes(state: Any) -> int:
+    """The tensor bytes in a nested state (what its torch file about holds)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    return sum(state_bytes(value) for value in state) if isinstance(state, (list, tuple)) else 0
+
+
+def publish_file(objects: ObjectStore, local: Path, target: S3Location, stage: Stage = lambda name: None) -> None:
+    """Upload the local file as `target` and commit it: the old commit goes first, the new one last."""
+    info = file_info(local)
+    commit = commit_of(target)
+    objects.delete([commit])  # from here until the new commit, `target` is not trusted
+    objects.put_file(target, local, info)
+    stage("commit")
+    write_commit(objects, commit, commit_state({target.name: info}))
+
+
+def publish_sealed(objects: ObjectStore, target: S3Location, state: Any, stage: Stage = lambda name: None) -> None:
+    """torch.save `state` with its seal and publish it at `target` (write, upload, verify, commit)."""
+    with local_folder(state_bytes(state)) as folder:
+        local = folder / target.name
+        stage("write")
+        with open(local, "w+b") as file:
+            write_sealed(file, state)
+        publish_file(objects, local, target, stage)
+
+
+def fetch_file(objects: ObjectStore, source: S3Location, folder: Path) -> Path:
+    """Download a committed single-file checkpoint into `folder`, verified against its commit: its local path."""
+    commit = read_commit(objects, commit_of(source), folder / "commit", COMMIT_FORMAT, COMMIT_VERSION)
+    if list(commit["files"]) != [source.name]:
+        raise CheckpointError(f"{commit_of(source)}: commits other objects than {source.name}")
+    fetch_committed(objects, source.parent, commit, folder)
+    return folder / source.name
+
+
+def load_committed(objects: ObjectStore, source: S3Location, size: int | None = None) -> Any:
+    """The verified contents of a committed sealed file on the store (weights_only, as load_sealed):
+    streamed in as it arrives (s3_stream.py), or where that does not apply downloaded and loaded."""
+    from exactresume.store.s3_stream import NOT_STREAMED, load_streamed
+
+    with local_folder(size if size is not None else objects.size(source) or 0) as folder:
+        commit = read_commit(objects, commit_of(source), folder / "commit", COMMIT_FORMAT, COMMIT_VERSION)
+        if list(commit["files"]) != [source.name]:
+            raise CheckpointError(f"{commit_of(source)}: commits other objects than {source.name}")
+        expected = ObjectInfo(commit["bytes"][source.name], commit["files"][source.name])
+        try:
+            loaded = load_streamed(objects, source, expected)
+        except MissingObject:
+            raise CheckpointError(f"{source} is missing, though its commit names it") from None
+        if loaded is not NOT_STREAMED:
+            return loaded
+        fetch_committed(objects, source.parent, commit, folder)
+        local = folder / source.name
+        try:
+            return load_sealed(local)
+        except CheckpointError as error:
+            raise CheckpointError(str(error).replace(str(local), str(source))) from None

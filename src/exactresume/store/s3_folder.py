@@ -1,0 +1,121 @@
+"""A CheckpointStore on an object store: `CheckpointStore("s3://bucket/run/checkpoints")` makes one.
+
+    store = CheckpointStore("s3://bucket/run/checkpoints", keep=3)
+    store.save(step, parts)     # s3://bucket/run/checkpoints/step-00000030.pth, then its .commit
+    step = store.load(parts)    # the newest committed checkpoint whose objects verify
+
+The same interface and guarantees as a folder (folder.py), with the commit object (s3_commit.py) in
+place of the rename. A save is one sequence of stages, each a fault-injection point (faults.py):
+
+    snapshot -> write (local copy + seal) -> upload (each part; verified) -> commit -> retention
+
+Keep-K deletes older checkpoints (their commit first) only after the new commit is verified. The
+newest checkpoint is found by one listing of the prefix (all its pages), not a request per step;
+a checkpoint without its commit object is not listed. At the start of a run (`remove_leftovers`)
+the multipart uploads a killed save abandoned are aborted and its uncommitted objects deleted.
+There is no lock on a prefix: one run writes one prefix (its local OUT is locked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from exactresume.errors import CheckpointError
+from exactresume.store.faults import FaultPoints
+from exactresume.store.locations import S3Config, S3Location, location
+from exactresume.store.lock import FolderLock
+from exactresume.store.numbered import CHECKPOINT_NAME, Checkpoint, NumberedStore, check_checkpoint, print_to_stderr
+from exactresume.store.s3 import ObjectStore
+from exactresume.store.s3_commit import COMMIT_SUFFIX, commit_of
+from exactresume.store.s3_files import load_committed, publish_sealed
+
+
+class S3CheckpointStore(NumberedStore):
+    """Numbered checkpoints under one prefix of a bucket, committed by commit objects."""
+
+    def __init__(
+        self,
+        folder: S3Location | str,
+        keep: int | None = 3,
+        notify: Callable[[str], None] = print_to_stderr,
+        lock: FolderLock | None = None,
+        config: S3Config | None = None,
+    ):
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), got {keep}")
+        self.folder, self.keep, self.notify = location(folder, config), keep, notify
+        self.faults = FaultPoints.from_environment()
+        self.objects = ObjectStore(self.folder.config)
+        self.objects.before_part = lambda number: self.faults.reached("upload")
+
+    def hold_lock(self) -> None:
+        """No lock on a prefix (an object store has none to take): the run's OUT is locked."""
+
+    def close(self) -> None:
+        pass
+
+    def path_for(self, step: int) -> S3Location:
+        return self.folder / f"step-{step:08d}.pth"
+
+    def _listing(self) -> tuple[list[Checkpoint], list[str], dict[str, int]]:
+        """One paginated listing: the committed checkpoints (oldest first) and the uncommitted objects.
+
+        The commit decides: a commit whose object is gone is listed (and refused when read, saying so)."""
+        names = self.objects.list(self.folder)
+        committed, uncommitted = [], []
+        for name in names:
+            found = CHECKPOINT_NAME.match(name.removesuffix(COMMIT_SUFFIX))
+            if found is None:
+                continue
+            if name.endswith(COMMIT_SUFFIX):
+                committed.append(Checkpoint(int(found.group(1)), self.folder / found.group(0)))
+            elif name + COMMIT_SUFFIX not in names:
+                uncommitted.append(name)
+        return sorted(committed, key=lambda c: c.step), sorted(uncommitted), names
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The committed checkpoints, oldest step first (one listing; nothing is read)."""
+        return self._listing()[0]
+
+    def leftovers(self) -> list[S3Location]:
+        """Objects of saves that did not commit (a checkpoint without its commit)."""
+        return [self.folder / name for name in self._listing()[1]]
+
+    def remove_leftovers(self) -> list[S3Location]:
+        """Abort the uploads a killed save abandoned and delete its uncommitted objects: what was deleted."""
+        aborted = self.objects.abort_uploads(self.folder)
+        removed = self.leftovers()
+        self.objects.delete(removed)
+        if aborted:
+            self.notify(f"aborted {aborted} unfinished upload(s) under {self.folder}")
+        return removed
+
+    def commit(self, step: int, state: dict) -> S3Location:
+        """The stages after the snapshot: write, upload (verified), commit, retention."""
+        target = self.path_for(step)
+        publish_sealed(self.objects, target, state, self.faults.reached)
+        self._retain(step)
+        return target
+
+    def _retain(self, step: int) -> None:
+        """Delete all but the newest `keep` committed checkpoints up to `step`, each commit first."""
+        if self.keep is None:
+            return
+        older = [c for c in self.checkpoints() if c.step <= step][: -self.keep]
+        try:
+            self.faults.reached("retention")
+            self.objects.delete([commit_of(c.path) for c in older])
+            self.objects.delete([c.path for c in older])
+        except OSError as error:
+            self.notify(f"warning: could not delete old checkpoints in {self.folder}: {error}")
+
+    def load_newest(self, names: Collection[str]) -> tuple[Checkpoint, dict] | None:
+        """The newest committed checkpoint whose objects verify and hold every part in `names`, with its state."""
+        committed, _, sizes = self._listing()
+        for checkpoint in reversed(committed):
+            try:
+                state = load_committed(self.objects, checkpoint.path, sizes.get(checkpoint.path.name, 0))
+                return checkpoint, check_checkpoint(checkpoint, state, names)
+            except CheckpointError as error:
+                self.notify(f"skipping damaged checkpoint {error}")
+        return None

@@ -1,0 +1,232 @@
+"""The commit protocol on an object store, against moto's in-process S3: what a reader trusts, and faults.
+
+Faults a real server rarely shows on demand are injected into the client: a part that fails once, a
+completed multipart upload that lost a part (mlcommons/storage #593), a listing that lags behind.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from exactresume.errors import CheckpointError, UserError
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.locations import S3Config, S3Location, location
+from exactresume.store.s3_commit import commit_of
+from exactresume.store.s3_files import fetch_file, local_folder
+
+BUCKET = "protocol"
+SECRET = "moto-secret-never-printed"
+
+
+class Tensor:
+    """A part holding one tensor (a checkpoint of `size` float32 values)."""
+
+    def __init__(self, value: float = 0.0, size: int = 1000):
+        self.tensor = torch.full((size,), value)
+
+    def state_dict(self) -> dict:
+        return {"tensor": self.tensor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tensor = state["tensor"]
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """moto's S3 in this process, with one bucket; yields its boto3 client."""
+    from moto import mock_aws
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "moto-key", "AWS_SECRET_ACCESS_KEY": SECRET}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    with mock_aws():
+        import boto3
+
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        yield client
+
+
+def store(prefix: str = "run", **config) -> CheckpointStore:
+    return CheckpointStore(f"s3://{BUCKET}/{prefix}", keep=2, notify=lambda message: None, config=S3Config(**config))
+
+
+def saved(checkpoints: CheckpointStore, *steps: int, size: int = 1000) -> CheckpointStore:
+    for step in steps:
+        checkpoints.save(step, {"weights": Tensor(step, size)})
+    return checkpoints
+
+
+def loaded(checkpoints: CheckpointStore) -> tuple[int | None, float | None]:
+    part = Tensor(-1)
+    step = checkpoints.load({"weights": part}, clean=False)
+    return step, (float(part.tensor[0]) if step is not None else None)
+
+
+def test_locations_parse_and_refuse():
+    assert location("runs/a") == __import__("pathlib").Path("runs/a")
+    assert location("s3://bucket-1/a/b/") == S3Location("bucket-1", "a/b")
+    assert str(location("s3://bucket-1/a") / "step-00000001.pth") == "s3://bucket-1/a/step-00000001.pth"
+    for bad in ("s3://B/a", "s3://bucket/a//b", "s3://bucket/../a"):
+        with pytest.raises(UserError):
+            location(bad)
+    with pytest.raises(UserError, match="credentials go in the AWS chain"):
+        S3Config(endpoint="http://key:secret@127.0.0.1:9000")
+
+
+def test_save_commits_last_and_keep_deletes_only_older(s3):
+    checkpoints = saved(store(), 1, 2, 3)
+    names = sorted(entry["Key"] for entry in s3.list_objects_v2(Bucket=BUCKET)["Contents"])
+    assert names == [f"run/step-0000000{n}.pth{end}" for n in (2, 3) for end in ("", ".commit")]
+    assert loaded(checkpoints) == (3, 3.0)
+    with local_folder() as folder:  # the object is a plain torch file: the lab's dict with nothing of ours
+        state = torch.load(fetch_file(checkpoints.objects, checkpoints.path_for(3), folder), weights_only=True)
+    assert torch.equal(state["weights"]["tensor"], torch.full((1000,), 3.0)) and state["checkpoint_step"] == 3
+
+
+def test_uncommitted_objects_are_not_trusted_and_are_cleaned_at_the_next_start(s3):
+    checkpoints = saved(store(), 1, 2)
+    s3.copy_object(
+        Bucket=BUCKET, Key="run/step-00000009.pth", CopySource={"Bucket": BUCKET, "Key": "run/step-00000002.pth"}
+    )
+    s3.create_multipart_upload(Bucket=BUCKET, Key="run/step-00000010.pth")  # a killed save's upload
+    assert [c.step for c in checkpoints.checkpoints()] == [1, 2] and loaded(checkpoints) == (2, 2.0)
+    assert [str(p) for p in checkpoints.remove_leftovers()] == [f"s3://{BUCKET}/run/step-00000009.pth"]
+    assert s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("flip", "checksum mismatch against its commit"),
+        ("truncate", "truncated or replaced"),
+        ("drop-object", "missing, though its commit names it"),
+        ("drop-commit", None),  # not listed at all: never committed
+        ("damage-commit", "checksum mismatch"),
+    ],
+)
+def test_each_damage_falls_back_to_the_previous_checkpoint(s3, damage, reason):
+    notes: list[str] = []
+    checkpoints = saved(store(), 1, 2)
+    checkpoints.notify = notes.append
+    newest = checkpoints.path_for(2)
+    key = commit_of(newest).key if damage == "damage-commit" else newest.key
+    data = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    if damage in ("flip", "damage-commit"):
+        s3.put_object(Bucket=BUCKET, Key=key, Body=data[:300] + bytes([data[300] ^ 1]) + data[301:])
+    elif damage == "truncate":
+        s3.put_object(Bucket=BUCKET, Key=key, Body=data[:-100])
+    else:
+        s3.delete_object(Bucket=BUCKET, Key=commit_of(newest).key if damage == "drop-commit" else key)
+    assert loaded(checkpoints) == (1, 1.0)
+    if reason is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and reason in notes[0] and str(newest) in notes[0], notes
+
+
+def test_newest_is_one_paginated_listing_beyond_a_thousand_keys(s3):
+    checkpoints = saved(store(), 1, 2)
+    for number in range(1001):
+        s3.put_object(Bucket=BUCKET, Key=f"run/other-{number:04d}", Body=b"")
+    calls = []
+    client = checkpoints.objects.client
+    listing = client.list_objects_v2
+    client.list_objects_v2 = lambda **arguments: calls.append(arguments) or listing(**arguments)
+    assert [c.step for c in checkpoints.checkpoints()] == [1, 2]
+    assert len(calls) == 2 and "ContinuationToken" in calls[1]  # two pages of one listing, no probe per step
+
+
+def test_multipart_upload_survives_a_failed_part_and_refuses_a_lost_one(s3):
+    from botocore.exceptions import ClientError
+
+    checkpoints = saved(store(part_bytes=5 << 20), 1, size=3 << 20)  # 12 MiB: three parts
+    client, failures = checkpoints.objects.client, []
+    upload_part, complete = client.upload_part, client.complete_multipart_upload
+
+    def flaky(**arguments):
+        if arguments["PartNumber"] == 2 and not failures:
+            failures.append(2)
+            raise ClientError(
+                {"Error": {"Code": "InternalError"}, "ResponseMetadata": {"HTTPStatusCode": 500}}, "UploadPart"
+            )
+        return upload_part(**arguments)
+
+    client.upload_part = flaky
+    saved(checkpoints, 2, size=3 << 20)
+    assert failures == [2] and loaded(checkpoints) == (2, 2.0)
+
+    def losing(**arguments):  # the server completes the upload without its second part
+        parts = arguments["MultipartUpload"]["Parts"]
+        return complete(**arguments | {"MultipartUpload": {"Parts": [parts[0], parts[2]]}})
+
+    client.complete_multipart_upload = losing
+    with pytest.raises(OSError, match="the upload lost bytes"):
+        saved(checkpoints, 3, size=3 << 20)
+    assert [c.step for c in checkpoints.checkpoints()] == [1, 2] and loaded(checkpoints) == (2, 2.0)
+
+
+def test_a_lagging_listing_costs_recency_never_trust(s3):
+    checkpoints = saved(store(), 1, 2)
+    client = checkpoints.objects.client
+    listing = client.list_objects_v2
+
+    def lagging(**arguments):  # the newest commit not yet listed
+        page = listing(**arguments)
+        page["Contents"] = [entry for entry in page["Contents"] if not entry["Key"].endswith("2.pth.commit")]
+        return page
+
+    client.list_objects_v2 = lagging
+    assert loaded(checkpoints) == (1, 1.0)
+
+
+def test_errors_name_the_store_never_a_credential(s3):
+    with pytest.raises(CheckpointError) as refused:
+        from exactresume.store.access import open_resume
+
+        open_resume(f"s3://{BUCKET}/run/resume.pth")
+    assert "no such object" in str(refused.value) and SECRET not in str(refused.value)
+    with pytest.raises(UserError, match="the bucket does not exist"):
+        CheckpointStore("s3://no-such-bucket/run").checkpoints()
+    checkpoints = saved(store(), 1)
+    with local_folder() as folder:
+        assert SECRET.encode() not in fetch_file(checkpoints.objects, checkpoints.path_for(1), folder).read_bytes()
+    assert SECRET not in os.environ.get("AWS_ENDPOINT_URL", "")
+
+
+def test_a_sharded_folder_is_read_by_ranged_gets_each_item_verified(s3, monkeypatch):
+    from exactresume.store.s3 import ObjectStore
+    from exactresume.store.s3_sharded import load_sharded_s3, save_sharded_s3
+    from exactresume.world import World
+
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    target = location(f"s3://{BUCKET}/sharded/resume.dcp")
+    save_sharded_s3(target, {"model": model, "optimizer": optimizer}, World(), step=5)
+    whole, ranges = [], []
+    get_file, get_range = ObjectStore.download, ObjectStore.get_range
+    monkeypatch.setattr(
+        ObjectStore, "download", lambda self, source, path: whole.append(source.name) or get_file(self, source, path)
+    )
+    monkeypatch.setattr(
+        ObjectStore,
+        "get_range",
+        lambda self, source, start, length: (
+            ranges.append((source.name, length)) or get_range(self, source, start, length)
+        ),
+    )
+    state = load_sharded_s3(target)
+    assert torch.equal(state["model"]["weight"], model.weight) and state["checkpoint_step"] == 5
+    assert sorted(whole) == [".metadata", "commit.pth"]  # the shards only by range, an item a GET
+    assert {name for name, _ in ranges} == {"__0_0.distcp"} and all(length > 0 for _, length in ranges)
+    key = "sharded/resume.dcp/__0_0.distcp"
+    data = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=key, Body=data[:200] + bytes([data[200] ^ 1]) + data[201:])
+    with pytest.raises(CheckpointError, match="are damaged"):
+        load_sharded_s3(target)
