@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, on
 from exactresume.store.faults import FAULT_ENV, OBJECT_STORE_STAGES
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config
+from exactresume.store.s3_files import COPY_PREFIX
 
 # Parts of 5 MiB: a checkpoint of the small run (20 MB) goes up as a multipart upload of four.
 PARTS = ("--s3-part-mib", "5")
@@ -76,6 +78,9 @@ def test_kill_9_during_uploads_then_resume_auto_is_bit_exact(tmp_path, kjv_folde
     assert_same_run(out, reference)
     bucket, key = s3_prefix.removeprefix("s3://").split("/", 1)
     assert s3_server.client().list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", []) == []
+    # The local copies the killed saves left (in /dev/shm: memory) were removed by the runs after them.
+    copies = [*Path("/dev/shm").glob(f"{COPY_PREFIX}*-*"), *Path(tempfile.gettempdir()).glob(f"{COPY_PREFIX}*-*")]
+    assert not [copy for copy in copies if not Path(f"/proc/{copy.name[len(COPY_PREFIX) :].split('-')[0]}").exists()]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,18 +40,40 @@ Stage = Callable[[str], None]
 
 
 SHARED_MEMORY = Path("/dev/shm")
+COPY_PREFIX = "exactresume-s3-"  # then the pid of the process that made it, and a random part
 
 
 @contextlib.contextmanager
 def local_folder(needed_bytes: int = 0) -> Iterator[Path]:
     """A private temporary folder for the local copies of objects, removed afterwards: in memory
-    (/dev/shm) when it has room for twice `needed_bytes`, for a copy that never waits for a disk."""
+    (/dev/shm) when it has room for twice `needed_bytes`, for a copy that never waits for a disk.
+    The folders a killed process left (its pid is gone) are removed first: in /dev/shm they hold memory."""
     place = None
     with contextlib.suppress(OSError):
+        remove_stale_copies(SHARED_MEMORY)
         free = os.statvfs(SHARED_MEMORY)
         place = SHARED_MEMORY if free.f_bavail * free.f_frsize > 2 * needed_bytes + (64 << 20) else None
-    with tempfile.TemporaryDirectory(prefix="exactresume-s3-", dir=place) as folder:
+    remove_stale_copies(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=f"{COPY_PREFIX}{os.getpid()}-", dir=place) as folder:
         yield Path(folder)
+
+
+def remove_stale_copies(place: Path) -> None:
+    """Delete the local-copy folders in `place` whose process no longer exists (a kill -9 mid-save)."""
+    for folder in place.glob(f"{COPY_PREFIX}*-*"):
+        pid = folder.name[len(COPY_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def state_bytes(state: Any) -> int:
