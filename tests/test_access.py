@@ -21,7 +21,8 @@ from exactresume.store.access import (
     open_resume,
 )
 from exactresume.store.background import BackgroundSaver
-from exactresume.store.folder import CheckpointStore, checkpoint_name
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import checkpoint_name
 from exactresume.store.weights import save_weights
 from exactresume.training.loop import build_run, train
 from exactresume.world import World

@@ -17,7 +17,8 @@ from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.store.background import BackgroundSaveFailed, BackgroundSaver, StagingMemory
 from exactresume.store.faults import Fault, FaultPoints
-from exactresume.store.folder import CheckpointStore, snapshot
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import snapshot
 from exactresume.training.loop import build_run, train
 
 

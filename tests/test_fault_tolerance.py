@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 
 from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread, run_cli
 from exactresume.store.faults import FAULT_ENV, STAGES
-from exactresume.store.folder import CheckpointStore, checkpoint_name
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import checkpoint_name
 from exactresume.store.sealed import save_sealed, verify
 from exactresume.store.weights import read_weights
 

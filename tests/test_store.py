@@ -10,8 +10,9 @@ import torch
 from conftest import call_cli
 from exactresume.errors import UserError
 from exactresume.store.faults import FAULT_ENV, STAGES, Fault
-from exactresume.store.folder import CheckpointStore, checkpoint_name
+from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import LOCK_NAME
+from exactresume.store.numbered import checkpoint_name
 from exactresume.store.sealed import save_sealed
 from exactresume.training.parts import GeneratorPart, GlobalRng
 

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exactresume.store.folder import CheckpointStore, snapshot
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import snapshot
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful

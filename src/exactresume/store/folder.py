@@ -49,12 +49,8 @@ from exactresume.store.numbered import (
     check_checkpoint,
     checkpoint_name,
     print_to_stderr,
-    snapshot,
 )
 from exactresume.store.sealed import load_sealed, verify, write_sealed
-
-# What callers have always imported from here: the names and checks every store shares (numbered.py).
-__all__ = ["CHECKPOINT_NAME", "Checkpoint", "CheckpointStore", "check_checkpoint", "checkpoint_name", "snapshot"]
 
 
 class CheckpointStore(NumberedStore):

@@ -53,7 +53,7 @@ AUTOCAST_BYTES = 140 << 20
 STEP_SLACK = 1.4
 CHECKPOINT_OVERHEAD = 256 << 10  # RNG states, the batch generator, config, zip records
 LOGIT_CHUNK_BYTES = 4 << 20  # model.LOGIT_CHUNK_BYTES (not imported: that module imports torch)
-CHECKPOINT_FILE = re.compile(r"^step-\d{8,}\.pth$")  # folder.CHECKPOINT_NAME (that module imports torch)
+CHECKPOINT_FILE = re.compile(r"^step-\d{8,}\.pth$")  # numbered.CHECKPOINT_NAME (the store imports torch)
 
 
 def parameter_count(model: ModelConfig) -> int:
