@@ -170,7 +170,7 @@ class CheckpointStore(NumberedStore):
         """Delete all but the newest `keep` checkpoints up to `step`; a failure here only warns."""
         if self.keep is None:
             return
-        older = [c for c in self.checkpoints() if c.step <= step][: -self.keep]
+        older = self.retired(step)
         try:
             self.faults.reached("retention")
             for checkpoint in older:

@@ -62,6 +62,7 @@ class NumberedStore:
     """`save` and `load` over a store's own stages (`commit`, `remove_leftovers`, `load_newest`)."""
 
     folder: Location
+    keep: int | None
 
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Location:
         """Write `parts` as the checkpoint at `step`, durably and verified, then prune old ones."""
@@ -70,6 +71,10 @@ class NumberedStore:
 
     def wait(self) -> None:
         """Nothing to wait for: `save` returns once the checkpoint is durable (the Saver interface)."""
+
+    def retired(self, step: int) -> list[Checkpoint]:
+        """The checkpoints up to `step` that keep-K lets go (none when `keep` is None)."""
+        return [] if self.keep is None else [c for c in self.checkpoints() if c.step <= step][: -self.keep]
 
     def __enter__(self) -> NumberedStore:
         return self

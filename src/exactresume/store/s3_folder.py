@@ -101,7 +101,7 @@ class S3CheckpointStore(NumberedStore):
         """Delete all but the newest `keep` committed checkpoints up to `step`, each commit first."""
         if self.keep is None:
             return
-        older = [c for c in self.checkpoints() if c.step <= step][: -self.keep]
+        older = self.retired(step)
         try:
             self.faults.reached("retention")
             self.objects.delete([commit_of(c.path) for c in older])
