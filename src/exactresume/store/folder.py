@@ -166,19 +166,11 @@ class CheckpointStore(NumberedStore):
             _remove_quietly(path)
             raise ReadBackError(errno.EIO, f"the checkpoint read back damaged ({error})") from None
 
-    def _retain(self, step: int) -> None:
-        """Delete all but the newest `keep` checkpoints up to `step`; a failure here only warns."""
-        if self.keep is None:
-            return
-        older = self.retired(step)
-        try:
-            self.faults.reached("retention")
-            for checkpoint in older:
-                checkpoint.path.unlink(missing_ok=True)
-            if older:
-                fsync_path(self.folder)
-        except OSError as error:
-            self.notify(f"warning: could not delete old checkpoints in {self.folder}: {error.strerror or error}")
+    def _delete(self, older: list[Checkpoint]) -> None:
+        for checkpoint in older:
+            checkpoint.path.unlink(missing_ok=True)
+        if older:
+            fsync_path(self.folder)
 
     # -- restoring ---------------------------------------------------------------------------------
 

@@ -72,9 +72,16 @@ class NumberedStore:
     def wait(self) -> None:
         """Nothing to wait for: `save` returns once the checkpoint is durable (the Saver interface)."""
 
-    def retired(self, step: int) -> list[Checkpoint]:
-        """The checkpoints up to `step` that keep-K lets go (none when `keep` is None)."""
-        return [] if self.keep is None else [c for c in self.checkpoints() if c.step <= step][: -self.keep]
+    def _retain(self, step: int) -> None:
+        """Delete all but the newest `keep` checkpoints up to `step` (`_delete`); a failure here only warns."""
+        if self.keep is None:
+            return
+        older = [c for c in self.checkpoints() if c.step <= step][: -self.keep]
+        try:
+            self.faults.reached("retention")
+            self._delete(older)
+        except OSError as error:
+            self.notify(f"warning: could not delete old checkpoints in {self.folder}: {error.strerror or error}")
 
     def __enter__(self) -> NumberedStore:
         return self

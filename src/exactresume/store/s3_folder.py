@@ -97,17 +97,10 @@ class S3CheckpointStore(NumberedStore):
         self._retain(step)
         return target
 
-    def _retain(self, step: int) -> None:
-        """Delete all but the newest `keep` committed checkpoints up to `step`, each commit first."""
-        if self.keep is None:
-            return
-        older = self.retired(step)
-        try:
-            self.faults.reached("retention")
-            self.objects.delete([commit_of(c.path) for c in older])
-            self.objects.delete([c.path for c in older])
-        except OSError as error:
-            self.notify(f"warning: could not delete old checkpoints in {self.folder}: {error}")
+    def _delete(self, older: list[Checkpoint]) -> None:
+        """Each commit first: a checkpoint whose object is gone is never left committed."""
+        self.objects.delete([commit_of(c.path) for c in older])
+        self.objects.delete([c.path for c in older])
 
     def load_newest(self, names: Collection[str]) -> tuple[Checkpoint, dict] | None:
         """The newest committed checkpoint whose objects verify and hold every part in `names`, with its state."""
