@@ -6,7 +6,8 @@ Per step: each script runs STEPS steps in a fresh process, with a bare optimizer
 only reads the clock (plain), or with the whole tracer installed as the doctor installs it
 (traced); plain and traced processes alternate, and the per-step time of each is the median of
 the intervals between its optimizer steps after the first few. Wall: `exactresume doctor --steps 8
---stop-after 4` on the script, against one plain run of it for 8 steps, alternated as well.
+--stop-after 4` on the script, and the same with --warm, against one plain run of it for 8 steps,
+alternated as well.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def wall_seconds(command: list[str]) -> float:
 
 def measure(script: str, steps: int, repeats: int) -> dict:
     """Per-step seconds plain and traced, and the doctor's wall seconds against a straight run's."""
-    plain, traced, straight, doctor = [], [], [], []
+    plain, traced, straight, doctor, warm = [], [], [], [], []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as folder:
             plain.append(step_seconds(script, steps, False, Path(folder) / "p"))
@@ -77,6 +78,7 @@ def measure(script: str, steps: int, repeats: int) -> dict:
             flags = ["--steps", "8", "--stop-after", "4", "--out", f"{folder}/doctor", "--resume-args=--resume"]
             doctor_command = [sys.executable, "-m", "exactresume.cli", "doctor", *flags, "--", *command]
             doctor.append(wall_seconds([*doctor_command, f"{folder}/doctored"]))
+            warm.append(wall_seconds([*doctor_command[:4], "--warm", *doctor_command[4:], f"{folder}/warm"]))
     median = statistics.median
     return {
         "step_plain_s": median(plain),
@@ -85,4 +87,6 @@ def measure(script: str, steps: int, repeats: int) -> dict:
         "straight_s": median(straight),
         "doctor_s": median(doctor),
         "wall_ratio": median(doctor) / median(straight),
+        "doctor_warm_s": median(warm),
+        "warm_ratio": median(warm) / median(straight),
     }

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import assert_one_line_error, call_cli, once_per_session
 from exactresume.cli import main
+from exactresume.doctor.warm import forkable
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 
@@ -41,9 +42,13 @@ EXPECTED = {
 }
 
 
-def doctor_args(folder: Path, script: str, *extra: str, resume: str = "--resume", stop_after: int = 4) -> list[str]:
+def doctor_args(
+    folder: Path, script: str, *extra: str, resume: str = "--resume", stop_after: int = 4, warm: bool = True
+) -> list[str]:
+    """The doctor on a script; `warm`: its runs forked from one process that imported torch (--warm)."""
     command = [sys.executable, str(SCRIPTS / f"{script}.py"), "--out", str(folder / "ckpt"), *extra]
     flags = ["--steps", "8", "--stop-after", str(stop_after), "--out", str(folder / "doctor")]
+    flags += ["--warm"] if warm else []
     return ["doctor", *flags, *([f"--resume-args={resume}"] if resume else []), "--", *command]
 
 
@@ -52,23 +57,31 @@ def train_args(folder: Path, data: Path) -> list[str]:
     train = ["train", "--data", str(data), "--out", str(folder / "run"), "--save-every", "2", "--keep", "0"]
     command = [sys.executable, "-m", "exactresume.cli", *train, "--steps", "8", "--batch", "2", "--seq-len", "16"]
     flags = ["--steps", "8", "--stop-after", "4", "--out", str(folder / "doctor"), "--resume-args=--resume auto"]
-    return ["doctor", *flags, "--", *command]
+    return ["doctor", "--warm", *flags, "--", *command]
+
+
+# Run as the user runs them, each run a cold process; the other cases fork their runs (--warm).
+COLD = ("correct_handwritten", "unseeded_init", "dropout_rng")
+TWICE = "dropout_rng"  # also run --warm: the same diagnosis either way
 
 
 @pytest.fixture(scope="session")
 def doctored(tmp_path_factory, tiny_folder) -> dict[str, tuple]:
     """Every script through the doctor once: script -> (exit code, stdout, doctor.json, its folder)."""
 
-    def run(root: Path, script: str):
-        folder = root / script
-        args = train_args(folder, tiny_folder) if script == "exactresume_train" else doctor_args(folder, script)
+    def run(root: Path, case: str):
+        script, folder = case.removesuffix("@warm"), root / case
+        if script == "exactresume_train":
+            args = train_args(folder, tiny_folder)
+        else:
+            args = doctor_args(folder, script, warm=case not in COLD)
         code = main(args)  # threads share sys.stdout: read what it printed from verdict.txt
         facts = json.loads((folder / "doctor" / "doctor.json").read_text())
-        return script, [code, (folder / "doctor" / "verdict.txt").read_text(), facts, str(folder)]
+        return case, [code, (folder / "doctor" / "verdict.txt").read_text(), facts, str(folder)]
 
     def every_case(root: Path) -> dict:
         with ThreadPoolExecutor(4) as pool:
-            return dict(pool.map(lambda script: run(root, script), EXPECTED))
+            return dict(pool.map(lambda case: run(root, case), [*EXPECTED, f"{TWICE}@warm"]))
 
     cases = once_per_session(tmp_path_factory, "doctored", every_case)
     return {script: (code, text, facts, Path(folder)) for script, (code, text, facts, folder) in cases.items()}
@@ -87,8 +100,24 @@ def test_the_doctor_names_the_cause(doctored, script):
         assert diagnosis["missing"] == [] and diagnosis["first_step"] is None
 
 
+def test_forked_runs_give_the_diagnosis_cold_runs_give(doctored):
+    cold, warm = doctored[TWICE][2], doctored[f"{TWICE}@warm"][2]
+    assert warm["diagnosis"] == cold["diagnosis"]
+    assert (Path(warm["runs"]["straight"]["log"]).parent / "fork-server.log").exists()
+    assert not (Path(cold["runs"]["straight"]["log"]).parent / "fork-server.log").exists()
+
+
+def test_warm_forks_python_scripts_and_modules_only():
+    python = sys.executable
+    assert forkable([python, "train.py", "--out", "x"]) == {"argv": ["train.py", "--out", "x"]}
+    assert forkable(["python3.11", "-m", "pkg.train", "-v"]) == {"module": "pkg.train", "argv": ["pkg.train", "-v"]}
+    cold = (["torchrun", "train.py"], [python, "-u", "train.py"], [python, "-c", "pass"], ["exactresume", "train"])
+    for command in cold:
+        assert forkable(command) is None, command
+
+
 def test_the_missing_state_is_listed_with_a_fix(doctored):
-    missing = {s: {m["kind"] for m in doctored[s][2]["diagnosis"]["missing"]} for s in doctored}
+    missing = {s: {m["kind"] for m in doctored[s][2]["diagnosis"]["missing"]} for s in EXPECTED}
     assert missing["fresh_optimizer"] == {"optimizer"}
     assert missing["scheduler_not_saved"] == {"lr_scheduler"}
     assert missing["scaler_not_saved"] == {"grad_scaler"}

@@ -23,6 +23,7 @@ import torch
 
 from conftest import assert_one_line_error, call_cli, once_per_session
 from exactresume.cli import main
+from exactresume.doctor.warm import Launcher
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -52,6 +53,8 @@ CASES = {
 }
 
 
+COLD = "hf_trainer"  # its doctor runs as the user runs it, a cold process each; the others fork theirs (--warm)
+
 # The fixes the doctor names, applied (--fixed) and checked by hand only: each resumes exactly.
 FIXED = {name: replace(CASES[name], extra=("--fixed",)) for name in ("accelerate_loop", "dataloader_base_seed")}
 
@@ -60,17 +63,22 @@ def by_hand(case: Case, folder: Path) -> dict:
     """The straight run and a resumed copy of its checkpoint, outside the doctor: per rank, which of
     the resumed steps drew the straight run's batch, which straight step each resumed batch matches,
     and whether the final weights are equal."""
-    env = os.environ | OFFLINE
     straight, resumed = folder / "straight", folder / "resumed"
-    subprocess.run(case.command(straight, "--record", str(folder / "a")), env=env, check=True, capture_output=True)
-    resumed.mkdir(parents=True)
-    copy = shutil.copytree if (straight / case.checkpoint).is_dir() else shutil.copy2
-    copy(straight / case.checkpoint, resumed / (case.copied_as or case.checkpoint))
-    subprocess.run(
-        case.command(resumed, "--resume", "--record", str(folder / "b")), env=env, check=True, capture_output=True
-    )
+    with Launcher(warm=True, logs=folder) as launcher:  # each a new process, forked: see test_doctor.py
+        run_script(launcher, case.command(straight, "--record", str(folder / "a")), folder / "straight.log")
+        resumed.mkdir(parents=True)
+        copy = shutil.copytree if (straight / case.checkpoint).is_dir() else shutil.copy2
+        copy(straight / case.checkpoint, resumed / (case.copied_as or case.checkpoint))
+        run_script(launcher, case.command(resumed, "--resume", "--record", str(folder / "b")), folder / "resumed.log")
     suffixes = ["-0.pt", "-1.pt"] if case.launcher != (sys.executable,) else [""]
     return {str(rank): compare(folder / f"a{s}", folder / f"b{s}", case.resume_step) for rank, s in enumerate(suffixes)}
+
+
+def run_script(launcher: Launcher, command: list[str], log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as sink:
+        code = launcher.start(command, os.environ | OFFLINE, log, sink).wait()
+    assert code == 0, f"{command} exited {code}: {log.read_text()[-2000:]}"
 
 
 def compare(straight_record: Path, resumed_record: Path, k: int) -> dict:
@@ -86,10 +94,10 @@ def compare(straight_record: Path, resumed_record: Path, k: int) -> dict:
     }
 
 
-def doctor_args(case: Case, folder: Path) -> list[str]:
+def doctor_args(case: Case, folder: Path, warm: bool) -> list[str]:
     # `--resume-args --resume` as two words, as a user types it
     flags = ["--steps", "8", "--stop-after", "4", "--out", str(folder / "doctor"), "--resume-args", "--resume"]
-    return ["doctor", *flags, "--", *case.command(folder / "out")]
+    return ["doctor", *flags, *(["--warm"] if warm else []), "--", *case.command(folder / "out")]
 
 
 def run_case(root: Path, name: str) -> tuple[str, dict]:
@@ -97,7 +105,7 @@ def run_case(root: Path, name: str) -> tuple[str, dict]:
     with ThreadPoolExecutor(1) as hand:
         truth = hand.submit(by_hand, case, folder / "by_hand")
         fixed = hand.submit(by_hand, FIXED[name], folder / "fixed") if name in FIXED else None
-        code = main(doctor_args(case, folder))
+        code = main(doctor_args(case, folder, warm=name != COLD))
         facts = json.loads((folder / "doctor" / "doctor.json").read_text())
         verdict = (folder / "doctor" / "verdict.txt").read_text()
         found = {"code": code, "verdict": verdict, "facts": facts, "truth": truth.result(), "folder": str(folder)}
@@ -188,9 +196,10 @@ def test_a_dataloader_without_generator_shifts_the_restored_rng(frameworks):
     assert fixed["same_batch"] == [True] * 4 and fixed["weights_equal"]  # by hand: generator= makes it exact
 
 
-def test_a_framework_that_is_not_installed(tmp_path):
+@pytest.mark.parametrize("warm", [[], ["--warm"]], ids=["cold", "warm"])
+def test_a_framework_that_is_not_installed(tmp_path, warm):
     command = ["--", sys.executable, str(SCRIPTS / "missing_framework.py")]
-    finished = call_cli("doctor", "--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", *command)
+    finished = call_cli("doctor", "--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", *warm, *command)
     assert_one_line_error(finished, "needs 'lightning'", "does not have")
 
 
@@ -198,7 +207,7 @@ def test_a_script_that_never_checkpoints(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("the user's own file")
     command = [sys.executable, str(SCRIPTS / "dataloader_base_seed.py"), "--out", str(tmp_path / "out")]
-    flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--resume-args", "--resume"]
+    flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--resume-args", "--resume", "--warm"]
     finished = call_cli("doctor", *flags, "--", *command, "--save-every", "100")
     assert_one_line_error(finished, "saved no checkpoint", "it saved nothing the doctor could see")
     assert sorted(os.listdir(tmp_path / "out")) == ["notes.txt"]
@@ -207,7 +216,8 @@ def test_a_script_that_never_checkpoints(tmp_path):
 
 def test_torchrun_ranks_that_disagree_on_the_step_count(tmp_path):
     command = [*TORCHRUN, str(SCRIPTS / "torchrun_uneven.py"), "--out", str(tmp_path / "out")]
-    finished = call_cli("doctor", "--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--", *command)
+    flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--warm"]
+    finished = call_cli("doctor", *flags, "--", *command)
     assert_one_line_error(finished, "ranks disagree on the step count", "rank 0 took 8", "rank 1 took 6")
     assert sorted(os.listdir(tmp_path / "out")) == ["rank0.pt", "rank1.pt"]  # the straight run's, put back
 
@@ -224,7 +234,7 @@ def test_an_older_checkpoint_found_by_the_resume_is_named_and_kept(tmp_path):
     older = tmp_path / "out" / "step-100.pt"  # the newest name, so the script's resume picks it
     (tmp_path / "out" / "step-2.pt").rename(older)
     before = older.read_bytes()
-    flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--resume-args", "--resume"]
+    flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--resume-args", "--resume", "--warm"]
     finished = call_cli("doctor", *flags, "--", *command)
     assert_one_line_error(finished, f"but {older}, which was there before the doctor")
     assert older.read_bytes() == before  # and the straight run's own checkpoints are back beside it

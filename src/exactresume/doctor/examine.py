@@ -14,6 +14,7 @@ from pathlib import Path
 
 from exactresume.doctor.files import Ledger, put_back, roots, set_aside
 from exactresume.doctor.run import TracedRun, run_traced
+from exactresume.doctor.warm import Launcher
 from exactresume.errors import UserError
 
 
@@ -25,6 +26,7 @@ class Plan:
     stop_after: int
     out: Path
     timeout: float | None = None
+    warm: bool = False  # fork each run from one process that imported torch (warm.py)
 
 
 @dataclass
@@ -43,18 +45,25 @@ def examine(plan: Plan) -> Runs:
         raise UserError(
             f"{ledger.path} lists files a previous doctor run put aside: put them back, or use another --out"
         )
-    straight = run_traced("straight", plan.command, plan.out, plan.steps, timeout=plan.timeout)
+    with Launcher(plan.warm, plan.out / "logs") as launcher:
+        return run_three(plan, ledger, launcher)
+
+
+def run_three(plan: Plan, ledger: Ledger, launcher: Launcher) -> Runs:
+    def run(name: str, command: list[str], steps: int, crash_from: int | None = None, made=()) -> TracedRun:
+        return run_traced(name, command, plan.out, steps, crash_from, plan.timeout, made, launcher)
+
+    straight = run("straight", plan.command, plan.steps)
     aside = set_aside(ledger, straight)
     done: list[TracedRun] = []
     try:
         check_straight(straight, plan)
-        interrupted = run_traced("interrupted", plan.command, plan.out, plan.steps, plan.stop_after, plan.timeout)
+        interrupted = run("interrupted", plan.command, plan.steps, plan.stop_after)
         done.append(interrupted)
         resume_step = check_interrupted(interrupted, plan)
         files = read_files(interrupted, resume_step)
-        command = plan.command + plan.resume_args
         steps, made = plan.steps - resume_step, roots([interrupted])
-        resumed = run_traced("resumed", command, plan.out, steps, timeout=plan.timeout, made=made)
+        resumed = run("resumed", plan.command + plan.resume_args, steps, made=made)
         done.append(resumed)
         check_resumed(resumed, interrupted, plan)
     finally:

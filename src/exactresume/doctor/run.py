@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from exactresume.doctor.tracer import CRASH, CUT
+from exactresume.doctor.warm import Launcher
 from exactresume.errors import UserError
 
 TRACER_DIR = Path(__file__).resolve().parent / "tracer"
@@ -125,6 +126,7 @@ def run_traced(
     crash_from: int | None = None,
     timeout: float | None = None,
     made: list[str] = (),
+    launcher: Launcher | None = None,
 ) -> TracedRun:
     """Run `command` once under the tracer, cut as its optimizer step `limit + 1` begins; a path that
     was there before and that the command changes is copied into OUT/files/before/NAME first (not
@@ -134,12 +136,10 @@ def run_traced(
         stale.unlink()
     log.parent.mkdir(parents=True, exist_ok=True)
     env = child_env(trace, out, limit, crash_from, list(made))
+    launcher = launcher or Launcher(warm=False, logs=log.parent)
     started = time.perf_counter()
     with open(log, "wb") as sink:
-        try:
-            child = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
-        except OSError as error:
-            raise UserError(f"cannot start the command {command[0]!r}: {error.strerror}") from error
+        child = launcher.start(command, env, log, sink)
         try:
             rc = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

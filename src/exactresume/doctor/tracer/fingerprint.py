@@ -70,6 +70,14 @@ def digest(*values) -> str:
     return hasher.hexdigest()
 
 
+def settings_digest(settings: list[dict]) -> str:
+    """A digest of plain settings (an optimizer's hyperparameters) through their repr, which is exact for
+    numbers, strings and tuples of them: one hash, not one per value. A tensor among them (its repr
+    rounds) goes through digest()."""
+    text = repr(settings)
+    return digest(settings) if "tensor(" in text else "r" + xxhash.xxh3_64_hexdigest(text.encode())
+
+
 MT19937_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], int pos
 
 
@@ -83,12 +91,19 @@ def numpy_rng_digest() -> str:
     return xxhash.xxh3_64_hexdigest(memoryview(state).cast("B"))
 
 
+def python_rng_digest() -> str:
+    """Python's global RNG state: the hash of its 625 ints (an int's hash is not salted), and the cached
+    Gaussian by value (hashing the whole state would hash None, whose hash is its address on 3.11)."""
+    _, words, gauss = random.getstate()
+    return f"{hash(words) & (2**64 - 1):016x}{gauss!r}"
+
+
 def rng_digests() -> dict[str, str]:
     """The global torch, CUDA, numpy and python RNG states, one fingerprint each."""
     states = {
         "rng_torch": digest(torch.get_rng_state()),
         "rng_numpy": numpy_rng_digest(),
-        "rng_python": f"{hash(random.getstate()) & (2**64 - 1):016x}",  # a tuple of ints: its hash is not salted
+        "rng_python": python_rng_digest(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["rng_cuda"] = digest(torch.cuda.get_rng_state_all())
@@ -138,7 +153,9 @@ def weight_sample(params: Iterable[torch.Tensor], size: int = 4096) -> np.ndarra
     if len(params) > 8:  # the eight largest, in their order: a step of a small model is mostly this sample's ops
         largest = set(sorted(range(len(params)), key=lambda i: -params[i].numel())[:8])
         params = [p for i, p in enumerate(params) if i in largest]
-    total = sum(p.numel() for p in params)
-    stride = max(1, total // size)
-    parts = [p.detach().reshape(-1)[::stride] for p in params]
-    return torch.cat(parts).float().cpu().numpy() if parts else np.zeros(0, np.float32)
+    if not params:
+        return np.zeros(0, np.float32)
+    stride = max(1, sum(p.numel() for p in params) // size)
+    with torch.no_grad():  # views of the parameters, not nodes of the autograd graph: a few microseconds each
+        sample = torch.cat([p.reshape(-1) if stride == 1 else p.reshape(-1)[::stride] for p in params])
+    return (sample if sample.dtype == torch.float32 else sample.float()).cpu().numpy()

@@ -129,7 +129,7 @@ class Tracer:
             "event": "step",
             "step": self.step + 1,
             "lr": [float(g.get("lr", 0.0)) for g in groups],
-            "hparams": fp.digest([{k: v for k, v in g.items() if k != "lr"} for g in groups]),
+            "hparams": fp.settings_digest([{k: v for k, v in g.items() if k != "lr"} for g in groups]),
             "params": fp.digest(params),
             "data": fp.digest(data),
             "sampler_epochs": [row[1] for row in data],

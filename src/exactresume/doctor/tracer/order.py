@@ -11,6 +11,7 @@ that draws.
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
@@ -19,8 +20,22 @@ from .fingerprint import digest
 SEEDED = ("seed", "initial_seed")  # samplers whose order is a function of a seed and set_epoch's epoch
 
 
+CHAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> its chain, followed once
+
+
 def chain(loader) -> list:
-    """The loader's batch sampler, the samplers it wraps, down to the one that draws the order."""
+    """The loader's batch sampler, the samplers it wraps, down to the one that draws the order (a
+    DataLoader's batch_sampler and sampler cannot be set after it is made: followed once per loader)."""
+    try:
+        return CHAINS[loader]
+    except KeyError:
+        CHAINS[loader] = found = follow(loader)
+        return found
+    except TypeError:  # an object without weak references or a hash
+        return follow(loader)
+
+
+def follow(loader) -> list:
     found: list = []
     node = getattr(loader, "batch_sampler", None) or getattr(loader, "sampler", None)
     while node is not None and len(found) < 8 and all(node is not seen for seen in found):
