@@ -25,6 +25,7 @@ from pathlib import Path
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "exactresume-test", "AWS_SECRET_ACCESS_KEY": "test-secret-0123456789"}
 CREDENTIALS |= {"AWS_DEFAULT_REGION": "us-east-1"}
 BUCKET = "exactresume-tests"
+BIND_TRIES = 5
 
 
 def weed_binary() -> str:
@@ -72,21 +73,31 @@ class SeaweedServer:
         # Only the S3 gateway: no Iceberg or Lance catalogs on their fixed ports, no telemetry sent out.
         command += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"]
         command += ["-master.resumeState=false"]  # a restart elects its one master at once (else ~15 s)
-        log = open(self.folder / "weed.log", "ab")
-        self.process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
-        self._wait_until_answering(timeout)
-        return self
+        for attempt in range(BIND_TRIES):
+            with open(self.folder / "weed.log", "ab") as log:
+                start = log.tell()
+                self.process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+            if self._wait_until_answering(timeout, start):
+                return self
+            time.sleep(1.0 + attempt)  # a port of ours still held for a moment after a restart: try again
+        raise RuntimeError(f"weed server exited {self.process.returncode}: see {self.folder / 'weed.log'}")
 
-    def _wait_until_answering(self, timeout: float) -> None:
+    def _wait_until_answering(self, timeout: float, log_start: int) -> bool:
+        """True once it answers S3; False when it exited because one of its ports was taken (its log,
+        from `log_start` on, says so)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                with open(self.folder / "weed.log", "rb") as log:
+                    log.seek(log_start)
+                    if b"address already in use" in log.read():
+                        return False
                 raise RuntimeError(f"weed server exited {self.process.returncode}: see {self.folder / 'weed.log'}")
             try:
                 if BUCKET not in [b["Name"] for b in self.client().list_buckets().get("Buckets", [])]:
                     self.client().create_bucket(Bucket=BUCKET)
                 self.client().put_object(Bucket=BUCKET, Key="ready", Body=b"1")
-                return
+                return True
             except Exception:
                 time.sleep(0.3)
         raise RuntimeError(f"weed server did not answer S3 within {timeout:g} s")
@@ -103,6 +114,9 @@ class SeaweedServer:
 
     def stop(self) -> None:
         if self.process is None:
+            return
+        if self.process.poll() is not None:  # it exited by itself (a failed start)
+            self.process = None
             return
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
