@@ -37,8 +37,7 @@ def train_wall(data: Path) -> dict:
         flags = ["--steps", str(TRAIN_STEPS), "--stop-after", "10", "--out", f"{folder}/doctor"]
         doctor_command = [sys.executable, "-m", "exactresume.cli", "doctor", *flags, "--resume-args=--resume auto"]
         doctor = wall_seconds([*doctor_command, "--", *train, "--out", f"{folder}/doctored"])
-        warm_command = [*doctor_command[:4], "--warm", *doctor_command[4:]]
-        warm = wall_seconds([*warm_command, "--", *train, "--out", f"{folder}/warm"])
+        warm = wall_seconds([*doctor_command, "--warm", "--", *train, "--out", f"{folder}/warm"])
     row = {"straight_s": straight, "doctor_s": doctor, "wall_ratio": doctor / straight}
     return row | {"doctor_warm_s": warm, "warm_ratio": warm / straight}
 

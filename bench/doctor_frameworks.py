@@ -76,9 +76,9 @@ def measure(script: str, steps: int, repeats: int) -> dict:
             command = [sys.executable, str(SCRIPTS / f"{script}.py"), "--steps", "8", "--out"]
             straight.append(wall_seconds([*command, f"{folder}/straight"]))
             flags = ["--steps", "8", "--stop-after", "4", "--out", f"{folder}/doctor", "--resume-args=--resume"]
-            doctor_command = [sys.executable, "-m", "exactresume.cli", "doctor", *flags, "--", *command]
-            doctor.append(wall_seconds([*doctor_command, f"{folder}/doctored"]))
-            warm.append(wall_seconds([*doctor_command[:4], "--warm", *doctor_command[4:], f"{folder}/warm"]))
+            doctor_command = [sys.executable, "-m", "exactresume.cli", "doctor", *flags]
+            doctor.append(wall_seconds([*doctor_command, "--", *command, f"{folder}/doctored"]))
+            warm.append(wall_seconds([*doctor_command, "--warm", "--", *command, f"{folder}/warm"]))
     median = statistics.median
     return {
         "step_plain_s": median(plain),

@@ -51,7 +51,7 @@ def examine(plan: Plan) -> Runs:
 
 def run_three(plan: Plan, ledger: Ledger, launcher: Launcher) -> Runs:
     def run(name: str, command: list[str], steps: int, crash_from: int | None = None, made=()) -> TracedRun:
-        return run_traced(name, command, plan.out, steps, crash_from, plan.timeout, made, launcher)
+        return run_traced(name, command, plan.out, steps, launcher, crash_from, plan.timeout, made)
 
     straight = run("straight", plan.command, plan.steps)
     aside = set_aside(ledger, straight)

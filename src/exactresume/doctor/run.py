@@ -123,10 +123,10 @@ def run_traced(
     command: list[str],
     out: Path,
     limit: int,
+    launcher: Launcher,
     crash_from: int | None = None,
     timeout: float | None = None,
     made: list[str] = (),
-    launcher: Launcher | None = None,
 ) -> TracedRun:
     """Run `command` once under the tracer, cut as its optimizer step `limit + 1` begins; a path that
     was there before and that the command changes is copied into OUT/files/before/NAME first (not
@@ -136,7 +136,6 @@ def run_traced(
         stale.unlink()
     log.parent.mkdir(parents=True, exist_ok=True)
     env = child_env(trace, out, limit, crash_from, list(made))
-    launcher = launcher or Launcher(warm=False, logs=log.parent)
     started = time.perf_counter()
     with open(log, "wb") as sink:
         child = launcher.start(command, env, log, sink)
