@@ -3,10 +3,12 @@ wheel, on this machine.
 
     server = SeaweedServer(folder).start()    # answers S3 at server.endpoint within a few seconds
     server.stop()                             # SIGTERM, a wait, then SIGKILL (it ignores SIGTERM at times)
-    server.start()                            # the same ports and data again: the same objects
+    server.start()                            # the same endpoint and data again: the same objects
 
 Nothing outside the machine is reached: it listens on 127.0.0.1 only, on free ports picked here
-(each port also needs port + 10000 free, where SeaweedFS puts its gRPC). Any access key is accepted.
+(each port also needs port + 10000 free, where SeaweedFS puts its gRPC), all below Linux's range of
+ports for outgoing connections (32768 and up), which a client's connection could otherwise hold for
+a moment. Any access key is accepted.
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ def _free(port: int) -> bool:
     return True
 
 
-def _free_ports(count: int) -> list[int]:
+def _free_ports(count: int, taken: tuple[int, ...] = ()) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
-        port = random.randint(20000, 29999)
-        if port not in ports and _free(port) and _free(port + 10000):
+        port = random.randint(10000, 19999)
+        if port not in (*ports, *taken) and _free(port) and _free(port + 10000):
             ports.append(port)
     return ports
 
@@ -56,15 +58,14 @@ class SeaweedServer:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.master, self.volume, self.filer, self.s3 = _free_ports(4)
+        self.s3, self.master, self.volume, self.filer = _free_ports(4)
         self.process: subprocess.Popen | None = None
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.s3}"
 
-    def start(self, timeout: float = 60.0) -> SeaweedServer:
-        self.folder.mkdir(parents=True, exist_ok=True)
+    def command(self) -> list[str]:
         command = [weed_binary(), "server", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
         command += [f"-master.port={self.master}", f"-volume.port={self.volume}", f"-filer.port={self.filer}"]
         # Each bucket is a collection of its own volumes: the tests share one bucket, a prefix each.
@@ -72,14 +73,20 @@ class SeaweedServer:
         command += ["-s3", f"-s3.port={self.s3}", "-master.volumeSizeLimitMB=1024", "-volume.max=300"]
         # Only the S3 gateway: no Iceberg or Lance catalogs on their fixed ports, no telemetry sent out.
         command += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"]
-        command += ["-master.resumeState=false"]  # a restart elects its one master at once (else ~15 s)
+        return command + ["-master.resumeState=false"]  # a restart elects its one master at once (else ~15 s)
+
+    def start(self, timeout: float = 60.0) -> SeaweedServer:
+        self.folder.mkdir(parents=True, exist_ok=True)
         for attempt in range(BIND_TRIES):
             with open(self.folder / "weed.log", "ab") as log:
                 start = log.tell()
-                self.process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+                self.process = subprocess.Popen(self.command(), stdout=log, stderr=log, start_new_session=True)
             if self._wait_until_answering(timeout, start):
                 return self
-            time.sleep(1.0 + attempt)  # a port of ours still held for a moment after a restart: try again
+            # A port of ours was taken while it was stopped (another server's start, on another test
+            # process, may pick it): other ports for the parts behind the gateway, the same endpoint.
+            time.sleep(1.0 + attempt)
+            self.master, self.volume, self.filer = _free_ports(3, taken=(self.s3,))
         raise RuntimeError(f"weed server exited {self.process.returncode}: see {self.folder / 'weed.log'}")
 
     def _wait_until_answering(self, timeout: float, log_start: int) -> bool:

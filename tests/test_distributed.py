@@ -1,8 +1,8 @@
-"""Many processes: DDP under torchrun (2 processes on gloo), sharded DCP checkpoints, resuming on another N.
+"""Many processes: DDP on 2 processes (gloo), sharded DCP checkpoints, resuming on another N.
 
-Every training run here is a new process; the 2-process ones go through `--nproc 2` (torchrun).
-Each torchrun start costs seconds, so the module makes six: two straight-or-stopped runs, the
-killed save (whose surviving sharded checkpoint the other tests resume), and three resumes.
+Every training run here is a new process; the 2-process ones go through `--nproc 2` (PyTorch's
+elastic agent, its ranks forked), one through torchrun started by hand (its ranks cold), and the
+killed save, whose surviving sharded checkpoint the other tests resume.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from conftest import (
     SMALL,
     assert_lab_dict,
     assert_one_line_error,
+    assert_same_run,
     assert_weights_equal,
     call_cli,
     max_abs_difference,
@@ -27,13 +28,15 @@ from conftest import (
 )
 from exactresume.errors import CheckpointError
 from exactresume.lab.lab import LabConfig, _train_flags
-from exactresume.parallel.launch import first_error, launch_command
+from exactresume.parallel.agent import agent_config
+from exactresume.parallel.launch import first_error
 from exactresume.store.resume import PerRank, read_resume
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.world import World
 
 # The issue's bound for a resume on another number of processes: only the reduction order differs.
 CROSS_N_ATOL = 1e-5
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
 def train(out, data, *flags):
@@ -58,7 +61,7 @@ def killed(tmp_path_factory, kjv_folder):
     """
     folder = tmp_path_factory.mktemp("killed")
     worker = Path(__file__).with_name("kill_mid_save.py")
-    command = launch_command([], 2)[:5] + [str(worker), str(kjv_folder), str(folder)]
+    command = [*TORCHRUN, str(worker), str(kjv_folder), str(folder)]
     finished = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert finished.returncode != 0, finished.stderr
     return folder
@@ -68,6 +71,15 @@ def test_the_samples_do_not_depend_on_the_number_of_processes(runs):
     one, two = (runs / "straight1" / "samples.csv").read_text(), (runs / "straight2" / "samples.csv").read_text()
     assert one == two and len(one.splitlines()) == 9
     assert all(len(starts) == 2 for starts in read_samples(runs / "straight2" / "samples.csv").values())
+
+
+def test_forked_ranks_end_as_the_ranks_torchrun_starts_cold(tmp_path, kjv_folder, runs):
+    """`--nproc 2` forks its ranks from a process that imported torch; torchrun by hand starts each
+    rank as a new Python: the same run, bit for bit."""
+    flags = ["--out", tmp_path, "--data", kjv_folder, *SMALL, "--samples", tmp_path / "samples.csv", "--quiet"]
+    command = [*TORCHRUN, "-m", "exactresume.cli", "--", "train", *flags]
+    subprocess.run(list(map(str, command)), check=True, capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert_same_run(tmp_path, runs / "straight2")
 
 
 @pytest.mark.parametrize("stopped", ["resume file at step 3", "sharded folder at step 2"])
@@ -262,7 +274,10 @@ def test_sharded_needs_stop_at(tmp_path, kjv_folder):
     assert_one_line_error(call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--sharded"), "--sharded")
 
 
-def test_launcher_is_pytorchs_own():
-    command = launch_command(["train", "--log", "x.csv"], 3)
-    assert command[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
-    assert command[-4:] == ["--", "train", "--log", "x.csv"]
+def test_the_agent_is_torchruns_standalone_forking_its_ranks_except_under_the_doctor(monkeypatch):
+    monkeypatch.delenv("EXACTRESUME_DOCTOR_TRACE", raising=False)
+    config = agent_config(3)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.max_restarts) == (1, 1, 3, 0)
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.start_method) == ("c10d", "localhost:0", "fork")
+    monkeypatch.setenv("EXACTRESUME_DOCTOR_TRACE", "1")
+    assert agent_config(3).start_method == "spawn"

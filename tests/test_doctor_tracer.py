@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 
 import torch
 
@@ -96,6 +97,8 @@ def test_every_writer_of_files_is_seen_and_what_was_there_is_kept(tmp_path):
         with open(tmp_path / "notes.txt", "a") as file:
             file.write(" and after")
         shutil.rmtree(tmp_path / "old")
+        with tempfile.TemporaryFile(dir=tmp_path) as unnamed:  # O_TMPFILE on Linux: the folder is not written
+            unnamed.write(b"scratch")
     finally:
         remove()
         tracer.close({"event": "exit", "steps": tracer.step})

@@ -168,31 +168,32 @@ def test_the_lab_and_the_ablation_refuse_fsdp(tmp_path, kjv_folder, command):
 # -- kill -9 under FSDP2, then --resume auto on 2 processes and on 1 ---------------------------------
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process started by `pid`, and by those, from /proc (torchrun's agent and its ranks)."""
-    children: dict[int, list[int]] = {}
+def children() -> dict[int, list[int]]:
+    """Each process's children, from /proc."""
+    tree: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
+        tree.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started by `pid`, and by those (the launcher's agent and its ranks)."""
+    tree, found, todo = children(), [], [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
+        for child in tree.get(todo.pop(), []):
             found.append(child)
             todo.append(child)
     return found
 
 
 def ranks_of(launcher: subprocess.Popen) -> list[int]:
-    """The training processes under `launcher`: its descendants that run exactresume's command line."""
-    ranks = []
-    for pid in descendants(launcher.pid):
-        with contextlib.suppress(OSError):
-            if b"torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                ranks.append(pid)
-    return ranks
+    """The training processes under `launcher`: the children of its one child, the agent."""
+    tree = children()
+    return [rank for agent in tree.get(launcher.pid, []) for rank in tree.get(agent, [])]
 
 
 def killed_mid_run(out: Path, data: Path, victim: str, rng: random.Random, sig: int = signal.SIGKILL) -> int:

@@ -175,7 +175,7 @@ def add_process_flag(group) -> None:
         "--nproc",
         type=int,
         default=1,
-        help="processes on this machine, started by torchrun (DDP; the global batch stays --batch)",
+        help="processes on this machine, started as torchrun would (DDP; the global batch stays --batch)",
     )
 
 
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in (None, "help"):
         return show_help(parser, getattr(args, "topic", None))
-    args.argv = argv  # what --nproc relaunches under torchrun, and what a stopped run's summary continues
+    args.argv = argv  # what --nproc runs on each rank, and what a stopped run's summary continues
     try:
         with summary_stdout(args):
             return args.func(args)

@@ -133,7 +133,7 @@ def memory(plan, who: int) -> dict | None:
 
 
 def launch_ranks(args: argparse.Namespace, job, argv: list[str], plan) -> int:
-    """`train --nproc N`: the same command in N processes under torchrun; this one sums up."""
+    """`train --nproc N`: the same command in N processes (parallel.launch); this one sums up."""
     from exactresume.parallel.launch import launch
     from exactresume.parallel.split import check_split
 

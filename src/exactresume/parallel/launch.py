@@ -1,15 +1,18 @@
-"""`--nproc N`: start the same command in N processes through PyTorch's own launcher (torchrun).
+"""`--nproc N`: start the same command in N processes through PyTorch's own elastic agent (the
+engine torchrun runs), the ranks forked from this process (agent.py).
 
     exactresume train ... --nproc 2
-    = python -m torch.distributed.run --standalone --nproc-per-node 2 -m exactresume.cli -- train ... --nproc 2
+    = torchrun --standalone --nproc-per-node 2 -m exactresume.cli -- train ... --nproc 2,
+      each rank a fork that starts with torch imported
 
-Each process finds its rank in the environment torchrun sets (world.World.from_env) and
-ignores --nproc. This file does not import torch, so the process that only launches stays light.
-A user's mistake is met by every rank alike; the launcher prints it once, as one line, with the
-rank's exit code (2, or 74 for a disk that refused a write), instead of torchrun's failure report.
+This process imports what the ranks need (agent.PRELOAD), then forks the agent, which forks the
+ranks. Each rank finds its rank in the environment the agent sets (world.World.from_env) and
+ignores --nproc. A user's mistake is met by every rank alike; the launcher prints it once, as one
+line, with the rank's exit code (2, or 74 for a disk that refused a write), instead of the agent's
+failure report.
 
-Preemption: torchrun runs in its own session, and a SIGTERM or SIGINT to this process is passed on
-to it, as is a SIGTERM when this process dies (kill -9 included); torchrun passes it to every rank
+Preemption: the agent runs in its own session, and a SIGTERM or SIGINT to this process is passed on
+to it, as is a SIGTERM when this process dies (kill -9 included); the agent passes it to every rank
 once, the ranks agree to stop after the same step, save, and exit 75, which the launcher returns. A
 signal sent to every process at once (the ranks included, as some schedulers do) reaches the ranks
 twice, and a second signal stops a rank without saving.
@@ -22,33 +25,17 @@ import ctypes
 import os
 import re
 import signal
-import subprocess
 import sys
+import traceback
 from collections.abc import Collection, Iterator
+
+from exactresume.parallel.agent import preload, run_agent
 
 # The line every rank prints for a user's mistake or an interrupt (cli.main).
 ERROR_LINE = re.compile(r"^exactresume \w+: (error: .*|interrupted|stopped by .* after step \d+.*)$")
-# torchrun's failure report names the first failed rank's exit code.
-EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
 PREEMPTED_EXIT = 75  # preemption.PREEMPTED_EXIT (that module is not imported here)
 # DDP's note that find_unused_parameters found none: we set it on purpose (replicas.Replicas).
 EXPECTED_NOTE = "find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters"
-
-
-def launch_command(argv: Collection[str], nproc: int) -> list[str]:
-    """`exactresume ARGV` under PyTorch's launcher with N processes on this machine."""
-    # `--` keeps torchrun's parser off our flags: it takes --log and --nproc for ambiguous prefixes of its own.
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "exactresume.cli",
-        "--",
-        *argv,
-    ]
 
 
 def first_error(stderr: str) -> str | None:
@@ -57,54 +44,75 @@ def first_error(stderr: str) -> str | None:
 
 
 def launch(argv: Collection[str], nproc: int) -> int:
-    """Run `exactresume ARGV` in N processes under torchrun; a rank's one line and exit code when one fails."""
-    env = dict(os.environ)
-    # torchrun would set 1 and warn; split this machine's cores between the processes instead.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # Its own session: a terminal's Ctrl-C reaches the ranks once, through torchrun, not twice. And a
-    # SIGTERM when this process dies (kill -9 included): the ranks save and stop, none is left behind.
-    process = subprocess.Popen(
-        launch_command(argv, nproc),
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-        preexec_fn=_terminated_with_parent,
-    )
-    with _passing_signals_to(process):
-        _, stderr = process.communicate()
-    error = first_error(stderr) if process.returncode else None
+    """Run `exactresume ARGV` in N processes; a rank's one line and exit code when one fails."""
+    preload()
+    sys.stdout.flush()  # else the agent and every rank would print what is still buffered here
+    sys.stderr.flush()
+    launcher, (read_end, write_end) = os.getpid(), os.pipe()
+    agent = os.fork()
+    if agent == 0:
+        os.close(read_end)
+        _be_the_agent(argv, nproc, write_end, launcher)
+    os.close(write_end)
+    with _passing_signals_to(agent), os.fdopen(read_end, errors="replace") as agent_stderr:
+        stderr = agent_stderr.read()  # the agent's and the ranks' stderr, until the last of them ends
+        code = os.waitstatus_to_exitcode(os.waitpid(agent, 0)[1])
+    error = first_error(stderr) if code else None
     if error is None:
         sys.stderr.writelines(line for line in stderr.splitlines(keepends=True) if EXPECTED_NOTE not in line)
-        return process.returncode
+        return code
     print(error, file=sys.stderr)
-    return exit_code(error, stderr)
+    return exit_code(error, code)
+
+
+def _be_the_agent(argv: Collection[str], nproc: int, stderr_fd: int, launcher: int) -> None:
+    """In the forked agent: its own session (a terminal's Ctrl-C reaches the ranks once, through the
+    agent, not twice), SIGTERM when the launcher dies (kill -9 included: the ranks save and stop, none
+    is left behind), stderr to the launcher's pipe; run the ranks, exit with the code. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        _terminated_with_parent()
+        if os.getppid() != launcher:  # it died before the line above
+            os._exit(128 + signal.SIGTERM)
+        os.dup2(stderr_fd, 2)
+        os.close(stderr_fd)
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # the descriptors, where a caller redirected them
+        # torchrun would set 1 and warn; split this machine's cores between the processes instead.
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        code = run_agent(argv, nproc)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _terminated_with_parent() -> None:
-    """In torchrun's process, before it starts: SIGTERM when the launcher dies (Linux; elsewhere nothing)."""
+    """SIGTERM to this process when its parent dies (Linux; elsewhere nothing)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def exit_code(line: str, stderr: str) -> int:
-    """The exit code a single process would have returned for the ranks' `line`."""
+def exit_code(line: str, agent_code: int) -> int:
+    """The exit code a single process would have returned for the ranks' `line` (the agent's code is
+    the first failed rank's)."""
     if line.endswith("interrupted"):
         return 130
     if ": stopped by " in line:
         return PREEMPTED_EXIT
-    reported = EXIT_CODE.search(stderr)
-    return 74 if reported and int(reported.group(1)) == 74 else 2
+    return 74 if agent_code == 74 else 2
 
 
 @contextlib.contextmanager
-def _passing_signals_to(process: subprocess.Popen) -> Iterator[None]:
-    """Pass SIGTERM and SIGINT on to `process` (torchrun) while it runs, instead of dying first."""
+def _passing_signals_to(pid: int) -> Iterator[None]:
+    """Pass SIGTERM and SIGINT on to process `pid` (the agent) while it runs, instead of dying first."""
     numbers = (signal.SIGTERM, signal.SIGINT)
-    previous = {number: signal.signal(number, lambda number, frame: process.send_signal(number)) for number in numbers}
+    previous = {number: signal.signal(number, lambda number, frame: os.kill(pid, number)) for number in numbers}
     try:
         yield
     finally:

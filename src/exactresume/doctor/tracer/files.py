@@ -18,6 +18,9 @@ import time
 
 WRITING_MODES = frozenset("wax+")
 WRITING_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+# os.open(FOLDER, O_TMPFILE | ...) makes a file without a name in FOLDER (tempfile.TemporaryFile does,
+# on Linux): no path is written, and the folder is not the process's to copy.
+UNNAMED = getattr(os, "O_TMPFILE", 0)
 
 
 class Files:
@@ -69,6 +72,8 @@ class Files:
     def keep_copy(self, path: str) -> None:
         if not self.keep or os.path.join(path, "").startswith(self.made):
             return
+        if os.path.join(self.keep, "").startswith(os.path.join(path, "")):
+            return  # a folder that holds the keep folder would be copied into itself
         copy = os.path.join(self.keep, f"{os.getpid()}-{len(self.seen):04d}-{os.path.basename(path)}")
         self.busy += 1
         try:
@@ -84,7 +89,9 @@ class Files:
 
 def opening(files: Files, original):
     def traced(file, mode="r", *args, **kwargs):
-        if not isinstance(file, int) and WRITING_MODES.intersection(mode):
+        # With an opener, the path is the opener's to open (os.open, traced below, sees its flags).
+        opener = kwargs.get("opener", args[5] if len(args) > 5 else None)
+        if not isinstance(file, int) and opener is None and WRITING_MODES.intersection(mode):
             files.before_write(file)
         return original(file, mode, *args, **kwargs)
 
@@ -93,7 +100,8 @@ def opening(files: Files, original):
 
 def os_opening(files: Files, original):
     def traced(path, flags, *args, **kwargs):
-        if flags & WRITING_FLAGS and kwargs.get("dir_fd") is None:
+        unnamed = UNNAMED and (flags & UNNAMED) == UNNAMED
+        if flags & WRITING_FLAGS and not unnamed and kwargs.get("dir_fd") is None:
             files.before_write(path)
         return original(path, flags, *args, **kwargs)
 

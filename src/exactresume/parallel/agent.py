@@ -1,0 +1,81 @@
+"""The agent of `--nproc N`: PyTorch's elastic agent (the engine torchrun runs), started in a process
+forked from the launcher (launch.py), that starts the N ranks as forks of itself.
+
+Each rank is a new process that begins with torch, torch._dynamo and our training modules imported,
+and nothing else: the launcher imported them (PRELOAD) before forking, and never built a model, ran
+an operator or drew a random number (the lab's warm starts rest on the same fact). A rank started
+cold would import them again: seconds of CPU per rank before its first step, on every launch.
+
+The agent is torchrun's `--standalone`: one node, a c10d rendezvous on a free local port, no
+restarts. Each rank runs `exactresume ARGV` as a rank torchrun started would (RANK, WORLD_SIZE,
+MASTER_ADDR ... in its environment) and exits with its command's code.
+
+Under `exactresume doctor`, whose tracer runs in the launcher, the ranks are spawned instead: each
+is a fresh Python, traced by the doctor as a process of its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Sequence
+
+# What every rank needs before its first step; imported by the launcher, so that each fork has it.
+PRELOAD = ("torch._dynamo", "torch.distributed.launcher.api", "exactresume.training.job_run")
+CLI_MODULE = "exactresume.cli"  # the rank's command, named by module: the CLI sits above this layer
+TRACED = "EXACTRESUME_DOCTOR_TRACE"  # set where the doctor's tracer runs (doctor/tracer/shim)
+
+
+def preload() -> None:
+    """Import PRELOAD in this process (the launcher), before it forks the agent."""
+    for module in PRELOAD:
+        importlib.import_module(module)
+
+
+def run_agent(argv: Sequence[str], nproc: int) -> int:
+    """Run `exactresume ARGV` on N ranks of this machine under the elastic agent; the first failed
+    rank's exit code (128 + N for a signal), 0 when every rank succeeded."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    try:
+        elastic_launch(agent_config(nproc), run_rank)(list(argv))
+    except ChildFailedError as failed:
+        code = failed.get_first_failure()[1].exitcode
+        return code if code >= 0 else 128 - code
+    except SignalException as signalled:
+        return 128 + signalled.sigval
+    return 0
+
+
+def agent_config(nproc: int):
+    """torchrun's `--standalone --nproc-per-node N` as the agent's config, its ranks forked."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        start_method="spawn" if os.environ.get(TRACED) else "fork",
+    )
+
+
+def run_rank(argv: list[str]) -> None:
+    """One rank: `exactresume ARGV` in this process; a failure leaves with its command's exit code."""
+    # A fork has the agent's handlers (they raise into the agent's loop): a rank starts with the defaults.
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    code = importlib.import_module(CLI_MODULE).main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        sys.exit(code)
