@@ -26,7 +26,7 @@ from conftest import (
     max_abs_difference,
     run_cli,
 )
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, UserError
 from exactresume.lab.lab import LabConfig, _train_flags
 from exactresume.parallel.agent import agent_config
 from exactresume.parallel.launch import first_error
@@ -281,3 +281,11 @@ def test_the_agent_is_torchruns_standalone_forking_its_ranks_except_under_the_do
     assert (config.rdzv_backend, config.rdzv_endpoint, config.start_method) == ("c10d", "localhost:0", "fork")
     monkeypatch.setenv("EXACTRESUME_DOCTOR_TRACE", "1")
     assert agent_config(3).start_method == "spawn"
+
+
+def test_without_fork_nproc_is_refused_in_one_line(monkeypatch):
+    from exactresume.parallel.launch import launch
+
+    monkeypatch.delattr(os, "fork")
+    with pytest.raises(UserError, match="--nproc needs a system with fork"):
+        launch(["train"], 2)

@@ -130,9 +130,13 @@ def test_each_damage_falls_back_to_the_previous_checkpoint(s3, damage, reason):
 
 
 def test_newest_is_one_paginated_listing_beyond_a_thousand_keys(s3):
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
     checkpoints = saved(store(), 1, 2)
+    server = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]  # 1,001 other objects put behind the API: 50 ms, not 17 s
     for number in range(1001):
-        s3.put_object(Bucket=BUCKET, Key=f"run/other-{number:04d}", Body=b"")
+        server.put_object(BUCKET, f"run/other-{number:04d}", b"")
     calls = []
     client = checkpoints.objects.client
     listing = client.list_objects_v2

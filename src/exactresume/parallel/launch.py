@@ -29,6 +29,7 @@ import sys
 import traceback
 from collections.abc import Collection, Iterator
 
+from exactresume.errors import UserError
 from exactresume.parallel.agent import preload, run_agent
 
 # The line every rank prints for a user's mistake or an interrupt (cli.main).
@@ -45,6 +46,8 @@ def first_error(stderr: str) -> str | None:
 
 def launch(argv: Collection[str], nproc: int) -> int:
     """Run `exactresume ARGV` in N processes; a rank's one line and exit code when one fails."""
+    if not hasattr(os, "fork"):
+        raise UserError("--nproc needs a system with fork (Linux, macOS); start torchrun yourself here")
     preload()
     sys.stdout.flush()  # else the agent and every rank would print what is still buffered here
     sys.stderr.flush()
