@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -100,6 +101,13 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def max_abs_difference(a: Path, b: Path) -> float:

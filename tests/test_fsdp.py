@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_lab_dict, assert_one_line_error, assert_weights_equal, max_abs_difference, run_cli
+from conftest import (
+    assert_lab_dict,
+    assert_one_line_error,
+    assert_weights_equal,
+    free_port,
+    max_abs_difference,
+    run_cli,
+)
 from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.steplog import read_samples
 
@@ -35,12 +41,6 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 
 def train(out: Path, data: Path, *flags: object) -> None:
     run_cli("train", "--out", out, "--data", data, *FLAGS, *flags, check=True)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def train_on_two_nodes(out: Path, data: Path, *flags: object) -> None:

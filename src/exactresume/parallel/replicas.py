@@ -30,6 +30,15 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# Groups left by `process_group`, kept until the process ends. A DDP model built in the group
+# outlives it (the run is returned), and its C++ reducer holds the group too: if the reducer dropped
+# the last reference, gloo's backend would be destroyed with the interpreter lock held, joining
+# gloo's worker thread while that thread waits for the lock to free a finished collective's tensor,
+# and the rank would hang at the end of its run (pytorch #56297). Python's own reference is released
+# without the lock, so it must be the last one.
+_FINISHED_GROUPS: list[dist.ProcessGroup] = []
+
+
 @contextlib.contextmanager
 def process_group(world: World, device: torch.device = torch.device("cpu")) -> Iterator[World]:
     """Join the run's process group for the duration (nothing to join for one process)."""
@@ -37,6 +46,7 @@ def process_group(world: World, device: torch.device = torch.device("cpu")) -> I
         yield world
         return
     dist.init_process_group(backend_for(device))
+    _FINISHED_GROUPS.append(dist.group.WORLD)
     try:
         yield world
         # Tear down together: a rank that closes its gloo connections while a peer is still finishing
