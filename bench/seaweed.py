@@ -119,6 +119,11 @@ class SeaweedServer:
         """`s3://BUCKET/PREFIX`, a prefix no test has used."""
         return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
 
+    def cpu_seconds(self) -> float:
+        """The CPU time the server has used so far (user and system, from /proc)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
     def stop(self) -> None:
         if self.process is None:
             return

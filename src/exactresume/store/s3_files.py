@@ -24,7 +24,7 @@ import torch
 
 from exactresume.errors import CheckpointError, MissingObject
 from exactresume.store.locations import S3Location
-from exactresume.store.s3 import ObjectInfo, ObjectStore, file_info
+from exactresume.store.s3 import ObjectInfo, ObjectStore
 from exactresume.store.s3_commit import (
     COMMIT_FORMAT,
     COMMIT_VERSION,
@@ -85,24 +85,21 @@ def state_bytes(state: Any) -> int:
     return sum(state_bytes(value) for value in state) if isinstance(state, (list, tuple)) else 0
 
 
-def publish_file(objects: ObjectStore, local: Path, target: S3Location, stage: Stage = lambda name: None) -> None:
-    """Upload the local file as `target` and commit it: the old commit goes first, the new one last."""
-    info = file_info(local)
-    commit = commit_of(target)
-    objects.delete([commit])  # from here until the new commit, `target` is not trusted
-    objects.put_file(target, local, info)
-    stage("commit")
-    write_commit(objects, commit, commit_state({target.name: info}))
-
-
 def publish_sealed(objects: ObjectStore, target: S3Location, state: Any, stage: Stage = lambda name: None) -> None:
-    """torch.save `state` with its seal and publish it at `target` (write, upload, verify, commit)."""
+    """torch.save `state` with its seal and publish it at `target` (write, upload, verify, commit): the
+    old commit goes first, the new one last. The local copy is only read again, by the upload, so it is
+    not fsynced, and its xxh3 is the one the seal's pass computed."""
     with local_folder(state_bytes(state)) as folder:
         local = folder / target.name
         stage("write")
         with open(local, "w+b") as file:
-            write_sealed(file, state)
-        publish_file(objects, local, target, stage)
+            digest = write_sealed(file, state, durable=False)
+            info = ObjectInfo(file.tell(), digest)  # the seal is the file's last bytes
+        commit = commit_of(target)
+        objects.delete([commit])  # from here until the new commit, `target` is not trusted
+        objects.put_file(target, local, info)
+        stage("commit")
+        write_commit(objects, commit, commit_state({target.name: info}))
 
 
 def fetch_file(objects: ObjectStore, source: S3Location, folder: Path) -> Path:
