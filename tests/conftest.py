@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +55,20 @@ def run_cli(*args: object, check: bool = False, env: dict[str, str] | None = Non
     if check and finished.returncode != 0:
         raise AssertionError(f"exactresume {' '.join(argv)} exited {finished.returncode}:\n{finished.stderr}")
     return finished
+
+
+def spawn_cli(*args: object, env: dict[str, str] | None = None) -> warm_start.WarmProcess:
+    """`exactresume ARGS` started in a new process as run_cli starts it, not waited for: a handle like
+    subprocess.Popen's (pid, send_signal, poll, wait, communicate), for a test that stops or kills it."""
+    return warm_start.WarmProcess(list(map(str, args)), env=env, environ=True)
+
+
+def printed(process: warm_start.WarmProcess, needle: str, timeout: float = 120) -> str:
+    """Wait until `process` has written `needle` to its stderr (or ended, or `timeout` passed): its stderr."""
+    deadline = time.monotonic() + timeout
+    while needle not in (stderr := process.output()[1]) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return stderr
 
 
 def call_cli(*args: object) -> subprocess.CompletedProcess:

@@ -23,7 +23,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread, run_cli
+from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread, run_cli, spawn_cli
+from exactresume.lab.warm_start import WarmProcess
 from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.numbered import checkpoint_name
@@ -144,11 +145,11 @@ def test_kills_inside_each_save_stage_then_auto_resume_is_bit_exact(tmp_path, kj
 # -- preemption and a kill at a random moment ---------------------------------------------------------
 
 
-def start_child(args) -> subprocess.Popen:
-    return subprocess.Popen(command(args), env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def start_child(args) -> WarmProcess:
+    return spawn_cli(*args, env={"OMP_NUM_THREADS": "1"})
 
 
-def wait_for_a_new_step(child: subprocess.Popen, folder: Path, after: int) -> None:
+def wait_for_a_new_step(child: WarmProcess, folder: Path, after: int) -> None:
     while logged_steps(folder) <= after and child.poll() is None:
         time.sleep(0.002)
 

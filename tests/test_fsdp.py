@@ -28,7 +28,9 @@ from conftest import (
     free_port,
     max_abs_difference,
     run_cli,
+    spawn_cli,
 )
+from exactresume.lab.warm_start import WarmProcess
 from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.steplog import read_samples
 
@@ -190,7 +192,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def ranks_of(launcher: subprocess.Popen) -> list[int]:
+def ranks_of(launcher: WarmProcess) -> list[int]:
     """The training processes under `launcher`: the children of its one child, the agent."""
     tree = children()
     return [rank for agent in tree.get(launcher.pid, []) for rank in tree.get(agent, [])]
@@ -202,10 +204,7 @@ def killed_mid_run(out: Path, data: Path, victim: str, rng: random.Random, sig: 
     wait until none of its processes is left. Returns the launcher's exit code."""
     fault = f"{rng.choice(STAGES)}@{rng.randint(1, 3)}:stop"
     flags = [*FLAGS, "--nproc", 2, "--shard", "fsdp", "--save-every", 2, "--resume", "auto", "--samples", out / "s.csv"]
-    command = [sys.executable, "-m", "exactresume.cli", "train", "--out", out, "--data", data, *flags]
-    launcher = subprocess.Popen(
-        list(map(str, command)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV | {FAULT_ENV: fault}
-    )
+    launcher = spawn_cli("train", "--out", out, "--data", data, *flags, env={"OMP_NUM_THREADS": "1", FAULT_ENV: fault})
     deadline = time.monotonic() + 240
     while not any(_state(pid) == "T" for pid in descendants(launcher.pid)):
         assert launcher.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"

@@ -15,14 +15,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread
+from conftest import (
+    SMALL,
+    assert_one_line_error,
+    assert_same_run,
+    call_cli,
+    one_torch_thread,
+    printed,
+    run_cli,
+    spawn_cli,
+)
 from exactresume.errors import UserError
+from exactresume.lab.warm_start import WarmProcess
 from exactresume.store.faults import FAULT_ENV
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import HELD_ENV, LOCK_NAME, FolderLock, read_holder
 from exactresume.training.parts import GlobalRng
 
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def flags(folder: Path, data: Path, *extra: object) -> list[str]:
@@ -32,16 +43,15 @@ def flags(folder: Path, data: Path, *extra: object) -> list[str]:
     ]
 
 
-def start(args: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "exactresume.cli", *args]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CHILD_ENV)
+def start(args: list[str], env: dict[str, str] | None = None) -> WarmProcess:
+    return spawn_cli(*args, env=ONE_THREAD | (env or {}))
 
 
-def holding(folder: Path, process: subprocess.Popen) -> subprocess.Popen:
+def holding(folder: Path, process: WarmProcess) -> WarmProcess:
     """Wait until `process` holds the lock on `folder`, then freeze it there (SIGSTOP)."""
     deadline = time.monotonic() + 60
     while read_holder(folder / LOCK_NAME).get("pid") != process.pid:
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        assert process.poll() is None and time.monotonic() < deadline, process.output()
         time.sleep(0.02)
     process.send_signal(signal.SIGSTOP)
     return process
@@ -61,12 +71,7 @@ def test_second_writer_is_refused_naming_the_holder_and_the_first_ends_exact(tmp
     folder = tmp_path / "run"
     first = holding(folder, start(flags(folder, kjv_folder)))
     try:
-        second = subprocess.run(
-            [sys.executable, "-m", "exactresume.cli", *flags(folder, kjv_folder)],
-            capture_output=True,
-            text=True,
-            env=CHILD_ENV,
-        )
+        second = run_cli(*flags(folder, kjv_folder), env=ONE_THREAD)
     finally:
         first.send_signal(signal.SIGCONT)
     assert_one_line_error(second, f"{folder} is being written by pid {first.pid} on host", "wait for it or stop it")
@@ -80,7 +85,7 @@ def test_wait_lock_takes_over_when_the_first_writer_stops(tmp_path, kjv_folder, 
     first = holding(folder, start(flags(folder, kjv_folder)))
     second = start(flags(folder, kjv_folder, "--wait-lock", 120))
     try:
-        assert "waiting up to 120 s" in second.stderr.readline()  # it waits; it has written nothing
+        assert "waiting up to 120 s" in printed(second, "waiting up to")  # it waits; it has written nothing
     finally:
         first.send_signal(signal.SIGTERM)
         first.send_signal(signal.SIGCONT)
@@ -91,11 +96,10 @@ def test_wait_lock_takes_over_when_the_first_writer_stops(tmp_path, kjv_folder, 
     assert_same_run(folder, reference)
 
 
-def frozen_after_its_second_checkpoint(folder: Path, data: Path) -> subprocess.Popen:
+def frozen_after_its_second_checkpoint(folder: Path, data: Path) -> WarmProcess:
     """A first writer that trained 4 steps, saved them (step-00000004.pth, durable and verified) and was
     frozen there (SIGSTOP from inside the save), still holding the lock."""
-    env = CHILD_ENV | {FAULT_ENV: "retention@2:stop"}
-    first = subprocess.Popen([sys.executable, "-m", "exactresume.cli", *flags(folder, data)], env=env, text=True)
+    first = start(flags(folder, data), env={FAULT_ENV: "retention@2:stop"})
     deadline = time.monotonic() + 120
     while not _stopped(first.pid):
         assert first.poll() is None and time.monotonic() < deadline
@@ -115,7 +119,7 @@ def test_a_waiting_job_continues_from_the_dead_writers_last_checkpoint(tmp_path,
     first = frozen_after_its_second_checkpoint(folder, kjv_folder)
     second = start(flags(folder, kjv_folder, "--wait-lock", 120))
     try:
-        assert "waiting up to 120 s" in second.stderr.readline()  # it waits; it has written nothing
+        assert "waiting up to 120 s" in printed(second, "waiting up to")  # it waits; it has written nothing
     finally:
         first.send_signal(signal.SIGKILL if death == "kill -9" else signal.SIGTERM)
         first.send_signal(signal.SIGCONT)
@@ -133,12 +137,7 @@ def test_a_kill_9_holder_leaves_no_stale_lock(tmp_path, kjv_folder, reference):
     first.kill()
     first.wait()
     assert read_holder(folder / LOCK_NAME).get("pid") == first.pid  # its note is left; its lock is not
-    second = subprocess.run(
-        [sys.executable, "-m", "exactresume.cli", *flags(folder, kjv_folder)],
-        capture_output=True,
-        text=True,
-        env=CHILD_ENV,
-    )
+    second = run_cli(*flags(folder, kjv_folder), env=ONE_THREAD)
     assert second.returncode == 0, second.stderr
     assert_same_run(folder, reference)
 
@@ -211,12 +210,7 @@ def test_readers_take_no_lock(tmp_path, kjv_folder, reference):
 def test_under_many_processes_rank_0_takes_the_lock(tmp_path, kjv_folder):
     """--nproc 2 into a folder being written: rank 0 is refused, and the launcher says so in one line."""
     with FolderLock.acquire(tmp_path):
-        finished = subprocess.run(
-            [sys.executable, "-m", "exactresume.cli", *flags(tmp_path, kjv_folder, "--nproc", 2, "--quiet")],
-            capture_output=True,
-            text=True,
-            env=CHILD_ENV,
-        )
+        finished = run_cli(*flags(tmp_path, kjv_folder, "--nproc", 2, "--quiet"), env=ONE_THREAD)
     assert_one_line_error(finished, f"{tmp_path} is being written by pid {os.getpid()}")
     assert not (tmp_path / "checkpoints").exists()
 

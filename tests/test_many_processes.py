@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import assert_one_line_error, call_cli, free_port, run_cli
+from conftest import assert_one_line_error, call_cli, free_port, run_cli, spawn_cli
 from exactresume.core.epochs import EpochLoader
 from exactresume.errors import UserError
 from exactresume.parallel.replicas import process_group
@@ -34,7 +33,6 @@ from exactresume.world import World
 # 30 windows of 8 tokens: an epoch of batches 8, 8, 8 and 6; 12 steps are three epochs.
 FEATURES = ["--loader", "epoch", "--seq-len", "8", "--batch", "8", "--grad-accum", "2", "--dropout", "0.1"]
 FEATURES += ["--dtype", "bf16", "--steps", "12", "--nproc", "2"]
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def flags(folder: Path, data: Path, *extra: object) -> list[str]:
@@ -57,8 +55,8 @@ def logged_steps(folder: Path) -> int:
 
 def stop_with_sigterm(folder: Path, data: Path) -> subprocess.CompletedProcess:
     """Start the 2-process run, SIGTERM the `exactresume` command once its first step is logged."""
-    command = [sys.executable, "-m", "exactresume.cli", *flags(folder, data, "--resume", "auto")]
-    child = subprocess.Popen(command, env=CHILD_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = flags(folder, data, "--resume", "auto")
+    child = spawn_cli(*command, env={"OMP_NUM_THREADS": "1"})
     while logged_steps(folder) == 0 and child.poll() is None:
         time.sleep(0.01)
     child.send_signal(signal.SIGTERM)  # to the command only: it passes it through torchrun to every rank

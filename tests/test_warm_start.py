@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import torch
 
-from conftest import SMALL, assert_one_line_error, run_cli
+from conftest import SMALL, assert_one_line_error
 from exactresume.lab import warm_start
 from exactresume.store.weights import read_weights
 
@@ -27,7 +32,8 @@ def test_forked_run_equals_cold_process_run(tmp_path, kjv_folder):
 
     warm = warm_start.run_cli(flags("warm"))
     assert warm.returncode == 0, warm.stderr
-    run_cli(*flags("cold"), check=True)
+    cold = subprocess.run([sys.executable, "-m", "exactresume.cli", *flags("cold")], capture_output=True, text=True)
+    assert cold.returncode == 0, cold.stderr
     warm_weights, cold_weights = (
         read_weights(tmp_path / "warm" / "final.pth")[0],
         read_weights(tmp_path / "cold" / "final.pth")[0],
@@ -41,3 +47,14 @@ def test_forked_run_reports_a_refusal_in_one_line(tmp_path, kjv_folder):
         ["train", "--out", str(tmp_path), "--data", str(kjv_folder), *SMALL, "--stop-at", "99"]
     )
     assert_one_line_error(finished, "--stop-at")
+
+
+def test_spawned_runs_run_side_by_side_and_signals_reach_each(tmp_path, kjv_folder):
+    train = ["train", "--out", str(tmp_path / "killed"), "--data", str(kjv_folder), *SMALL]
+    killed, asked = warm_start.WarmProcess(train), warm_start.WarmProcess(["--help"])
+    assert len({killed.pid, asked.pid, os.getpid()}) == 3 and killed.poll() is None
+    killed.kill()
+    assert killed.wait(timeout=60) == -signal.SIGKILL and killed.poll() == -signal.SIGKILL
+    stdout, stderr = asked.communicate(timeout=60)
+    assert asked.returncode == 0 and "usage: exactresume" in stdout, stderr
+    assert not (tmp_path / "killed" / "final.pth").exists()
