@@ -6,8 +6,8 @@
 Every figure is a ratio of two measurements taken one after the other in each round (measure.py),
 on the same server, of the same bytes (the resume state of the preset, `--preset minimind-26m`):
 
-    save   CheckpointStore("s3://...").save: torch.save with its seal into a local copy, its xxh3,
-           the upload in parts with the CRC-32 the server checks, HEAD, the commit object, retention
+    save   CheckpointStore("s3://...").save: torch.save with its seal streamed into the upload's parts
+           (no local copy), each with the CRC-32 the server checks, HEAD, the commit object, retention
            / boto3's upload_file of the file that save wrote (multipart at the same part size)
     load   load_newest: one listing, the commit, the object downloaded while hashed, loaded with
            the seal checked again / boto3's get_object of the same object, read into memory

@@ -4,18 +4,15 @@ that stops: what is committed stays trusted, nothing else is, and `--resume auto
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread, run_cli
+from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread, run_cli, spawn_cli
 from exactresume.store.faults import FAULT_ENV, OBJECT_STORE_STAGES
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config
@@ -63,7 +60,7 @@ def test_the_kill_points_cover_every_stage_of_an_upload():
 
 
 def test_kill_9_during_uploads_then_resume_auto_is_bit_exact(tmp_path, kjv_folder, reference, s3_server, s3_prefix):
-    """22 kills at random points of a save (its local copy, each part's upload, the commit, retention)."""
+    """22 kills at random points of a save (the write, each part's upload, the commit, retention)."""
     out, endpoint, chooser = tmp_path / "run", s3_server.endpoint, random.Random(26)
     for kill in range(22):
         fault = chooser.choice(KILL_POINTS)
@@ -173,11 +170,8 @@ def _stopped(pid: int) -> bool:
 
 def test_server_stopped_mid_run_stops_in_one_line_then_resumes(tmp_path, kjv_folder, reference, s3_server, s3_prefix):
     out, endpoint = tmp_path / "run", s3_server.endpoint
-    command = [sys.executable, "-m", "exactresume.cli", *map(str, chaos_flags(out, kjv_folder, endpoint, s3_prefix))]
-    env = os.environ | {"OMP_NUM_THREADS": "1", FAULT_ENV: "upload@9:stop"}  # frozen in its third save's upload
-    child = subprocess.Popen(
-        [*command, "--s3-tries", "3"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    env = {"OMP_NUM_THREADS": "1", FAULT_ENV: "upload@9:stop"}  # frozen in its third save's upload
+    child = spawn_cli(*chaos_flags(out, kjv_folder, endpoint, s3_prefix), "--s3-tries", "3", env=env)
     while not _stopped(child.pid) and child.poll() is None:
         time.sleep(0.05)
     s3_server.stop()

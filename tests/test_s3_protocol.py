@@ -6,16 +6,20 @@ completed multipart upload that lost a part (mlcommons/storage #593), a listing 
 
 from __future__ import annotations
 
+import io
 import os
 
 import pytest
 import torch
+import xxhash
 
 from exactresume.errors import CheckpointError, UserError
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config, S3Location, location
+from exactresume.store.s3 import ObjectStore
 from exactresume.store.s3_commit import commit_of
-from exactresume.store.s3_files import fetch_file, local_folder
+from exactresume.store.s3_files import fetch_file, local_folder, publish_sealed
+from exactresume.store.sealed import save_sealed
 
 BUCKET = "protocol"
 SECRET = "moto-secret-never-printed"
@@ -86,6 +90,20 @@ def test_save_commits_last_and_keep_deletes_only_older(s3):
     with local_folder() as folder:  # the object is a plain torch file: the lab's dict with nothing of ours
         state = torch.load(fetch_file(checkpoints.objects, checkpoints.path_for(3), folder), weights_only=True)
     assert torch.equal(state["weights"]["tensor"], torch.full((1000,), 3.0)) and state["checkpoint_step"] == 3
+
+
+@pytest.mark.parametrize("floats", [1000, 3 << 20], ids=["one PUT", "three parts"])
+def test_a_save_streamed_into_its_upload_is_the_file_save_sealed_writes(s3, tmp_path, floats):
+    objects, target = ObjectStore(S3Config(part_bytes=5 << 20)), location(f"s3://{BUCKET}/run/resume.pth")
+    state = {"model": {"weight": torch.arange(floats, dtype=torch.float32)}, "step": 3}
+    publish_sealed(objects, target, state)
+    save_sealed(tmp_path / "resume.pth", state)
+    written = (tmp_path / "resume.pth").read_bytes()
+    assert s3.get_object(Bucket=BUCKET, Key="run/resume.pth")["Body"].read() == written
+    commit = torch.load(io.BytesIO(s3.get_object(Bucket=BUCKET, Key="run/resume.pth.commit")["Body"].read()))
+    assert commit["files"] == {"resume.pth": xxhash.xxh3_128_hexdigest(written)}
+    assert commit["bytes"] == {"resume.pth": len(written)}
+    assert s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
 
 
 def test_uncommitted_objects_are_not_trusted_and_are_cleaned_at_the_next_start(s3):

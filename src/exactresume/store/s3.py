@@ -1,16 +1,16 @@
-"""One bucket's objects through boto3: put a file verified, get one verified, list, delete, abort.
+"""One bucket's objects through boto3: small objects put verified, objects read verified, list, delete, abort.
 
     objects = ObjectStore(S3Config(endpoint="http://127.0.0.1:8333"))
-    info = objects.put_file(location("s3://bucket/run/step-00000030.pth"), local_path)   # size + xxh3
+    info = objects.put_bytes(location("s3://bucket/run/step-00000030.pth.commit"), data)   # size + xxh3
     objects.get_file(location, into_path, info)       # CheckpointError unless the bytes are `info`'s
 
 boto3 is AWS's own SDK: the standard credential chain (environment, profile, instance role),
 `AWS_ENDPOINT_URL` for an S3-compatible server, checksums the server verifies, ranged GETs; it is
-made lazily, on the first request, so a command that reaches no store never imports it. A file is
-one PUT up to `S3Config.part_bytes`, else a multipart upload whose parts go up in parallel; either
-way each part carries its CRC-32, which the server checks on arrival and reports back, and the
-object's size is read back with HEAD: a part the server lost (mlcommons/storage #593) changes both.
-A server that reports no checksum gets the object read back and hashed instead.
+made lazily, on the first request, so a command that reaches no store never imports it. Large
+objects go up in parts (s3_upload.py). Every object or part carries its CRC-32, which the server
+checks on arrival and reports back, and a multipart object's size is read back with HEAD: a part
+the server lost (mlcommons/storage #593) changes both (`check_stored`). A server that reports no
+checksum gets the object read back and hashed instead.
 
 Every request is tried `S3Config.tries` times with backoff (0.5 s, 1 s, 2 s, ...) while the server
 does not answer or answers 5xx; then the run stops with one StorageError line naming the endpoint,
@@ -20,14 +20,12 @@ never a credential (an endpoint with user info is refused in locations.py).
 from __future__ import annotations
 
 import base64
-import contextlib
 import os
 import struct
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,11 +58,12 @@ def file_info(path: Path) -> ObjectInfo:
     return ObjectInfo(os.path.getsize(path), digest.hexdigest())
 
 
-def _crc32(data: bytes | memoryview) -> bytes:
+def crc32(data: bytes | memoryview) -> bytes:
+    """The CRC-32 of `data`, big-endian: what S3's checksum headers carry (in base64)."""
     return struct.pack(">I", zlib.crc32(data))
 
 
-def _b64(raw: bytes) -> str:
+def b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
@@ -119,64 +118,17 @@ class ObjectStore:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    def put_file(self, target: S3Location, path: Path, info: ObjectInfo | None = None) -> ObjectInfo:
-        """Upload `path` to `target` and verify what the server holds; its size and xxh3."""
-        info = info or file_info(path)
-        if info.size <= self.config.part_bytes:
-            self.before_part(1)
-            with open(path, "rb") as file:
-                data = file.read()
-            checksum = _b64(_crc32(data))
-            answer = self.call(
-                "put_object", f"PUT {target}", Bucket=target.bucket, Key=target.key, Body=data, ChecksumCRC32=checksum
-            )
-        else:
-            answer, checksum = self._put_parts(target, path, info.size)
-        self._check_stored(
-            target, info, answer.get("ChecksumCRC32"), checksum, parts=info.size > self.config.part_bytes
-        )
-        return info
-
     def put_bytes(self, target: S3Location, data: bytes) -> ObjectInfo:
         """Upload a small object in one PUT, verified as put_file verifies."""
         info = ObjectInfo(len(data), xxhash.xxh3_128_hexdigest(data))
-        checksum = _b64(_crc32(data))
+        checksum = b64(crc32(data))
         answer = self.call(
             "put_object", f"PUT {target}", Bucket=target.bucket, Key=target.key, Body=data, ChecksumCRC32=checksum
         )
-        self._check_stored(target, info, answer.get("ChecksumCRC32"), checksum)
+        self.check_stored(target, info, answer.get("ChecksumCRC32"), checksum)
         return info
 
-    def _put_parts(self, target: S3Location, path: Path, size: int) -> tuple[dict, str]:
-        """A multipart upload of `path`, its parts in parallel; the answer and the expected composite CRC-32."""
-        what = f"a multipart upload to {target}"
-        upload = self.call(
-            "create_multipart_upload", what, Bucket=target.bucket, Key=target.key, ChecksumAlgorithm="CRC32"
-        )
-        ids = {"Bucket": target.bucket, "Key": target.key, "UploadId": upload["UploadId"]}
-        count = -(-size // self.config.part_bytes)
-
-        def send(number: int) -> dict:
-            self.before_part(number)
-            with open(path, "rb") as file:
-                file.seek((number - 1) * self.config.part_bytes)
-                data = file.read(self.config.part_bytes)
-            crc = _crc32(data)
-            answer = self.call("upload_part", what, **ids, PartNumber=number, Body=data, ChecksumCRC32=_b64(crc))
-            return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": _b64(crc), "crc": crc}
-
-        try:
-            with ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="exactresume-upload") as pool:
-                parts = list(pool.map(send, range(1, count + 1)))
-        except BaseException:
-            with contextlib.suppress(Exception):  # else the next run's start aborts it
-                self.client.abort_multipart_upload(**ids)
-            raise
-        composite = f"{_b64(_crc32(b''.join(part.pop('crc') for part in parts)))}-{count}"
-        answer = self.call("complete_multipart_upload", what, **ids, MultipartUpload={"Parts": parts})
-        return answer, composite
-
-    def _check_stored(
+    def check_stored(
         self, target: S3Location, info: ObjectInfo, reported: str | None, expected: str, parts: bool = False
     ) -> None:
         """The server holds `info`'s bytes: its checksum is ours (and after a multipart upload, whose

@@ -4,10 +4,10 @@
     state = load_committed(objects, location("s3://b/run/resume.pth"))  # commit, object, seal: verified
 
 The object's bytes are exactly the file save_sealed writes on a disk, so `torch.load` of a downloaded
-copy, with nothing of ours imported, gives the lab's dict. It is written to a local temporary file
-first (the seal is the hash of what torch.save wrote), uploaded and verified, and committed by its
-commit object (s3_commit.py); reading downloads it beside its commit, checks size and xxh3 against
-the commit while writing, then loads it as a local sealed file is loaded (the seal checked again).
+copy, with nothing of ours imported, gives the lab's dict. torch.save writes it straight into its
+upload, sealed at the end (s3_upload.py: no local copy); the stored object is verified, then
+committed by its commit object (s3_commit.py). Reading checks size and xxh3 against the commit as
+the object streams in, and the seal, before anything is unpickled (s3_stream.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from exactresume.store.s3_commit import (
     read_commit,
     write_commit,
 )
-from exactresume.store.sealed import load_sealed, write_sealed
+from exactresume.store.s3_upload import SealedUpload
+from exactresume.store.sealed import load_sealed, save_unsealed
 
 Stage = Callable[[str], None]
 
@@ -86,20 +87,19 @@ def state_bytes(state: Any) -> int:
 
 
 def publish_sealed(objects: ObjectStore, target: S3Location, state: Any, stage: Stage = lambda name: None) -> None:
-    """torch.save `state` with its seal and publish it at `target` (write, upload, verify, commit): the
-    old commit goes first, the new one last. The local copy is only read again, by the upload, so it is
-    not fsynced, and its xxh3 is the one the seal's pass computed."""
-    with local_folder(state_bytes(state)) as folder:
-        local = folder / target.name
-        stage("write")
-        with open(local, "w+b") as file:
-            digest = write_sealed(file, state, durable=False)
-            info = ObjectInfo(file.tell(), digest)  # the seal is the file's last bytes
-        commit = commit_of(target)
-        objects.delete([commit])  # from here until the new commit, `target` is not trusted
-        objects.put_file(target, local, info)
-        stage("commit")
-        write_commit(objects, commit, commit_state({target.name: info}))
+    """torch.save `state` with its seal straight into an upload to `target` (s3_upload.py), verified, then
+    commit it: the old commit is deleted just before the object is replaced, the new one written last."""
+    commit = commit_of(target)
+    upload = SealedUpload(objects, target, before_replace=lambda: objects.delete([commit]))
+    stage("write")
+    try:
+        save_unsealed(state, upload)
+        info = upload.finish()
+    except BaseException:
+        upload.abort()
+        raise
+    stage("commit")
+    write_commit(objects, commit, commit_state({target.name: info}))
 
 
 def fetch_file(objects: ObjectStore, source: S3Location, folder: Path) -> Path:

@@ -7,7 +7,7 @@
 The same interface and guarantees as a folder (folder.py), with the commit object (s3_commit.py) in
 place of the rename. A save is one sequence of stages, each a fault-injection point (faults.py):
 
-    snapshot -> write (local copy + seal) -> upload (each part; verified) -> commit -> retention
+    snapshot -> write (torch.save into the upload) -> upload (each part as it fills; verified) -> commit -> retention
 
 Keep-K deletes older checkpoints (their commit first) only after the new commit is verified. The
 newest checkpoint is found by one listing of the prefix (all its pages), not a request per step;

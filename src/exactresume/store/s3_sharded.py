@@ -29,6 +29,7 @@ from exactresume.store.s3 import ObjectStore, file_info
 from exactresume.store.s3_commit import commit_state, fetch_committed, read_commit, write_commit
 from exactresume.store.s3_files import local_folder, state_bytes
 from exactresume.store.s3_ranges import RANGES_KEY, item_ranges, ranged_reader
+from exactresume.store.s3_upload import upload_file
 from exactresume.store.sharded import (
     COMMIT,
     SHARDED_FORMAT,
@@ -79,7 +80,7 @@ def _upload_own(
     try:
         mine = {path.name: file_info(path) for path in sorted(staging.iterdir()) if path.is_file()}
         for name, info in mine.items():
-            objects.put_file(target / name, staging / name, info)
+            upload_file(objects, target / name, staging / name, info)
         return (mine, item_ranges(staging, index, set(mine))), None
     except (OSError, StorageError) as error:
         return None, error

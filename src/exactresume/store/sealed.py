@@ -11,8 +11,8 @@ per-record CRC-32, which costs about as much as the disk write and which torch.l
 is left out: the seal covers every byte. (A zip tool that checks CRCs, such as Python's zipfile
 reading a member, will complain about them; torch.load does not.) The hash then reads the bytes back
 from the page cache, a megabyte at a time into one buffer, while a second thread has the disk take
-them (fsync): it costs no time of its own beside the disk's (a staging copy that only an upload
-reads again skips the fsync, and the pass also gives the whole file's xxh3 for its commit). Loading
+them (fsync): it costs no time of its own beside the disk's (on an object store, the same bytes are
+hashed as they stream into the upload: s3_upload.py). Loading
 reads the file once, hashing as it reads (onepass.py), and unpickles only once the digest matches
 the seal; where that reader does not apply, the file is verified through a memory map and then read
 by torch.load, from the same open file.
@@ -63,35 +63,29 @@ class _Flush(threading.Thread):
             raise self.error
 
 
-def _hash_read_back(file: BinaryIO, durable: bool) -> tuple[Any, bytes]:
-    """The xxh3-128 state of every byte of `file` but its last two (the zip comment's length, which the
-    seal rewrites), and those two; read back from the page cache, while a `durable` file's bytes go to
-    the disk."""
+def _hash_read_back(file: BinaryIO) -> str:
+    """The xxh3-128 of every byte of `file`, read back from the page cache while its bytes go to the disk."""
     file.flush()
     fd = file.fileno()
     size = os.fstat(fd).st_size
-    flush = _Flush(fd) if durable else None
+    flush = _Flush(fd)
     digest, buffer = xxhash.xxh3_128(), memoryview(bytearray(PIECE))
-    offset, end = 0, max(size - 2, 0)
+    offset = 0
     try:
-        while offset < end:
-            count = os.preadv(fd, [buffer[: min(PIECE, end - offset)]], offset)
+        while offset < size:
+            count = os.preadv(fd, [buffer[: min(PIECE, size - offset)]], offset)
             if count == 0:
                 raise OSError(errno.EIO, "the file being written shrank")
             digest.update(buffer[:count])
             offset += count
-        tail = os.pread(fd, size - end, end)
     finally:
-        if flush is not None:
-            flush.finish()
-    return digest, tail
+        flush.finish()
+    return digest.hexdigest()
 
 
-def write_sealed(file: BinaryIO, obj: Any, durable: bool = True) -> str:
-    """torch.save `obj` into `file` (a real file, open to read and write), append its checksum as its zip
-    comment, and return the xxh3-128 of the whole file as it now is. `durable`: its bytes are on the
-    disk when this returns (fsync), as a checkpoint's must be; a copy only read again (the staging copy
-    of an upload) leaves that to the kernel."""
+def save_unsealed(obj: Any, file: BinaryIO) -> None:
+    """torch.save `obj` into `file` without zip's CRC-32s (the seal covers every byte): what the seal
+    is then computed over, ending in a zip comment length of 0."""
     try:
         with serialization_config.patch({"save.compute_crc32": False}):
             torch.save(obj, file)
@@ -101,16 +95,20 @@ def write_sealed(file: BinaryIO, obj: Any, durable: bool = True) -> str:
         if isinstance(error.__context__, KeyboardInterrupt):
             raise error.__context__ from None
         raise
-    # torch.save ends the file with a comment length of 0: the bytes the seal's digest covers.
-    head, tail = _hash_read_back(file, durable)
-    written = head.copy()
-    written.update(tail)
-    seal = SEAL_PREFIX + written.hexdigest().encode()
-    ending = struct.pack("<H", len(seal)) + seal  # the comment length, then the comment itself
+
+
+def seal_ending(saved_xxh3: str) -> bytes:
+    """What replaces the last two bytes torch.save wrote: the comment's length, then the seal of those bytes."""
+    seal = SEAL_PREFIX + saved_xxh3.encode()
+    return struct.pack("<H", len(seal)) + seal
+
+
+def write_sealed(file: BinaryIO, obj: Any) -> None:
+    """torch.save `obj` into `file` (a real file, open to read and write) and append its checksum as its
+    zip comment; its bytes are on the disk when this returns (fsync)."""
+    save_unsealed(obj, file)
     file.seek(-2, os.SEEK_END)
-    file.write(ending)
-    head.update(ending)
-    return head.hexdigest()
+    file.write(seal_ending(_hash_read_back(file)))
 
 
 def save_sealed(path: Path, obj: Any) -> None:

@@ -1,0 +1,166 @@
+"""Uploads that take their bytes as they are made: a multipart upload whose parts go up in parallel as
+they come, and the file-like object that torch.save writes a sealed checkpoint into.
+
+    upload = SealedUpload(objects, target, before_replace=lambda: objects.delete([commit]))
+    save_unsealed(state, upload)       # torch.save's bytes go up in parts while it writes
+    info = upload.finish()             # the seal, the last part, the object verified: size and xxh3
+
+A checkpoint saved this way never touches a disk: torch.save's bytes are copied into a part buffer,
+hashed there, and each full part is sent by one of UPLOAD_THREADS threads while torch.save goes on.
+At most UPLOAD_THREADS parts are in flight, so a save holds about UPLOAD_THREADS + 1 parts in memory
+whatever the state's size. The object is exactly the file save_sealed writes on a disk: the seal
+replaces the last two bytes torch.save wrote (its zip comment's length), so those two are held back
+until the end. Each part carries its CRC-32, which the server checks; the composite it reports for
+the completed object is compared with ours, and the object's size read back (s3.py's check_stored).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from exactresume.store.locations import S3Location
+from exactresume.store.s3 import UPLOAD_THREADS, ObjectInfo, ObjectStore, b64, crc32, file_info
+from exactresume.store.sealed import seal_ending
+
+HELD_BACK = 2  # torch.save's last two bytes, the zip comment length the seal rewrites
+
+
+def upload_file(objects: ObjectStore, target: S3Location, path: Path, info: ObjectInfo | None = None) -> ObjectInfo:
+    """Upload the local file `path` to `target` (one PUT, or parts) and verify what the server holds."""
+    info = info or file_info(path)
+    part_bytes = objects.config.part_bytes
+    with open(path, "rb") as file:
+        if info.size <= part_bytes:
+            put_whole(objects, target, file.read())
+            return info
+        parts = PartsUpload(objects, target)
+        try:
+            while data := file.read(part_bytes):
+                parts.send(data)
+            answer, composite = parts.complete()
+        except BaseException:
+            parts.abort()
+            raise
+    objects.check_stored(target, info, answer.get("ChecksumCRC32"), composite, parts=True)
+    return info
+
+
+def put_whole(objects: ObjectStore, target: S3Location, data: bytes) -> ObjectInfo:
+    """An object of one part: one PUT, verified (the upload's fault point, as each part of a multipart upload is)."""
+    objects.before_part(1)
+    return objects.put_bytes(target, data)
+
+
+class PartsUpload:
+    """One multipart upload: `send` each part in order (it waits while UPLOAD_THREADS are in flight, and
+    raises a part's error as soon as it is known), then `complete`; `abort` on any failure."""
+
+    def __init__(self, objects: ObjectStore, target: S3Location):
+        self.objects, self.what = objects, f"a multipart upload to {target}"
+        answer = objects.call(
+            "create_multipart_upload", self.what, Bucket=target.bucket, Key=target.key, ChecksumAlgorithm="CRC32"
+        )
+        self.ids = {"Bucket": target.bucket, "Key": target.key, "UploadId": answer["UploadId"]}
+        self.pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="exactresume-upload")
+        self.sent: list[Future] = []
+
+    def send(self, data: bytes) -> None:
+        self._wait_for_room()
+        self.sent.append(self.pool.submit(self._send, len(self.sent) + 1, data))
+
+    def _wait_for_room(self) -> None:
+        while True:
+            for part in self.sent:
+                if part.done() and part.exception() is not None:
+                    raise part.exception()
+            in_flight = [part for part in self.sent if not part.done()]
+            if len(in_flight) < UPLOAD_THREADS:
+                return
+            wait(in_flight, return_when=FIRST_COMPLETED)
+
+    def _send(self, number: int, data: bytes) -> dict:
+        self.objects.before_part(number)
+        crc = crc32(data)
+        arguments = {**self.ids, "PartNumber": number, "Body": data, "ChecksumCRC32": b64(crc)}
+        answer = self.objects.call("upload_part", self.what, **arguments)
+        return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": b64(crc), "crc": crc}
+
+    def complete(self) -> tuple[dict, str]:
+        """Complete the upload once every part is up: the server's answer and the composite CRC-32 expected."""
+        parts = [part.result() for part in self.sent]
+        self.pool.shutdown()
+        composite = f"{b64(crc32(b''.join(part.pop('crc') for part in parts)))}-{len(parts)}"
+        answer = self.objects.call("complete_multipart_upload", self.what, **self.ids, MultipartUpload={"Parts": parts})
+        return answer, composite
+
+    def abort(self) -> None:
+        """Drop the parts sent (else the next run's start aborts the upload: see ObjectStore.abort_uploads)."""
+        self.pool.shutdown(cancel_futures=True)
+        with contextlib.suppress(Exception):
+            self.objects.client.abort_multipart_upload(**self.ids)
+
+
+class SealedUpload:
+    """A file open for writing, as torch.save sees it (`write`, `flush`, `tell`), whose bytes go to
+    `target` as they come; `finish` seals them and completes the object, calling `before_replace` just
+    before the object at `target` is replaced (the old commit is deleted there, not earlier)."""
+
+    def __init__(self, objects: ObjectStore, target: S3Location, before_replace: Callable[[], Any]):
+        self.objects, self.target, self.before_replace = objects, target, before_replace
+        self.pending, self.position = bytearray(), 0
+        self.sent_digest = xxhash.xxh3_128()  # of every byte sent so far
+        self.parts: PartsUpload | None = None  # made when the first part is full: a small object is one PUT
+
+    def write(self, data: bytes | memoryview) -> int:
+        # torch.save lends its own buffer for the call only: the bytes are copied.
+        self.pending += data
+        count = memoryview(data).nbytes
+        self.position += count
+        part_bytes = self.objects.config.part_bytes
+        while len(self.pending) >= part_bytes + HELD_BACK:
+            self._send(part_bytes)
+        return count
+
+    def flush(self) -> None:
+        pass
+
+    def tell(self) -> int:
+        return self.position
+
+    def _send(self, count: int) -> None:
+        view = memoryview(self.pending)
+        part = bytes(view[:count])
+        view.release()
+        self.pending = self.pending[count:]
+        self.sent_digest.update(part)
+        if self.parts is None:
+            self.parts = PartsUpload(self.objects, self.target)
+        self.parts.send(part)
+
+    def finish(self) -> ObjectInfo:
+        """Seal the bytes torch.save wrote, send the last of them and verify the stored object: its size and xxh3."""
+        body, length = bytes(self.pending[:-HELD_BACK]), bytes(self.pending[-HELD_BACK:])
+        self.sent_digest.update(body)
+        saved = self.sent_digest.copy()
+        saved.update(length)
+        ending = seal_ending(saved.hexdigest())
+        self.sent_digest.update(ending)
+        info = ObjectInfo(self.position - HELD_BACK + len(ending), self.sent_digest.hexdigest())
+        self.before_replace()
+        if self.parts is None:
+            put_whole(self.objects, self.target, body + ending)
+        else:
+            self.parts.send(body + ending)
+            answer, composite = self.parts.complete()
+            self.objects.check_stored(self.target, info, answer.get("ChecksumCRC32"), composite, parts=True)
+        return info
+
+    def abort(self) -> None:
+        if self.parts is not None:
+            self.parts.abort()
