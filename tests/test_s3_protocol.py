@@ -14,11 +14,12 @@ import torch
 import xxhash
 
 from exactresume.errors import CheckpointError, UserError
+from exactresume.store import s3_upload
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config, S3Location, location
 from exactresume.store.s3 import ObjectStore
 from exactresume.store.s3_commit import commit_of
-from exactresume.store.s3_files import fetch_file, local_folder, publish_sealed
+from exactresume.store.s3_files import fetch_file, load_committed, local_folder, publish_sealed
 from exactresume.store.sealed import save_sealed
 
 BUCKET = "protocol"
@@ -104,6 +105,21 @@ def test_a_save_streamed_into_its_upload_is_the_file_save_sealed_writes(s3, tmp_
     assert commit["files"] == {"resume.pth": xxhash.xxh3_128_hexdigest(written)}
     assert commit["bytes"] == {"resume.pth": len(written)}
     assert s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
+
+
+def test_a_stream_of_unknown_size_grows_its_parts_to_stay_within_s3s_ten_thousand(s3, monkeypatch):
+    capacity = sum(s3_upload.stream_part_bytes(16 << 20, number) for number in range(1, s3_upload.MAX_PARTS + 1))
+    assert capacity > 5 << 40  # 10,000 parts from 16 MiB hold more than S3's largest object, 5 TiB
+    monkeypatch.setattr(s3_upload, "PARTS_PER_DOUBLING", 1)  # a doubling at every part, to see it here
+    sizes, send = [], s3_upload.PartsUpload.send
+    monkeypatch.setattr(
+        s3_upload.PartsUpload, "send", lambda upload, data: send(upload, data) or sizes.append(len(data))
+    )
+    objects, target = ObjectStore(S3Config(part_bytes=5 << 20)), location(f"s3://{BUCKET}/run/resume.pth")
+    weight = torch.arange(6 << 20, dtype=torch.float32)  # 24 MiB: parts of 5 and 10 MiB, then the rest
+    publish_sealed(objects, target, {"weight": weight})
+    assert sizes[:2] == [5 << 20, 10 << 20] and len(sizes) == 3
+    assert torch.equal(load_committed(objects, target)["weight"], weight)
 
 
 def test_uncommitted_objects_are_not_trusted_and_are_cleaned_at_the_next_start(s3):

@@ -53,17 +53,27 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def add_s3_flags(group) -> None:
-    """--s3-endpoint and --s3-tries: how an s3:// location is reached (credentials: the AWS chain)."""
+    """--s3-endpoint, --s3-tries and --s3-part-mib: how an s3:// location is reached (credentials: the AWS chain)."""
+    from exactresume.store.locations import DEFAULT_TRIES, PART_BYTES
+
     group.add_argument(
         "--s3-endpoint",
         metavar="URL",
         help="an S3-compatible server, http(s)://host:port (default AWS_ENDPOINT_URL, else AWS itself)",
     )
     group.add_argument(
-        "--s3-tries", type=int, default=5, metavar="N", help="tries of each S3 request, with backoff, before stopping"
+        "--s3-tries",
+        type=int,
+        default=DEFAULT_TRIES,
+        metavar="N",
+        help="tries of each S3 request, with backoff, before stopping",
     )
     group.add_argument(
-        "--s3-part-mib", type=int, default=64, metavar="MIB", help="larger files go up in parts this size (min 5)"
+        "--s3-part-mib",
+        type=int,
+        default=PART_BYTES >> 20,
+        metavar="MIB",
+        help="larger files go up in parts this size (min 5)",
     )
 
 

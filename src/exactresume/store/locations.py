@@ -23,7 +23,7 @@ SCHEME = "s3://"
 # S3's rules for a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens.
 BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 DEFAULT_TRIES = 5  # each request, the first try included, before an unreachable store stops the run
-PART_BYTES = 64 << 20  # a file larger than this goes up as a multipart upload of parts this size
+PART_BYTES = 16 << 20  # a file larger than this goes up as a multipart upload of parts this size (see s3_upload.py)
 MIN_PART_BYTES = 5 << 20  # S3's smallest part (all but the last)
 
 

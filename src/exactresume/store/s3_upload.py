@@ -8,10 +8,11 @@ they come, and the file-like object that torch.save writes a sealed checkpoint i
 A checkpoint saved this way never touches a disk: torch.save's bytes are copied into a part buffer,
 hashed there, and each full part is sent by one of UPLOAD_THREADS threads while torch.save goes on.
 At most UPLOAD_THREADS parts are in flight, so a save holds about UPLOAD_THREADS + 1 parts in memory
-whatever the state's size. The object is exactly the file save_sealed writes on a disk: the seal
-replaces the last two bytes torch.save wrote (its zip comment's length), so those two are held back
-until the end. Each part carries its CRC-32, which the server checks; the composite it reports for
-the completed object is compared with ours, and the object's size read back (s3.py's check_stored).
+(16 MiB each by default) whatever the state's size; past 1,000 parts they grow, within S3's 10,000.
+The object is exactly the file save_sealed writes on a disk: the seal replaces the last two bytes
+torch.save wrote (its zip comment's length), so those two are held back until the end. Each part
+carries its CRC-32, which the server checks; the composite it reports for the completed object is
+compared with ours, and the object's size read back (s3.py's check_stored).
 """
 
 from __future__ import annotations
@@ -29,12 +30,21 @@ from exactresume.store.s3 import UPLOAD_THREADS, ObjectInfo, ObjectStore, b64, c
 from exactresume.store.sealed import seal_ending
 
 HELD_BACK = 2  # torch.save's last two bytes, the zip comment length the seal rewrites
+MAX_PARTS = 10_000  # S3's most parts in one upload
+# A stream of unknown size doubles its part size every this many parts: 10,000 parts from 16 MiB hold
+# about 16 TiB, past S3's largest object (5 TiB), while a checkpoint of a few GB keeps its small parts.
+PARTS_PER_DOUBLING = 1_000
+
+
+def stream_part_bytes(first: int, number: int) -> int:
+    """The size of part `number` (from 1) of a stream whose first parts are `first` bytes."""
+    return first << ((number - 1) // PARTS_PER_DOUBLING)
 
 
 def upload_file(objects: ObjectStore, target: S3Location, path: Path, info: ObjectInfo | None = None) -> ObjectInfo:
     """Upload the local file `path` to `target` (one PUT, or parts) and verify what the server holds."""
     info = info or file_info(path)
-    part_bytes = objects.config.part_bytes
+    part_bytes = max(objects.config.part_bytes, -(-info.size // MAX_PARTS))  # a size known beforehand
     with open(path, "rb") as file:
         if info.size <= part_bytes:
             put_whole(objects, target, file.read())
@@ -71,6 +81,7 @@ class PartsUpload:
         self.sent: list[Future] = []
 
     def send(self, data: bytes) -> None:
+        """Send the next part (its number: one more than the parts sent before it)."""
         self._wait_for_room()
         self.sent.append(self.pool.submit(self._send, len(self.sent) + 1, data))
 
@@ -122,10 +133,13 @@ class SealedUpload:
         self.pending += data
         count = memoryview(data).nbytes
         self.position += count
-        part_bytes = self.objects.config.part_bytes
-        while len(self.pending) >= part_bytes + HELD_BACK:
+        while len(self.pending) >= (part_bytes := self._next_part_bytes()) + HELD_BACK:
             self._send(part_bytes)
         return count
+
+    def _next_part_bytes(self) -> int:
+        sent = len(self.parts.sent) if self.parts is not None else 0
+        return stream_part_bytes(self.objects.config.part_bytes, sent + 1)
 
     def flush(self) -> None:
         pass
