@@ -151,7 +151,7 @@ class SealedUpload:
         view = memoryview(self.pending)
         part = bytes(view[:count])
         view.release()
-        self.pending = self.pending[count:]
+        del self.pending[:count]  # a bytearray drops its front without copying the rest
         self.sent_digest.update(part)
         if self.parts is None:
             self.parts = PartsUpload(self.objects, self.target)
