@@ -9,10 +9,14 @@ DATA := data/kjv
 
 setup: $(STAMP)
 
-# Reinstall only when the project's dependencies change.
+# Reinstall only when the project's dependencies change. pip installs the pinned torch, from where its
+# own configuration finds it (this machine keeps the CPU build on its disk), and uv; uv then installs
+# the rest in seconds where pip takes minutes, keeping that torch.
+TORCH_PIN = $$(grep -m1 -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH_PIN)" uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[test]'
 	touch $(STAMP)
 
 data: $(STAMP)
