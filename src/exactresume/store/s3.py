@@ -119,7 +119,7 @@ class ObjectStore:
     # -- writing ---------------------------------------------------------------------------------
 
     def put_bytes(self, target: S3Location, data: bytes) -> ObjectInfo:
-        """Upload a small object in one PUT, verified as put_file verifies."""
+        """Upload a small object in one PUT and verify what the server holds (`check_stored`); its size and xxh3."""
         info = ObjectInfo(len(data), xxhash.xxh3_128_hexdigest(data))
         checksum = b64(crc32(data))
         answer = self.call(

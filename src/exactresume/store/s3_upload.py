@@ -26,7 +26,7 @@ from typing import Any
 import xxhash
 
 from exactresume.store.locations import S3Location
-from exactresume.store.s3 import UPLOAD_THREADS, ObjectInfo, ObjectStore, b64, crc32, file_info
+from exactresume.store.s3 import UPLOAD_THREADS, ObjectInfo, ObjectStore, b64, crc32
 from exactresume.store.sealed import seal_ending
 
 HELD_BACK = 2  # torch.save's last two bytes, the zip comment length the seal rewrites
@@ -41,9 +41,9 @@ def stream_part_bytes(first: int, number: int) -> int:
     return first << ((number - 1) // PARTS_PER_DOUBLING)
 
 
-def upload_file(objects: ObjectStore, target: S3Location, path: Path, info: ObjectInfo | None = None) -> ObjectInfo:
-    """Upload the local file `path` to `target` (one PUT, or parts) and verify what the server holds."""
-    info = info or file_info(path)
+def upload_file(objects: ObjectStore, target: S3Location, path: Path, info: ObjectInfo) -> ObjectInfo:
+    """Upload the local file `path`, whose size and xxh3 are `info`, to `target` (one PUT, or parts) and
+    verify what the server holds."""
     part_bytes = max(objects.config.part_bytes, -(-info.size // MAX_PARTS))  # a size known beforehand
     with open(path, "rb") as file:
         if info.size <= part_bytes:
@@ -159,18 +159,21 @@ class SealedUpload:
 
     def finish(self) -> ObjectInfo:
         """Seal the bytes torch.save wrote, send the last of them and verify the stored object: its size and xxh3."""
-        body, length = bytes(self.pending[:-HELD_BACK]), bytes(self.pending[-HELD_BACK:])
-        self.sent_digest.update(body)
+        length = bytes(self.pending[-HELD_BACK:])
+        del self.pending[-HELD_BACK:]  # the rest of the last part, which the seal's bytes then end
+        self.sent_digest.update(self.pending)
         saved = self.sent_digest.copy()
         saved.update(length)
         ending = seal_ending(saved.hexdigest())
         self.sent_digest.update(ending)
+        self.pending += ending
+        last = bytes(self.pending)
         info = ObjectInfo(self.position - HELD_BACK + len(ending), self.sent_digest.hexdigest())
         self.before_replace()
         if self.parts is None:
-            put_whole(self.objects, self.target, body + ending)
+            put_whole(self.objects, self.target, last)
         else:
-            self.parts.send(body + ending)
+            self.parts.send(last)
             answer, composite = self.parts.complete()
             self.objects.check_stored(self.target, info, answer.get("ChecksumCRC32"), composite, parts=True)
         return info
