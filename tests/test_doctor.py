@@ -103,8 +103,11 @@ def test_the_doctor_names_the_cause(doctored, script):
 def test_forked_runs_give_the_diagnosis_cold_runs_give(doctored):
     cold, warm = doctored[TWICE][2], doctored[f"{TWICE}@warm"][2]
     assert warm["diagnosis"] == cold["diagnosis"]
-    assert (Path(warm["runs"]["straight"]["log"]).parent / "fork-server.log").exists()
-    assert not (Path(cold["runs"]["straight"]["log"]).parent / "fork-server.log").exists()
+    servers = {run["forked_from"] for run in warm["runs"].values()}
+    assert len(servers) == 1 and isinstance(next(iter(servers)), int)  # each warm run forked, from one server
+    assert {run["forked_from"] for run in cold["runs"].values()} == {None}
+    pids = {rank["pid"] for run in warm["runs"].values() for rank in run["ranks"].values()}
+    assert len(pids) == 3 and not pids & servers  # three new processes, none of them the server
 
 
 def test_warm_forks_python_scripts_and_modules_only():

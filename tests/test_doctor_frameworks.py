@@ -64,12 +64,12 @@ def by_hand(case: Case, folder: Path) -> dict:
     the resumed steps drew the straight run's batch, which straight step each resumed batch matches,
     and whether the final weights are equal."""
     straight, resumed = folder / "straight", folder / "resumed"
-    with Launcher(warm=True, logs=folder) as launcher:  # each a new process, forked: see test_doctor.py
-        run_script(launcher, case.command(straight, "--record", str(folder / "a")), folder / "straight.log")
-        resumed.mkdir(parents=True)
-        copy = shutil.copytree if (straight / case.checkpoint).is_dir() else shutil.copy2
-        copy(straight / case.checkpoint, resumed / (case.copied_as or case.checkpoint))
-        run_script(launcher, case.command(resumed, "--resume", "--record", str(folder / "b")), folder / "resumed.log")
+    launcher = Launcher(warm=True, logs=folder)  # each a new process, forked: see test_doctor.py
+    run_script(launcher, case.command(straight, "--record", str(folder / "a")), folder / "straight.log")
+    resumed.mkdir(parents=True)
+    copy = shutil.copytree if (straight / case.checkpoint).is_dir() else shutil.copy2
+    copy(straight / case.checkpoint, resumed / (case.copied_as or case.checkpoint))
+    run_script(launcher, case.command(resumed, "--resume", "--record", str(folder / "b")), folder / "resumed.log")
     suffixes = ["-0.pt", "-1.pt"] if case.launcher != (sys.executable,) else [""]
     return {str(rank): compare(folder / f"a{s}", folder / f"b{s}", case.resume_step) for rank, s in enumerate(suffixes)}
 

@@ -115,3 +115,17 @@ def test_every_writer_of_files_is_seen_and_what_was_there_is_kept(tmp_path):
     kept = {r["path"]: r["copy"] for r in records if r["event"] == "kept"}
     assert open(kept[str(tmp_path / "notes.txt")]).read() == "before"
     assert open(os.path.join(kept[str(tmp_path / "old")], "a.txt")).read() == "old"
+
+
+def test_a_rank_ends_at_the_step_the_saving_rank_marked_not_before(tmp_path):
+    """Under torchrun the rank that saved marks its step; another rank that reads the marker while it
+    is being written (empty: open truncates first) goes on, and ends once it reaches that step."""
+    tracer = Tracer(str(tmp_path / "trace"), limit=10**9, crash_from=4)
+    open(tracer.marker, "w").close()
+    tracer.step = 5
+    assert not tracer.marked()
+    with open(tracer.marker, "w") as marker:
+        marker.write("6")
+    assert not tracer.marked()
+    tracer.step = 6
+    assert tracer.marked()

@@ -138,6 +138,7 @@ def write_json(path: Path, plan, runs, diagnosis) -> None:
             "exit_code": run.rc,
             "wall_s": round(run.wall_s, 3),
             "log": str(run.log),
+            "forked_from": run.forked_from,
             "steps": run.steps,
             "saves": run.saves,
             "loads": run.loads,

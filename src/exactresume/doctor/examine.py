@@ -45,8 +45,7 @@ def examine(plan: Plan) -> Runs:
         raise UserError(
             f"{ledger.path} lists files a previous doctor run put aside: put them back, or use another --out"
         )
-    with Launcher(plan.warm, plan.out / "logs") as launcher:
-        return run_three(plan, ledger, launcher)
+    return run_three(plan, ledger, Launcher(plan.warm, plan.out / "logs"))
 
 
 def run_three(plan: Plan, ledger: Ledger, launcher: Launcher) -> Runs:

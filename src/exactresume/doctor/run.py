@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from exactresume.doctor.tracer import CRASH, CUT
-from exactresume.doctor.warm import Launcher
+from exactresume.doctor.warm import Launcher, WarmChild
 from exactresume.errors import UserError
 
 TRACER_DIR = Path(__file__).resolve().parent / "tracer"
@@ -49,6 +49,7 @@ class TracedRun:
     rc: int
     wall_s: float
     log: Path
+    forked_from: int | None  # the pid of the fork server it was forked from (--warm), None when started cold
     processes: list[Process] = field(default_factory=list)  # those that stepped, saved or loaded, by rank
     wrote: dict[str, bool] = field(default_factory=dict)  # path -> new (it was not there before)
     kept: dict[str, str] = field(default_factory=dict)  # a path that was there before -> its copy
@@ -145,7 +146,8 @@ def run_traced(
             child.kill()
             child.wait()
             raise UserError(f"the {name} run took longer than --timeout {timeout:g}s; its output: {log}") from None
-    run = TracedRun(name, command, rc, time.perf_counter() - started, log)
+    forked_from = child.server if isinstance(child, WarmChild) else None
+    run = TracedRun(name, command, rc, time.perf_counter() - started, log, forked_from)
     read_traces(run, trace)
     return run
 

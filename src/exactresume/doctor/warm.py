@@ -9,6 +9,7 @@ any other command (torchrun, a console script, interpreter flags) starts cold as
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -23,6 +24,7 @@ from exactresume.errors import UserError
 
 FORK_SERVER = Path(__file__).resolve().parent / "tracer" / "fork_server.py"
 PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
+TRACER_VARIABLES = "EXACTRESUME_DOCTOR_"  # a run's own: where its trace goes, when to cut it
 
 
 def start_cold(command: list[str], env: dict[str, str], log: Path, sink) -> subprocess.Popen:
@@ -44,8 +46,8 @@ def forkable(command: list[str]) -> dict | None:
 class WarmChild:
     """One forked run, waited on and killed as a subprocess.Popen is."""
 
-    def __init__(self, pid: int, answers: queue.Queue):
-        self.pid, self.answers = pid, answers
+    def __init__(self, pid: int, answers: queue.Queue, server: int):
+        self.pid, self.answers, self.server = pid, answers, server
 
     def wait(self, timeout: float | None = None) -> int:
         try:
@@ -54,7 +56,7 @@ class WarmChild:
             raise subprocess.TimeoutExpired(str(self.pid), timeout) from None
         if answer is None:
             raise UserError("the doctor's fork server (--warm) ended during a run; run without --warm")
-        return int(answer.removeprefix("exit "))
+        return int(answer)
 
     def kill(self) -> None:
         try:
@@ -63,63 +65,91 @@ class WarmChild:
             pass
 
 
+class ForkServer:
+    """The fork server of one Python and environment (tracer/fork_server.py), seen from here: runs
+    started side by side, each answer routed to the run it names. Its output goes to `log`."""
+
+    def __init__(self, python: str, env: dict[str, str], log: Path):
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as sink:
+            self.process = subprocess.Popen(
+                [python, str(FORK_SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink, env=env
+            )
+        self.lock = threading.Lock()
+        self.answers: dict[int, queue.Queue] = {0: queue.Queue()}  # 0: the server's own "ready"
+        threading.Thread(target=self._read, daemon=True, name="doctor-fork-server").start()
+        if self.answers[0].get() != "ready":
+            raise UserError(f"the doctor's fork server (--warm) did not start; its output: {log}")
+
+    def start(self, request: dict) -> WarmChild:
+        with self.lock:
+            number = len(self.answers)
+            answers = self.answers[number] = queue.Queue()
+            self.process.stdin.write((json.dumps(request | {"id": number}) + "\n").encode())
+            self.process.stdin.flush()
+        pid = answers.get()
+        if pid is None:
+            raise UserError(f"the doctor's fork server (--warm) did not start the run; its output: {self.log}")
+        return WarmChild(int(pid), answers, self.process.pid)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            words = line.decode().split()
+            if words == ["ready"]:
+                self.answers[0].put("ready")
+            else:  # "pid ID N" or "exit ID CODE"
+                self.answers[int(words[1])].put(words[2])
+        with self.lock:
+            for answers in self.answers.values():
+                answers.put(None)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+# One server per Python and environment, for the life of this process: a process that runs the doctor
+# many times (a test suite, a notebook) imports torch once per environment, not once per doctor run.
+_servers: dict[tuple, ForkServer] = {}
+_servers_lock = threading.Lock()
+
+
+def _close_servers() -> None:
+    while _servers:
+        _servers.popitem()[1].close()
+
+
+atexit.register(_close_servers)
+
+
+def fork_server(python: str, env: dict[str, str], log: Path) -> ForkServer:
+    """The running server of `python` in `env` (less the tracer's variables: the server traces nothing),
+    started with its output to `log` when there is none."""
+    quiet = {k: v for k, v in env.items() if not k.startswith(TRACER_VARIABLES)}
+    key = (shutil.which(python), tuple(sorted(quiet.items())))
+    with _servers_lock:
+        server = _servers.get(key)
+        if server is None or not server.alive:
+            if key[0] is None:
+                raise UserError(f"cannot start the command {python!r}: No such file or directory")
+            server = _servers[key] = ForkServer(python, quiet, log)
+        return server
+
+
 class Launcher:
-    """Starts each run cold, or, with `warm`, from the fork server of the command's Python (started once)."""
+    """Starts each run cold, or, with `warm`, forked from the fork server of the command's Python."""
 
     def __init__(self, warm: bool, logs: Path):
         self.warm, self.logs = warm, logs
-        self.server: subprocess.Popen | None = None
-        self.answers: queue.Queue = queue.Queue()
 
     def start(self, command: list[str], env: dict[str, str], log: Path, sink):
         request = forkable(command) if self.warm and hasattr(os, "fork") else None
         if request is None:
             return start_cold(command, env, log, sink)
-        self._serve(command[0], env)
-        self.server.stdin.write(json.dumps(request | {"env": env, "cwd": os.getcwd(), "log": str(log)}) + "\n")
-        self.server.stdin.flush()
-        answer = self.answers.get()
-        if answer is None or not answer.startswith("pid "):
-            raise UserError(f"the doctor's fork server (--warm) did not start the run; its output: {self._log}")
-        return WarmChild(int(answer.removeprefix("pid ")), self.answers)
-
-    @property
-    def _log(self) -> Path:
-        return self.logs / "fork-server.log"
-
-    def _serve(self, python: str, env: dict[str, str]) -> None:
-        if self.server is not None:
-            return
-        if shutil.which(python) is None:
-            raise UserError(f"cannot start the command {python!r}: No such file or directory")
-        quiet = {k: v for k, v in env.items() if k != "EXACTRESUME_DOCTOR_TRACE"}  # the server traces nothing
-        self._log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self._log, "wb") as log:
-            self.server = subprocess.Popen(
-                [python, str(FORK_SERVER)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=quiet,
-            )
-        threading.Thread(target=self._read, daemon=True, name="doctor-fork-server").start()
-        if self.answers.get() != "ready":
-            raise UserError(f"the doctor's fork server (--warm) did not start; its output: {self._log}")
-
-    def _read(self) -> None:
-        for line in self.server.stdout:
-            self.answers.put(line.strip())
-        self.answers.put(None)
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stdin.close()
-            self.server.wait()
-            self.server = None
-
-    def __enter__(self) -> Launcher:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        server = fork_server(command[0], env, self.logs / "fork-server.log")
+        return server.start(request | {"env": env, "cwd": os.getcwd(), "log": str(log)})

@@ -5,9 +5,11 @@ runs get less the tracer's own variables: it loads the tracer from this folder u
 the shim uses, imports torch (and torch._dynamo, which building any optimizer imports) and nothing
 else of the user's, then reads one request per line on stdin:
 
-    {"argv": ["train.py", "--out", "ckpt"], "env": {...}, "cwd": "...", "log": "..."}   (or "module": "pkg.train")
+    {"id": 3, "argv": ["train.py", "--out", "ckpt"], "env": {...}, "cwd": "...", "log": "..."}   (or "module": ...)
 
-It forks, answers "pid N", and when the child ends "exit CODE" (negative: the signal that ended it).
+It forks, answers "pid ID N" (ID: the request's "id"), and when that child ends "exit ID CODE"
+(negative: the signal that ended it); several children may run at once, and it exits when its stdin
+closes. One server serves every doctor run of a process that uses the same Python and environment.
 The child is what `PYTHON train.py ...` would be after its start: its own environment, folder,
 argv and sys.path[0], output to the log, the tracer started from the environment (before the script
 imports anything more, as the shim starts it), the script run as __main__, atexit handlers at exit.
@@ -19,12 +21,14 @@ import importlib.util
 import json
 import os
 import runpy
+import select
 import signal
 import sys
 import traceback
 
 NAME = "_exactresume_doctor_tracer"
 PRELOAD = ("torch", "torch._dynamo")
+REAP_INTERVAL_S = 0.02  # how often the server looks for ended children while some run
 
 
 def load_tracer():
@@ -105,16 +109,35 @@ def serve() -> None:
             importlib.import_module(module)
         except ImportError:
             pass
-    print("ready", flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
+    os.write(1, b"ready\n")
+    running: dict[int, int] = {}  # pid -> request id
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], REAP_INTERVAL_S if running else None)
+        if readable:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                os._exit(0)  # nothing to clean up, and tearing torch down takes seconds
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                start(json.loads(line), install, running)
+        reap(running)
+
+
+def start(request: dict, install, running: dict[int, int]) -> None:
+    pid = os.fork()
+    if pid == 0:
+        run_child(request, install)
+    running[pid] = request["id"]
+    os.write(1, f"pid {request['id']} {pid}\n".encode())  # unbuffered: nothing held across a fork
+
+
+def reap(running: dict[int, int]) -> None:
+    while running:
+        pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            run_child(request, install)
-        print(f"pid {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(f"exit {os.waitstatus_to_exitcode(status)}", flush=True)
-    os._exit(0)  # nothing to clean up, and tearing torch down takes seconds
+            return
+        os.write(1, f"exit {running.pop(pid)} {os.waitstatus_to_exitcode(status)}\n".encode())
 
 
 if __name__ == "__main__":

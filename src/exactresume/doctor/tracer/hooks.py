@@ -186,7 +186,8 @@ class Tracer:
         if not os.path.exists(self.marker):
             return False
         with contextlib.suppress(OSError, ValueError), open(self.marker) as marker:
-            return self.step >= int(marker.read() or 0)
+            # Empty while the saving rank is writing it (open truncates first; its one write is whole).
+            return self.step >= int(marker.read())
         return False
 
     # -- checkpoint files ---------------------------------------------------------------------
