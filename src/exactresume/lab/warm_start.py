@@ -38,6 +38,8 @@ from pathlib import Path
 
 CLI_MODULE = "exactresume.cli"
 PRELOAD = ("exactresume.training.job_run", "torch._dynamo")
+# What a run to or from s3:// imports (a third of a second), where the s3 extra installed boto3.
+PRELOAD_IF_INSTALLED = ("boto3", "botocore.config", "exactresume.store.s3_folder", "exactresume.store.s3_sharded")
 REAP_INTERVAL_S = 0.02  # how often the server looks for ended children while some run
 
 
@@ -204,6 +206,11 @@ def serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the lab and the run, not for us
     for module in PRELOAD:
         __import__(module)
+    for module in PRELOAD_IF_INSTALLED:
+        try:
+            __import__(module)
+        except ImportError:
+            pass
     running: dict[int, int] = {}  # pid -> request id
     pending = b""
     while True:
