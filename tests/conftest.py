@@ -6,8 +6,11 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +20,7 @@ import torch
 
 from exactresume.cli import main
 from exactresume.core.data import PrepareConfig, prepare
+from exactresume.doctor.warm import Launcher
 from exactresume.lab import warm_start
 
 # Small runs keep the suite fast; exactness does not depend on size.
@@ -71,10 +75,35 @@ def printed(process: warm_start.WarmProcess, needle: str, timeout: float = 120) 
     return stderr
 
 
+def run_python(script: Path, *args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in a new process, with this process's environment and `env`, forked from a
+    server of this Python that imported torch once (the doctor's --warm server, doctor/warm.py): its
+    exit code (negative: the signal that ended it), and what it printed to stdout and stderr together."""
+    command = [sys.executable, str(script), *map(str, args)]
+    log = Path(tempfile.mkdtemp(prefix="exactresume-python-")) / "output"
+    with stable_environ(), open(log, "wb") as sink:
+        code = Launcher(warm=True, logs=log.parent).start(command, os.environ | (env or {}), log, sink).wait()
+    output = log.read_text(errors="replace")
+    shutil.rmtree(log.parent)
+    return subprocess.CompletedProcess(command, code, output, output)
+
+
+@contextlib.contextmanager
+def stable_environ():
+    """This process's environment less pytest's PYTEST_CURRENT_TEST, which changes at every test: the
+    environment a user's shell gives a command, the same for every test (one warm server serves them)."""
+    current = os.environ.pop("PYTEST_CURRENT_TEST", None)
+    try:
+        yield
+    finally:
+        if current is not None:
+            os.environ["PYTEST_CURRENT_TEST"] = current
+
+
 def call_cli(*args: object) -> subprocess.CompletedProcess:
     """`exactresume ARGS` in this process: fast, for claims about refusals, not about exactness."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with stable_environ(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main([str(arg) for arg in args])
         except SystemExit as exit:

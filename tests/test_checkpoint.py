@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import run_python
 from exactresume import atomic
 from exactresume.errors import CheckpointError
 from exactresume.store.resume import capture, restore
@@ -43,7 +42,8 @@ from exactresume.store.sealed import save_sealed
 atomic.os.replace = lambda a, b: os.kill(os.getpid(), signal.SIGKILL)
 save_sealed(r"{path}", {{"step": 2, "w": torch.ones(1000)}})
 """
-    assert subprocess.run([sys.executable, "-c", script]).returncode == -9
+    (tmp_path / "killed.py").write_text(script)
+    assert run_python(tmp_path / "killed.py").returncode == -9
     assert load_sealed(path) == {"step": 1}
     assert (tmp_path / "resume.pth.tmp").exists()  # the crash's leftover; the good file is untouched
 

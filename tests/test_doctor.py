@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, call_cli, once_per_session
+from conftest import assert_one_line_error, call_cli, once_per_session, stable_environ
 from exactresume.cli import main
 from exactresume.doctor.warm import forkable
 
@@ -83,7 +83,8 @@ def doctored(tmp_path_factory, tiny_folder) -> dict[str, tuple]:
         with ThreadPoolExecutor(4) as pool:
             return dict(pool.map(lambda case: run(root, case), [*EXPECTED, f"{TWICE}@warm"]))
 
-    cases = once_per_session(tmp_path_factory, "doctored", every_case)
+    with stable_environ():
+        cases = once_per_session(tmp_path_factory, "doctored", every_case)
     return {script: (code, text, facts, Path(folder)) for script, (code, text, facts, folder) in cases.items()}
 
 

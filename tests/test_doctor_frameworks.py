@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_one_line_error, call_cli, once_per_session
+from conftest import assert_one_line_error, call_cli, once_per_session, stable_environ
 from exactresume.cli import main
 from exactresume.doctor.warm import Launcher
 
@@ -122,7 +122,8 @@ def frameworks(tmp_path_factory) -> dict:
         with ThreadPoolExecutor(3) as pool:
             return dict(pool.map(lambda name: run_case(root, name), CASES))
 
-    return once_per_session(tmp_path_factory, "frameworks", every_case)
+    with stable_environ():
+        return once_per_session(tmp_path_factory, "frameworks", every_case)
 
 
 def diagnosis(frameworks, name) -> dict:

@@ -23,7 +23,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread, run_cli, spawn_cli
+from conftest import (
+    SMALL,
+    assert_one_line_error,
+    assert_same_run,
+    call_cli,
+    one_torch_thread,
+    run_cli,
+    run_python,
+    spawn_cli,
+)
 from exactresume.lab.warm_start import WarmProcess
 from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.folder import CheckpointStore
@@ -49,10 +58,6 @@ def train_flags(folder: Path, data: Path, *extra: object) -> list:
 
 def chaos_flags(folder: Path, data: Path) -> list:
     return train_flags(folder, data, "--save-every", 2, "--keep", 2, "--resume", "auto")
-
-
-def command(args) -> list[str]:
-    return [sys.executable, "-m", "exactresume.cli", *map(str, args)]
 
 
 def run_child(args, fault: str | None = None) -> subprocess.CompletedProcess:
@@ -219,13 +224,13 @@ def test_a_write_the_kernel_refuses_stops_with_nothing_half_written_then_resumes
     """The full-disk path without root: a file-size limit (RLIMIT_FSIZE) makes the kernel itself refuse a
     checkpoint's write halfway through (EFBIG), and the run meets it as it meets a full disk."""
     folder = tmp_path / "run"
-
-    def limited() -> None:  # in the child: a checkpoint (about 20 MB) cannot be written, the logs can
-        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))
-
-    finished = subprocess.run(
-        command(chaos_flags(folder, kjv_folder)), capture_output=True, text=True, env=CHILD_ENV, preexec_fn=limited
-    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, hard))  # a checkpoint (about 20 MB) cannot be written
+    try:  # a refusal: in this process (Python ignores SIGXFSZ, so the write fails with EFBIG), on one thread
+        with one_torch_thread():
+            finished = call_cli(*chaos_flags(folder, kjv_folder))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert_storage_error(finished, "File too large (EFBIG)", "step 2", "no earlier checkpoint exists", "ulimit -f")
     assert checkpoint_files(folder) == ([], [])  # the half-written file is gone, nothing else was written
     finished = run_child(chaos_flags(folder, kjv_folder))  # the limit lifted
@@ -426,18 +431,11 @@ def readme_library_example() -> str:
 def test_readme_library_example_survives_a_kill_mid_save(tmp_path, monkeypatch):
     script = tmp_path / "example.py"
     script.write_text(readme_library_example())
-    killed = subprocess.run(
-        [sys.executable, script, tmp_path / "killed"],
-        capture_output=True,
-        text=True,
-        env=CHILD_ENV | {FAULT_ENV: "write@3"},
-    )
+    killed = run_python(script, tmp_path / "killed", env={"OMP_NUM_THREADS": "1", FAULT_ENV: "write@3"})
     assert killed.returncode == -signal.SIGKILL
     assert (tmp_path / "killed" / "checkpoints" / "step-00000030.pth.tmp").exists()
-    resumed = subprocess.run(
-        [sys.executable, script, tmp_path / "killed"], capture_output=True, text=True, env=CHILD_ENV
-    )
-    assert resumed.returncode == 0 and "trained steps 21 to 40" in resumed.stdout, resumed.stderr
+    resumed = run_python(script, tmp_path / "killed", env={"OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0 and "trained steps 21 to 40" in resumed.stdout, resumed.stdout
     monkeypatch.setattr(sys, "argv", [str(script), str(tmp_path / "straight")])
     runpy.run_path(str(script), run_name="__main__")  # the uninterrupted run, in this process
     a, b = torch.load(tmp_path / "straight" / "final.pt"), torch.load(tmp_path / "killed" / "final.pt")

@@ -23,6 +23,7 @@ from conftest import (
     one_torch_thread,
     printed,
     run_cli,
+    run_python,
     spawn_cli,
 )
 from exactresume.errors import UserError
@@ -169,7 +170,8 @@ def test_a_second_checkpoint_store_is_refused_in_this_process_and_another(tmp_pa
         "import sys; from exactresume.store.folder import CheckpointStore;"
         f"CheckpointStore({str(folder)!r}).save(2, {{}})"
     )
-    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=CHILD_ENV)
+    (tmp_path / "other.py").write_text(script)
+    other = run_python(tmp_path / "other.py", env=ONE_THREAD)
     assert other.returncode == 1 and f"being written by pid {os.getpid()} on host" in other.stderr
     first.close()
     assert not (folder / LOCK_NAME).exists()

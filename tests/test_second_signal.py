@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from conftest import SMALL, call_cli, one_torch_thread
+from conftest import SMALL, call_cli, one_torch_thread, run_python
 from exactresume.store.faults import FaultPoints
 from exactresume.store.folder import CheckpointStore
 from exactresume.training.joblog import RunLogs
@@ -108,7 +106,8 @@ sys.exit(main(sys.argv[1:]))
 
 def test_sigterm_twice_ends_the_process_at_once_and_saves_nothing(tmp_path, kjv_folder):
     flags = ["train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--save-every", 2, "--resume", "auto"]
-    finished = subprocess.run([sys.executable, "-c", SIGTERM_TWICE, *map(str, flags)], capture_output=True, text=True)
+    (tmp_path / "terminated.py").write_text(SIGTERM_TWICE)
+    finished = run_python(tmp_path / "terminated.py", *flags)
     assert finished.returncode == -signal.SIGTERM, finished.stderr
     assert "Traceback" not in finished.stderr
     store = CheckpointStore(tmp_path / "checkpoints")

@@ -78,13 +78,14 @@ class ForkServer:
             )
         self.lock = threading.Lock()
         self.answers: dict[int, queue.Queue] = {0: queue.Queue()}  # 0: the server's own "ready"
+        self.running = 0
         threading.Thread(target=self._read, daemon=True, name="doctor-fork-server").start()
         if self.answers[0].get() != "ready":
             raise UserError(f"the doctor's fork server (--warm) did not start; its output: {log}")
 
     def start(self, request: dict) -> WarmChild:
         with self.lock:
-            number = len(self.answers)
+            number, self.running = len(self.answers), self.running + 1
             answers = self.answers[number] = queue.Queue()
             self.process.stdin.write((json.dumps(request | {"id": number}) + "\n").encode())
             self.process.stdin.flush()
@@ -104,6 +105,7 @@ class ForkServer:
                 self.answers[0].put("ready")
             else:  # "pid ID N" or "exit ID CODE"
                 self.answers[int(words[1])].put(words[2])
+                self.running -= words[0] == "exit"
         with self.lock:
             for answers in self.answers.values():
                 answers.put(None)
@@ -115,6 +117,8 @@ class ForkServer:
 
 # One server per Python and environment, for the life of this process: a process that runs the doctor
 # many times (a test suite, a notebook) imports torch once per environment, not once per doctor run.
+# Past MAX_SERVERS (each holds torch in memory) the oldest with no run going is closed.
+MAX_SERVERS = 4
 _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
 
@@ -138,6 +142,9 @@ def fork_server(python: str, env: dict[str, str], log: Path) -> ForkServer:
             if key[0] is None:
                 raise UserError(f"cannot start the command {python!r}: No such file or directory")
             server = _servers[key] = ForkServer(python, quiet, log)
+            idle = [k for k, other in _servers.items() if other.running == 0 and k != key]
+            for old in idle[: max(0, len(_servers) - MAX_SERVERS)]:
+                _servers.pop(old).close()
         return server
 
 
