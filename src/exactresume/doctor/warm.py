@@ -103,7 +103,8 @@ class ForkServer:
             words = line.decode().split()
             if words == ["ready"]:
                 self.answers[0].put("ready")
-            else:  # "pid ID N" or "exit ID CODE"
+                continue
+            with self.lock:  # "pid ID N" or "exit ID CODE"
                 self.answers[int(words[1])].put(words[2])
                 self.running -= words[0] == "exit"
         with self.lock:
