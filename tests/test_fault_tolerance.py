@@ -41,7 +41,6 @@ from exactresume.store.sealed import save_sealed, verify
 from exactresume.store.weights import read_weights
 
 # One thread per process: the runs compared are made alike, and far faster on a shared 2-core machine.
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

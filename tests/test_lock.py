@@ -33,7 +33,6 @@ from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import HELD_ENV, LOCK_NAME, FolderLock, read_holder
 from exactresume.training.parts import GlobalRng
 
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 

@@ -132,9 +132,10 @@ def _close_servers() -> None:
 atexit.register(_close_servers)
 
 
-def fork_server(python: str, env: dict[str, str], log: Path) -> ForkServer:
-    """The running server of `python` in `env` (less the tracer's variables: the server traces nothing),
-    started with its output to `log` when there is none."""
+def start_forked(python: str, env: dict[str, str], log: Path, request: dict) -> WarmChild:
+    """`request` forked from the running server of `python` in `env` (less the tracer's variables: the
+    server traces nothing), started with its output to `log` when there is none. Under the lock until
+    the run has started, so that no other thread takes the server for idle and closes it meanwhile."""
     quiet = {k: v for k, v in env.items() if not k.startswith(TRACER_VARIABLES)}
     key = (shutil.which(python), tuple(sorted(quiet.items())))
     with _servers_lock:
@@ -146,7 +147,7 @@ def fork_server(python: str, env: dict[str, str], log: Path) -> ForkServer:
             idle = [k for k, other in _servers.items() if other.running == 0 and k != key]
             for old in idle[: max(0, len(_servers) - MAX_SERVERS)]:
                 _servers.pop(old).close()
-        return server
+        return server.start(request)
 
 
 class Launcher:
@@ -159,5 +160,5 @@ class Launcher:
         request = forkable(command) if self.warm and hasattr(os, "fork") else None
         if request is None:
             return start_cold(command, env, log, sink)
-        server = fork_server(command[0], env, self.logs / "fork-server.log")
-        return server.start(request | {"env": env, "cwd": os.getcwd(), "log": str(log)})
+        request |= {"env": env, "cwd": os.getcwd(), "log": str(log)}
+        return start_forked(command[0], env, self.logs / "fork-server.log", request)
