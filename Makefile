@@ -5,19 +5,25 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DATA := data/kjv
 
-.PHONY: setup data lab readme ablation test bench clean
+.PHONY: setup constraints data lab readme ablation test bench clean
 
 setup: $(STAMP)
 
-# Reinstall only when the project's dependencies change. pip installs the pinned torch, from where its
-# own configuration finds it (this machine keeps the CPU build on its disk), and uv; uv then installs
-# the rest in seconds where pip takes minutes, keeping that torch.
-TORCH_PIN = $$(grep -m1 -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
-$(STAMP): pyproject.toml
+# Reinstall only when the project's dependencies change. pip installs this torch, from where its own
+# configuration finds it (this machine keeps the CPU build on its disk), and uv; uv then installs the
+# rest in seconds where pip takes minutes, keeping that torch. The library itself takes any torch in
+# pyproject.toml's range; constraints.txt holds the exact versions of everything else the tests ran on.
+TORCH := torch==2.13.0
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH_PIN)" uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --constraint constraints.txt "$(TORCH)" uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --constraint constraints.txt -e '.[test]'
 	touch $(STAMP)
+
+# After a dependency changed in pyproject.toml and is installed in the venv: its versions, as constraints.txt.
+constraints:
+	{ grep '^#' constraints.txt; $(BIN)/uv pip freeze --python $(BIN)/python | grep -vE '^(-e |exactresume|torch==|pip==)'; } \
+		> constraints.txt.new && mv constraints.txt.new constraints.txt
 
 data: $(STAMP)
 	$(BIN)/exactresume prepare --out $(DATA)

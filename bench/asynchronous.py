@@ -1,25 +1,37 @@
 """Background-save figures (`--async-save`): how long the loop is blocked, and what saving costs it.
 
+Both are measured with the copy `exactresume train --async-save` uses, copy="during-next-step"
+(the state copied during the next step's forward and backward, the optimizer step waiting for it and
+checking that nothing changed before it); the default copy a library caller gets, "before-return"
+(the copy made before `save` returns), is timed beside it in the same rounds.
+
 Blocked: the time the loop waits for a background save (`BackgroundSaver.blocked_seconds`: in
 `save`, which takes the state dicts and starts the writer, and in the next optimizer step's wait for
-the writer's copy, which runs during that step's forward and backward) against a synchronous
-`CheckpointStore.save` of the same state (state dicts, sealed write, fsync, rename, folder fsync,
-read back and verify, retention). The writer's remaining work is waited for outside the timing.
+the writer's copy and its check) against a synchronous `CheckpointStore.save` of the same state
+(state dicts, sealed write, fsync, rename, folder fsync, read back and verify, retention). The
+writer's remaining work is waited for outside the timing.
 
 Throughput: `steps` training steps with a background save every `every` steps against the same
 steps without saving. The candidate's time includes waiting for its last save to finish, so one
 write in `steps / every` is never overlapped with training: the figure is a lower bound. With
 `steady`, the figure is a long run's: the timed steps overlap as many saves' work as they start.
+
+    python -m bench.asynchronous --reps 5 --steps 30     # these figures alone, default preset, as `make bench`
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 
-from exactresume.store.background import BackgroundSaver
+from exactresume.config import TrainConfig
+from exactresume.core.data import ensure_data, load_tokens
+from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP, BackgroundSaver
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.steplog import LOSS_HEADER, StepLog
-from exactresume.training.loop import Run
+from exactresume.training.loop import Run, build_run
 
 from .measure import interleave, ratio, timed
 from .training import exactresume_steps
@@ -30,30 +42,39 @@ BLOCK_GOAL, THROUGHPUT_GOAL = 0.1, 0.95
 def bench_async_block(run: Run, folder: Path, reps: int) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     synchronous = CheckpointStore(folder / "sync", keep=1)
-    background = BackgroundSaver(CheckpointStore(folder / "background", keep=1))
     log = StepLog(folder / "block_log.csv", LOSS_HEADER, 0).open()
 
-    def blocked() -> float:
-        before = background.blocked_seconds
-        background.save(run.step.value, run.parts())
-        exactresume_steps(run, 1, log)  # its optimizer step waits for the copy, if the copy is still running
-        seconds = background.blocked_seconds - before
-        background.wait()
-        return seconds
+    def blocked(copy: str):
+        background = BackgroundSaver(CheckpointStore(folder / copy, keep=1), copy=copy)
 
-    times = interleave(
-        {"sync": lambda: timed(lambda: synchronous.save(run.step.value, run.parts())), "blocked": blocked}, reps
-    )
+        def trial() -> float:
+            before = background.blocked_seconds
+            background.save(run.step.value, run.parts())
+            exactresume_steps(run, 1, log)  # its optimizer step waits for the copy, if the copy is still running
+            seconds = background.blocked_seconds - before
+            background.wait()
+            return seconds
+
+        return trial
+
+    trials = {"sync": lambda: timed(lambda: synchronous.save(run.step.value, run.parts()))}
+    times = interleave(trials | {copy: blocked(copy) for copy in (DURING_NEXT_STEP, BEFORE_RETURN)}, reps)
     log.close()
-    figure = ratio(times["blocked"], times["sync"])
+    figure, before_return = ratio(times[DURING_NEXT_STEP], times["sync"]), ratio(times[BEFORE_RETURN], times["sync"])
     return {
         "async_block_ratio": figure["ratio"],
         "async_block": figure
         | {
             "goal": f"<= {BLOCK_GOAL}",
             "met": figure["ratio"] <= BLOCK_GOAL,
+            "copy": DURING_NEXT_STEP,
             "what": "time the loop waits for a background save (in save and in the next "
             "optimizer step) / CheckpointStore.save (the synchronous sequence)",
+        },
+        "async_block_before_return": before_return
+        | {
+            "copy": BEFORE_RETURN,
+            "what": "the same with BackgroundSaver's default copy (made before save returns)",
         },
     }
 
@@ -75,7 +96,7 @@ def bench_async_throughput(
     it. A save is started before the clock and the last one is waited for after it, so the timed
     `steps` hold exactly `steps / every` saves' work, as every stretch of that length of a long run does.
     Without it, the run ends waiting for its last save (the lower bound above)."""
-    saver = BackgroundSaver(store or CheckpointStore(folder / "throughput", keep=1))
+    saver = BackgroundSaver(store or CheckpointStore(folder / "throughput", keep=1), copy=DURING_NEXT_STEP)
     log = StepLog(folder / "log.csv", LOSS_HEADER, 0).open()
 
     def train_and_save() -> None:
@@ -107,8 +128,36 @@ def bench_async_throughput(
             "steps_per_round": steps,
             "save_every": every,
             "steady": steady,
+            "copy": DURING_NEXT_STEP,
             "coalesced": saver.coalesced,
             "saves_asked": (reps + 1) * (steps // every + steady),
             "what": f"steps/s with --async-save --save-every {every} ({ending}) / steps/s without saving",
         },
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """These figures alone, on one preset, as `python -m bench` measures them; printed as JSON."""
+    parser = argparse.ArgumentParser(description="--async-save's figures (ratios against same-run baselines).")
+    parser.add_argument("--data", type=Path, default=Path("data/kjv"), help="prepared data (made if missing)")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-async"), help="folder for async.json")
+    parser.add_argument("--preset", default="default")
+    parser.add_argument("--reps", type=int, default=5, help="measured rounds per figure (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps per throughput round")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    args = parser.parse_args(argv)
+    ensure_data(args.data)
+    config = TrainConfig(steps=10**6, batch=args.batch, seq_len=args.seq_len, preset=args.preset)
+    run = build_run(config, load_tokens(args.data))
+    args.out.mkdir(parents=True, exist_ok=True)
+    figures = bench_async_block(run, args.out / "scratch", args.reps)
+    figures |= bench_async_throughput(run, args.out / "scratch", args.reps, steps=args.steps, every=1)
+    figures["settings"] = vars(args) | {"data": str(args.data), "out": str(args.out)}
+    (args.out / "async.json").write_text(json.dumps(figures, indent=2) + "\n")
+    json.dump(figures, sys.stdout, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

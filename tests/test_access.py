@@ -11,7 +11,7 @@ import torch
 from conftest import SMALL, call_cli
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, UserError
 from exactresume.store.access import (
     AUTO,
     MainRankSaver,
@@ -101,7 +101,7 @@ def test_auto_opens_the_runs_own_folder_or_starts_fresh(saved, tmp_path):
     messages: list[str] = []
     assert open_resume(AUTO, checkpoints=tmp_path / "damaged", notify=messages.append) is None
     assert len(messages) == 1 and "skipping damaged checkpoint" in messages[0] and checkpoint_name(5) in messages[0]
-    with pytest.raises(ValueError, match="checkpoint folder"):
+    with pytest.raises(UserError, match="checkpoint folder"):
         open_resume(AUTO)
 
 

@@ -1,12 +1,15 @@
-"""Background saves (`--async-save`): the same bytes as a synchronous save, copied before the next
-optimizer step changes the state, with failures reported and the previous checkpoint kept. Kills during a background
-write are in test_fault_tolerance.py, resumed in new processes."""
+"""Background saves (`--async-save`, BackgroundSaver): the same bytes as a synchronous save, the state
+of the step given whatever the loop does next (copy="before-return", the default), a change during a
+copy made while the loop runs (copy="during-next-step") refused rather than written, and failures
+raised as one line with the previous checkpoint kept. Kills during a background write are in
+test_fault_tolerance.py, resumed in new processes; users' loops in tests/users/test_background_user.py."""
 
 from __future__ import annotations
 
 import errno
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -15,7 +18,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from conftest import SMALL, assert_one_line_error, call_cli
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
-from exactresume.store.background import BackgroundSaveFailed, BackgroundSaver, StagingMemory
+from exactresume.errors import CheckpointError, StorageError
+from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP, BackgroundSaver, StagingMemory
 from exactresume.store.faults import Fault, FaultPoints
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.numbered import snapshot
@@ -33,23 +37,69 @@ def fp16_run(kjv_folder):
     torch.set_num_threads(threads)
 
 
-def test_background_file_is_byte_identical_to_a_synchronous_save(fp16_run, tmp_path):
+class Loop:
+    """A small loop of one's own: a model with BatchNorm, its optimizer, and an EMA of its state."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+        self.ema = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        self.parts = {"model": self.model, "optimizer": self.optimizer, "ema": self.ema}
+        self.step()
+
+    def step(self) -> None:
+        self.model(torch.randn(4, 8)).pow(2).mean().backward()  # BatchNorm's forward in train mode
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def update_ema(self, how: str = "lerp_") -> None:
+        with torch.no_grad():
+            for average, value in zip(self.ema.state_dict().values(), self.model.state_dict().values()):
+                if not average.is_floating_point():
+                    average.copy_(value)
+                elif how == "lerp_":
+                    average.lerp_(value, 0.1)
+                else:
+                    average.mul_(0.9).add_(value, alpha=0.1)
+
+
+def file_bytes(store: CheckpointStore) -> dict:
+    return {c.path.name: c.path.read_bytes() for c in store.checkpoints()}
+
+
+@pytest.mark.parametrize("mode", [BEFORE_RETURN, DURING_NEXT_STEP])
+def test_background_file_is_byte_identical_to_a_synchronous_save(fp16_run, tmp_path, mode):
     synchronous = CheckpointStore(tmp_path / "sync").save(2, fp16_run.parts())
-    saver = BackgroundSaver(CheckpointStore(tmp_path / "background"))
+    saver = BackgroundSaver(CheckpointStore(tmp_path / "background"), copy=mode)
     background = saver.save(2, fp16_run.parts())
     saver.wait()
     assert background.read_bytes() == synchronous.read_bytes()
     assert "scaler" in fp16_run.parts()
 
 
-def test_the_next_optimizer_step_waits_for_the_copy(fp16_run, tmp_path):
+def test_by_default_save_returns_with_the_copy_made(fp16_run, tmp_path):
     expected = CheckpointStore(tmp_path / "sync").save(2, fp16_run.parts()).read_bytes()
     saver = BackgroundSaver(CheckpointStore(tmp_path / "background"))
+    assert saver.copy == BEFORE_RETURN
+    path = saver.save(2, fp16_run.parts())
+    with torch.no_grad():  # a change outside the optimizer, as an EMA update would make
+        for parameter in fp16_run.model.parameters():
+            parameter.add_(1.0)
+    saver.wait()
+    assert path.read_bytes() == expected
+
+
+def test_the_next_optimizer_step_waits_for_the_copy(fp16_run, tmp_path):
+    """The built-in loop with copy="during-next-step": its forward and backward run during the copy and
+    change nothing the guard counts (a change would refuse the save); its optimizer step waits."""
+    expected = CheckpointStore(tmp_path / "sync").save(2, fp16_run.parts()).read_bytes()
+    saver = BackgroundSaver(CheckpointStore(tmp_path / "background"), copy=DURING_NEXT_STEP)
     copy = saver.staging.copy
     # The copy ends 0.3 s after the loop reached its next optimizer step, however busy the machine:
     # global step pre-hooks run before the saver's own, which is the one that waits.
     reached = threading.Event()
-    saver.staging.copy = lambda state: (reached.wait(120), time.sleep(0.3), copy(state))[2]
+    saver.staging.copy = lambda *args: (reached.wait(120), time.sleep(0.3), copy(*args))[2]
     handle = register_optimizer_step_pre_hook(lambda *args: reached.set())
     try:
         path = saver.save(2, fp16_run.parts())
@@ -61,15 +111,157 @@ def test_the_next_optimizer_step_waits_for_the_copy(fp16_run, tmp_path):
     assert saver.blocked_seconds >= 0.3  # the first optimizer step waited for the copy
 
 
-def test_without_overlap_save_returns_with_the_copy_made(fp16_run, tmp_path):
-    expected = CheckpointStore(tmp_path / "sync").save(2, fp16_run.parts()).read_bytes()
-    saver = BackgroundSaver(CheckpointStore(tmp_path / "background"), overlap=False)
-    path = saver.save(2, fp16_run.parts())
-    with torch.no_grad():  # a change outside the optimizer, as an EMA update would make
-        for parameter in fp16_run.model.parameters():
-            parameter.add_(1.0)
+def test_what_the_version_counters_count():
+    """What the guard relies on (and docs/library.md and copy_guard.py say it misses), on this torch."""
+    loop = Loop()
+    model, ema = loop.model.state_dict(), loop.ema.state_dict()
+    counts = lambda state: {name: tensor._version for name, tensor in state.items()}
+    assert model["0.weight"]._version == loop.model[0].weight._version  # a state dict's tensor shares the count
+    before = counts(ema)
+    loop.update_ema("lerp_")
+    assert all(counts(ema)[name] > before[name] for name in ema)
+    before = counts(ema)
+    loop.update_ema("mul_/add_")
+    assert all(counts(ema)[name] > before[name] for name in ema)
+    before, mean = counts(model), model["1.running_mean"].clone()
+    loop.model(torch.randn(4, 8))  # BatchNorm's forward in train mode
+    assert not torch.equal(model["1.running_mean"], mean)
+    assert counts(model)["1.num_batches_tracked"] > before["1.num_batches_tracked"]  # what the guard sees
+    assert counts(model)["1.running_mean"] == before["1.running_mean"]  # the kernel's own update is not counted
+    before = counts(ema)
+    with torch.no_grad():
+        loop.ema[0].weight.data.mul_(2)  # through .data: a new counter
+    assert counts(ema) == before
+
+
+def paused_copy(saver: BackgroundSaver, where: str) -> tuple[threading.Event, threading.Event]:
+    """Make the writer's copy pause, before its first tensor or after its last, until the test says go on."""
+    paused, go_on = threading.Event(), threading.Event()
+
+    def pause() -> None:
+        paused.set()
+        go_on.wait(120)
+
+    if where == "before the first tensor":
+        copy_tensor, copied = saver.staging._copy_tensor, []
+        saver.staging._copy_tensor = lambda *args: (copied or pause(), copied.append(1), copy_tensor(*args))[2]
+    else:
+        copy = saver.staging.copy
+        saver.staging.copy = lambda *args: (copy(*args), pause())[0]
+    return paused, go_on
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [("ema lerp_", "ema.0.weight"), ("ema mul_/add_", "ema.0.weight"), ("BatchNorm", "model.1.num_batches_tracked")],
+)
+@pytest.mark.parametrize("where", ["before the first tensor", "after the last tensor"])
+def test_a_change_racing_the_copy_is_refused_and_nothing_is_written(tmp_path, change, named, where):
+    """Paused before its first tensor, the copy finds the change in the check after each tensor's copy;
+    paused after its last, in the check of the whole state."""
+    loop = Loop()
+    store = CheckpointStore(tmp_path / "checkpoints", keep=1)
+    saver = BackgroundSaver(store, copy=DURING_NEXT_STEP)
+    saver.save(1, loop.parts)
     saver.wait()
-    assert path.read_bytes() == expected
+    before = file_bytes(store)
+    paused, go_on = paused_copy(saver, where)
+    saver.save(2, loop.parts)
+    assert paused.wait(120)
+    if change == "BatchNorm":
+        loop.model(torch.randn(4, 8))  # the next step's forward, in train mode
+    else:
+        loop.update_ema(change.split()[1])
+    go_on.set()
+    with pytest.raises(CheckpointError) as refused:
+        saver.wait()
+    message = str(refused.value)
+    assert "\n" not in message and "step 2 was not written: " + named + " changed" in message, message
+    assert "copy='before-return'" in message and "wait_for_copy()" in message, message
+    assert file_bytes(store) == before and store.leftovers() == []
+    saver.staging = StagingMemory()
+    saver.save(3, loop.parts)  # the saver goes on: the next save is written
+    saver.wait()
+    assert [c.step for c in store.checkpoints()] == [3]
+
+
+class History:
+    """A part whose state dict hands out a live list, which the loop keeps appending to."""
+
+    def __init__(self):
+        self.losses = [1.0]
+
+    def state_dict(self) -> dict:
+        return {"losses": self.losses}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.losses = state["losses"]
+
+
+def test_a_live_python_value_is_taken_at_save_not_at_the_copy(tmp_path):
+    loop, history = Loop(), History()
+    saver = BackgroundSaver(CheckpointStore(tmp_path / "checkpoints"), copy=DURING_NEXT_STEP)
+    paused, go_on = paused_copy(saver, "before the first tensor")
+    path = saver.save(1, loop.parts | {"history": history})
+    assert paused.wait(120)
+    history.losses.append(2.0)  # no tensor: the version counters cannot see it, so save took it already
+    go_on.set()
+    saver.wait()
+    assert torch.load(path, weights_only=True)["history"] == {"losses": [1.0]}
+
+
+def test_the_optimizer_step_after_a_refused_copy_raises_it(tmp_path):
+    loop = Loop()
+    saver = BackgroundSaver(CheckpointStore(tmp_path / "checkpoints"), copy=DURING_NEXT_STEP)
+    paused, go_on = paused_copy(saver, "before the first tensor")
+    saver.save(1, loop.parts)
+    paused.wait(120)
+    loop.update_ema()
+    go_on.set()
+    assert saver._guard.decided.wait(120)  # the writer found the change in its copy (before the next forward)
+    with pytest.raises(CheckpointError, match="step 1 was not written: ema.0.weight changed"):
+        loop.step()
+    saver.wait()  # reported once
+    assert not saver.store.path_for(1).exists()
+    saver.close()
+    loop.step()  # close took the pre-hook off
+
+
+def test_nothing_is_written_before_the_loop_waits_for_the_copy(tmp_path):
+    """The decision is the loop's, where it waits for the copy: however fast the copy, a change the loop
+    makes before then refuses the save, and until then nothing is written."""
+    loop = Loop()
+    store = CheckpointStore(tmp_path / "checkpoints")
+    saver = BackgroundSaver(store, copy=DURING_NEXT_STEP)
+    saver.save(1, loop.parts)
+    time.sleep(0.3)  # the copy is done long before
+    assert store.checkpoints() == [] and saver.busy()
+    saver.wait_for_copy()
+    saver.wait()
+    assert [c.step for c in store.checkpoints()] == [1]
+    saver.save(2, loop.parts)
+    time.sleep(0.3)
+    loop.update_ema()  # long after the copy ended, still before the loop waited for it
+    with pytest.raises(CheckpointError, match="step 2 was not written: ema.0.weight changed"):
+        saver.wait_for_copy()
+    assert [c.step for c in store.checkpoints()] == [1]
+
+
+def test_when_the_loop_thread_ends_without_waiting_the_writer_decides(tmp_path):
+    loop = Loop()
+    store = CheckpointStore(tmp_path / "checkpoints")
+    saver = BackgroundSaver(store, copy=DURING_NEXT_STEP)
+    thread = threading.Thread(target=saver.save, args=(1, loop.parts))
+    thread.start()
+    thread.join()
+    saver._writer.join(30)  # not saver.wait(), which would decide in this thread
+    assert [c.step for c in store.checkpoints()] == [1]
+    saver.wait()
+
+
+def test_an_unknown_copy_mode_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="copy must be 'before-return' or 'during-next-step', got 'overlap'"):
+        BackgroundSaver(CheckpointStore(tmp_path), copy="overlap")
 
 
 def test_staging_memory_is_reused_and_keeps_tied_storage_shared(fp16_run):
@@ -92,22 +284,42 @@ def test_staging_memory_is_reused_and_keeps_tied_storage_shared(fp16_run):
         assert torch.equal(first["model"][name], tensor), name
 
 
+@pytest.mark.parametrize("mode", [BEFORE_RETURN, DURING_NEXT_STEP])
 @pytest.mark.parametrize("stage", ["write", "fsync", "rename", "verify"])
-def test_a_failed_background_save_is_raised_by_wait_and_the_previous_checkpoint_stays(fp16_run, tmp_path, stage):
+def test_a_failed_background_save_is_one_storage_error_line_and_the_previous_checkpoint_stays(tmp_path, stage, mode):
+    loop = Loop()
     store = CheckpointStore(tmp_path / "checkpoints", keep=1)
-    saver = BackgroundSaver(store)
-    saver.save(1, fp16_run.parts())
+    saver = BackgroundSaver(store, copy=mode)
+    saver.save(1, loop.parts)
     saver.wait()
+    before = file_bytes(store)
     store.faults = FaultPoints(Fault(stage, 1, "enospc"))
-    saver.save(2, fp16_run.parts())  # returns: the error is the writer's
-    with pytest.raises(BackgroundSaveFailed) as failed:
+    saver.save(2, loop.parts)  # returns: the error is the writer's
+    with pytest.raises(StorageError) as failed:
         saver.wait()
-    assert failed.value.step == 2 and failed.value.error.errno == errno.ENOSPC
-    assert [c.step for c in store.checkpoints()] == [1] and store.leftovers() == []
+    message = str(failed.value)
+    assert "\n" not in message and not message.startswith("("), message
+    assert "checkpoint at step 2" in message and "(ENOSPC)" in message, message
+    assert "step-00000001.pth is intact" in message, message
+    assert failed.value.errno == errno.ENOSPC and isinstance(failed.value.__cause__, OSError)
+    assert file_bytes(store) == before and store.leftovers() == []
     saver.wait()  # reported once
-    saver.save(2, fp16_run.parts())
+    saver.save(2, loop.parts)
     saver.wait()
     assert [c.step for c in store.checkpoints()] == [2]
+
+
+def test_a_bug_in_the_background_keeps_its_type_and_traceback(tmp_path):
+    def commit(step, state):
+        raise KeyError("a bug")
+
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.commit = commit
+    saver = BackgroundSaver(store)
+    saver.save(1, Loop().parts)
+    with pytest.raises(KeyError) as failed:
+        saver.wait()
+    assert "commit" in [frame.name for frame in traceback.extract_tb(failed.value.__traceback__)]
 
 
 def test_async_save_needs_save_every(tmp_path, kjv_folder):
@@ -122,5 +334,6 @@ def test_a_disk_error_in_the_background_stops_the_run_with_exit_74(tmp_path, kjv
     assert finished.returncode == 74, finished.stderr
     line = finished.stderr.strip()
     assert "\n" not in line and "checkpoint at step 4" in line and "step-00000002.pth is intact" in line, line
+    assert "(EIO)" in line and "training stopped" in line, line
     assert [c.step for c in CheckpointStore(tmp_path / "checkpoints").checkpoints()] == [2]
     assert not (tmp_path / "final.pth").exists()

@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from conftest import SMALL, run_cli
-from exactresume.store.background import BackgroundSaver
+from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP, BackgroundSaver
 from exactresume.store.folder import CheckpointStore
 
 
-def test_saves_asked_for_while_one_is_written_are_skipped_and_counted(tmp_path):
+@pytest.mark.parametrize("mode", [BEFORE_RETURN, DURING_NEXT_STEP])
+def test_saves_asked_for_while_one_is_written_are_skipped_and_counted(tmp_path, mode):
     store = CheckpointStore(tmp_path / "checkpoints", keep=None)
     released = threading.Event()
     commit = store.commit
-    store.commit = lambda step, state: (released.wait(10), commit(step, state))[1]  # a slow disk
-    saver = BackgroundSaver(store)
+    store.commit = lambda step, state, **publish: (released.wait(10), commit(step, state, **publish))[1]  # slow disk
+    saver = BackgroundSaver(store, copy=mode)
     parts = {"model": torch.nn.Linear(4, 4)}
     assert saver.save(1, parts, coalesce=True) == store.path_for(1)
     assert saver.save(2, parts, coalesce=True) is None and saver.save(3, parts, coalesce=True) is None

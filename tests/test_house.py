@@ -20,8 +20,8 @@ MAX_MODULE_LINES, MAX_FUNCTION_LINES = 350, 50
 
 
 def test_the_public_api_is_what_the_package_exports():
-    assert exactresume.__all__ == sorted(exactresume.PUBLIC)
-    for name in exactresume.__all__:
+    assert exactresume.__all__ == sorted(set(exactresume.PUBLIC) - set(exactresume.NEEDS_LAB))
+    for name in exactresume.PUBLIC:
         assert getattr(exactresume, name) is not None, name
     with pytest.raises(AttributeError):
         exactresume.CheckpointStor  # noqa: B018 - a typo names itself, it is not sent elsewhere

@@ -163,7 +163,7 @@ def test_a_second_checkpoint_store_is_refused_in_this_process_and_another(tmp_pa
     with pytest.raises(UserError, match="being written"):
         second.load({"count": Counter()})  # a load cleans up: a writer's act
     restored = Counter()
-    assert second.load({"count": restored}, clean=False) == 1 and restored.value == 1  # readers need no lock
+    assert second.load({"count": restored}, skip=["rng"], clean=False) == 1 and restored.value == 1  # no lock
     assert [c.step for c in second.checkpoints()] == [1]
     script = (
         "import sys; from exactresume.store.folder import CheckpointStore;"

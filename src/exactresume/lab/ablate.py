@@ -60,10 +60,11 @@ def reset_adam_steps(state: dict) -> dict:
 
 
 def weights_rounded_to(dtype: torch.dtype) -> Callable[[dict], dict]:
-    """The resume file's weights stored in `dtype` (what MiniMind's resume file does with fp16)."""
+    """The resume file's weights stored in `dtype` (what MiniMind's resume file does with fp16), as the
+    fp32 model takes them back: rounded to `dtype`, then widened again, as loading them would."""
 
     def round_weights(state: dict) -> dict:
-        state["model"] = {name: tensor.to(dtype) for name, tensor in state["model"].items()}
+        state["model"] = {name: tensor.to(dtype).to(tensor.dtype) for name, tensor in state["model"].items()}
         return state
 
     round_weights.__name__ = f"weights_rounded_to_{str(dtype).removeprefix('torch.')}"

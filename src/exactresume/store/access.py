@@ -22,13 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from exactresume.errors import CheckpointError
-from exactresume.store.background import BackgroundSaver
+from exactresume.errors import CheckpointError, FieldError, StorageError
+from exactresume.store.background import BEFORE_RETURN, BackgroundSaver
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.formats import is_sharded_folder, path_kind
 from exactresume.store.locations import Location, S3Location, is_s3, location
-from exactresume.store.numbered import NumberedStore, print_to_stderr
-from exactresume.store.resume import capture, read_resume, restore, save_resume, saved_step, saved_world_size
+from exactresume.store.numbered import NumberedStore
+from exactresume.store.resume import (
+    capture,
+    check_resume_state,
+    print_to_stderr,
+    read_resume,
+    restore,
+    save_resume,
+    saved_step,
+    saved_world_size,
+)
 from exactresume.world import World
 
 if TYPE_CHECKING:  # DCP takes a second to import: only when a sharded folder is read
@@ -58,14 +67,15 @@ class Resumed:
         """How many processes wrote it."""
         return saved_world_size(self.state)
 
-    def restore(self, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> int:
-        """Load the state into `parts`, all but `skip` (the config part first: a different run is refused);
-        the step it continues from."""
+    def restore(self, parts: Mapping[str, Stateful], skip: Collection[str] = (), fresh: Collection[str] = ()) -> int:
+        """Load the state into `parts`, all or nothing (`skip` and `fresh` as in resume.restore; the config
+        part first: a different run is refused); the step it continues from."""
         if self.kind == "sharded":
             from exactresume.store.sharded import sharded_parts  # DCP takes a second to import: only when used
 
             parts = sharded_parts(parts)
-        restore(self.state, parts, skip=skip)
+        for name in restore(self.state, parts, skip=skip, fresh=fresh, source=self.path):
+            print_to_stderr(f"{self.path} holds no part {name}: it starts fresh (fresh=)")
         return self.step
 
     def world_change(self, world: World) -> str | None:
@@ -90,16 +100,16 @@ def open_resume(
 ) -> Resumed | None:
     """Verify and read `source`: a resume file, a sharded folder, a checkpoint folder, or AUTO.
 
-    A checkpoint folder gives its newest checkpoint that verifies and holds every part in `needs` (any
-    complete checkpoint when `needs` is empty);
-    the damaged ones skipped on the way are passed to `notify`. AUTO reads the folder `checkpoints`
-    (a run's own) the same way, and gives None when it holds no valid checkpoint: a fresh start.
+    A checkpoint folder gives its newest checkpoint that verifies (the damaged ones skipped on the way
+    are passed to `notify`); one that lacks a part in `needs` is refused, not passed over. AUTO reads
+    the folder `checkpoints` (a run's own) the same way, and gives None when it holds no valid
+    checkpoint: a fresh start.
     Anything else that is not a complete resume state raises a one-line CheckpointError.
     `destination` tells a sharded folder's reader where this rank's shards go (parallel/fsdp.py).
     """
     if source == AUTO:
         if checkpoints is None:
-            raise ValueError("open_resume('auto') needs the run's checkpoint folder")
+            raise FieldError("open_resume('auto') needs the run's checkpoint folder: checkpoints=FOLDER", "checkpoints")
         return _newest_in(location(checkpoints), needs, notify, required=False)
     path = location(source)
     kind = _kind(path)
@@ -149,7 +159,7 @@ def _newest_in(folder: Location, needs: Collection[str], notify, required: bool)
     """The newest valid checkpoint of a store folder; nothing in it is deleted (it may be someone else's)."""
     skipped: list[str] = []
     store = CheckpointStore(folder, keep=None, notify=skipped.append)
-    found = store.load_newest(needs)
+    found = store.load_newest()
     if found is None and required:
         what = "uncommitted object(s)" if is_s3(folder) else ".tmp leftover(s)"
         details = [f"only {len(store.leftovers())} {what} of interrupted saves"] if store.leftovers() else []
@@ -160,7 +170,7 @@ def _newest_in(folder: Location, needs: Collection[str], notify, required: bool)
     if found is None:
         return None
     checkpoint, state = found
-    return Resumed(state, checkpoint.step, checkpoint.path, "store")
+    return Resumed(check_resume_state(checkpoint.path, state, needs), checkpoint.step, checkpoint.path, "store")
 
 
 # ---- out --------------------------------------------------------------------------------------
@@ -214,7 +224,10 @@ class ShardedSaver(_SavesAtOnce):
             return self.path
         from exactresume.store.sharded import save_sharded
 
-        save_sharded(self.path, parts, self.world, step)
+        try:
+            save_sharded(self.path, parts, self.world, step)
+        except OSError as error:
+            raise StorageError.from_os_error(str(self.path), error, "; what was there before is intact") from error
         return self.path
 
 
@@ -245,13 +258,15 @@ def make_saver(
     world: World = World(),
     background: bool = False,
     sharded: bool = False,
+    copy: str = BEFORE_RETURN,
 ) -> Saver:
     """The writer for `destination` (a path or an `s3://` location): a CheckpointStore's (in a background
-    thread with `background`), a sharded DCP folder's with `sharded`, else a sealed resume file's."""
+    thread with `background`, which copies the state as `copy` says: background.py), a sharded DCP
+    folder's with `sharded`, else a sealed resume file's."""
     if sharded:
         return ShardedSaver(destination, world)
     if isinstance(destination, NumberedStore):
-        writer: Saver = BackgroundSaver(destination) if background and world.is_main else destination
+        writer: Saver = BackgroundSaver(destination, copy=copy) if background and world.is_main else destination
     else:
         writer = ResumeFileSaver(destination)
     return writer if world.size == 1 else MainRankSaver(writer, world)

@@ -1,31 +1,42 @@
 """Checkpoints written in the background: the training loop does not wait for the disk.
 
     saver = BackgroundSaver(store)
-    saver.save(step, parts)   # returns at once; a thread copies the state, then writes it
+    saver.save(step, parts)   # returns once the state is copied; a thread writes it
     saver.wait()              # the save in flight is durable and verified, or its error is raised
 
-`save` takes the parts' state dicts (references to the live tensors, plus small values such as RNG
-states, which are copies already) and hands them to a writer thread. The thread first copies the
-tensors into staging memory, while the loop runs the next step's forward and backward, which only
-read them; the next `optimizer.step()` waits until the copy is complete (a step pre-hook on every
-optimizer among the parts), so the file holds exactly the state at `step`, byte for byte what
-`store.save` would have written. A loop that changes the state in place before its next optimizer
-step (an EMA of the weights, BatchNorm statistics in the forward pass) passes `overlap=False`, and
-`save` then returns only once the copy is made.
+`copy` says when the state is copied into staging memory, the one thing the loop must wait for:
 
-The thread then runs the store's own stages (`CheckpointStore.commit`: write, fsync, rename, folder
-fsync, verify, retention) in the same order, so old checkpoints are still deleted only after the new
-one is durable and reads back verified, and a kill at any moment leaves what a kill of a synchronous
-save leaves. At most one save is in flight: `save` first waits for the previous one and reuses its
-staging memory (the copy is kept between saves, so a background-saving run holds one extra copy of
-its state). A failure in the background is raised by the next `save` or `wait` (or by the optimizer
-step that waits for the copy) as BackgroundSaveFailed, naming the step it was saving.
-`blocked_seconds` adds up the time the caller spent waiting in `save` and in the pre-hook.
+- "before-return" (the default): `save` copies it before it returns. The file holds exactly the
+  state at `step`, whatever the loop changes next: an EMA of the weights, BatchNorm's running
+  statistics in the next forward, anything changed in place.
+- "during-next-step": `save` returns at once, and the writer thread copies the state while the loop
+  runs the next step's forward and backward, which only read it. The state must not change until
+  the loop waits for the copy: the next `optimizer.step()` of every optimizer among the parts does
+  (a step pre-hook), and so do `wait_for_copy()`, `save`, `wait` and `close`. There the loop's own
+  thread compares the tensors' version counters with those at `save` (copy_guard.py, which says
+  what they miss), and only then is the file published (the writer writes it meanwhile, and renames
+  it only after that); a change refuses the save, every time, not
+  only when it raced the copy: no file is written for that step, and a one-line CheckpointError
+  naming the tensor is raised there. For a loop that changes the state only in its optimizer's
+  step (as `exactresume train --async-save` does), the file is the same as with "before-return".
 
-`save(..., coalesce=True)` (`train --save-every 1 --async-save`) does not wait when the previous save is still being
-written: it skips this one and counts it in `coalesced`, so a disk slower than one checkpoint per
-step costs checkpoints, not training time. Nothing is queued; the next save after the write ends
-takes the state of its own step.
+Either way the file is byte for byte what `store.save` would have written, and the thread runs the
+store's own stages (`CheckpointStore.commit`: write, fsync, rename, folder fsync, verify, retention)
+in the same order, so old checkpoints are still deleted only after the new one is durable and reads
+back verified, and a kill at any moment leaves what a kill of a synchronous save leaves. At most one
+save is in flight: `save` first waits for the previous one and reuses its staging memory (the copy
+is kept between saves, so a background-saving run holds one extra copy of its state).
+
+A failure in the background is raised by the next `save`, `wait` or `close` (or the optimizer step
+that waits for the copy) as itself when it is a UserError, as the store's one-line StorageError when
+the storage refused a write (naming the step, the error and the newest checkpoint, which is intact),
+and as itself, with its traceback, when it is anything else (a bug). `blocked_seconds` adds up the
+time the caller spent waiting in `save` and for the copy.
+
+`save(..., coalesce=True)` (`train --save-every 1 --async-save`) does not wait when the previous save
+is still being written: it skips this one and counts it in `coalesced`, so a disk slower than one
+checkpoint per step costs checkpoints, not training time. Nothing is queued; the next save after the
+write ends takes the state of its own step.
 """
 
 from __future__ import annotations
@@ -33,25 +44,21 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from exactresume.errors import StorageError
+from exactresume.store.copy_guard import CopyGuard
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.numbered import snapshot
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
 
-
-class BackgroundSaveFailed(Exception):
-    """The background save of `step` raised `error` (kept as the cause)."""
-
-    def __init__(self, step: int, error: BaseException):
-        super().__init__(step, error)
-        self.step, self.error = step, error
+BEFORE_RETURN, DURING_NEXT_STEP = "before-return", "during-next-step"  # BackgroundSaver's `copy`
 
 
 class StagingMemory:
@@ -64,23 +71,18 @@ class StagingMemory:
     def __init__(self) -> None:
         self.pool: list[torch.UntypedStorage] = []  # the n-th distinct storage of the last copy
 
-    def copy(self, state: Any) -> Any:
-        """A copy of `state` whose tensors live in this staging memory."""
-        return self._copy(state, {})
+    def copy(self, state: Any, after_each: Callable[[torch.Tensor], None] | None = None) -> Any:
+        """A copy of `state` whose tensors live in this staging memory; `after_each(tensor)` follows
+        the copy of each of its tensors."""
+        staged: dict = {}
 
-    def _copy(self, value: Any, staged: dict) -> Any:
-        if isinstance(value, torch.Tensor):
-            return self._copy_tensor(value, staged)
-        if isinstance(value, dict):
-            copied = copy.copy(value)  # keeps the type and attributes (a state dict's _metadata)
-            for key, item in value.items():
-                copied[key] = self._copy(item, staged)
+        def stage(tensor: torch.Tensor) -> torch.Tensor:
+            copied = self._copy_tensor(tensor, staged)
+            if after_each is not None:
+                after_each(tensor)
             return copied
-        if isinstance(value, list):
-            return [self._copy(item, staged) for item in value]
-        if type(value) is tuple:
-            return tuple(self._copy(item, staged) for item in value)
-        return copy.deepcopy(value)  # numbers, strings, numpy RNG arrays: small
+
+        return rebuilt(state, stage)
 
     def _copy_tensor(self, tensor: torch.Tensor, staged: dict) -> torch.Tensor:
         source = tensor.untyped_storage()
@@ -103,18 +105,42 @@ class StagingMemory:
         return storage
 
 
-class BackgroundSaver:
-    """`store.save` split in two: state dicts taken in the caller's thread, copy and write in a writer thread."""
+def rebuilt(value: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` with its dicts, lists and tuples remade, each tensor replaced by `tensor(it)`, and every
+    other value deep-copied (numbers, strings, numpy RNG arrays: small)."""
+    if isinstance(value, torch.Tensor):
+        return tensor(value)
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # keeps the type and attributes (a state dict's _metadata)
+        for key, item in value.items():
+            copied[key] = rebuilt(item, tensor)
+        return copied
+    if isinstance(value, list):
+        return [rebuilt(item, tensor) for item in value]
+    if type(value) is tuple:
+        return tuple(rebuilt(item, tensor) for item in value)
+    return copy.deepcopy(value)
 
-    def __init__(self, store: CheckpointStore, overlap: bool = True):
-        self.store, self.overlap, self.staging = store, overlap, StagingMemory()
+
+class BackgroundSaver:
+    """`store.save` split in two: the state copied, then written by a writer thread.
+
+    `copy="before-return"` (the default): `save` returns once the state is copied; the file holds the
+    state at its step whatever the loop changes next. `copy="during-next-step"`: `save` returns at
+    once, the copy runs during the next step, and the state must not change until the loop waits
+    for it (the optimizer's step, or `wait_for_copy()`); a change refuses the save (module docstring).
+    """
+
+    def __init__(self, store: CheckpointStore, copy: str = BEFORE_RETURN):
+        if copy not in (BEFORE_RETURN, DURING_NEXT_STEP):
+            raise ValueError(f"copy must be {BEFORE_RETURN!r} or {DURING_NEXT_STEP!r}, got {copy!r}")
+        self.store, self.copy, self.staging = store, copy, StagingMemory()
         self.blocked_seconds = 0.0
         self.coalesced = 0  # saves skipped because the previous one was still being written
         self._writer: threading.Thread | None = None
-        self._copied = threading.Event()
-        self._copied.set()
-        self._failure: BackgroundSaveFailed | None = None
-        self._hooked: set[int] = set()
+        self._guard: CopyGuard | None = None  # the copy in flight, with copy="during-next-step"
+        self._failure: BaseException | None = None
+        self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
 
     def busy(self) -> bool:
         """Whether a save is still being copied or written."""
@@ -129,54 +155,96 @@ class BackgroundSaver:
             return None
         started = time.perf_counter()
         self.wait()
+        step = self.store.check_save(step)
         self.store.faults.reached("snapshot")
         state = snapshot(step, parts)
-        self._hook_optimizers(parts)
-        self._copied.clear()
+        if self.copy == BEFORE_RETURN:
+            state, self._guard = self.staging.copy(state), None
+        else:
+            # The containers and small values are made the saver's own now, as a part may return live
+            # ones (a list it appends to); the tensors, whose changes the guard sees, are copied later.
+            state = rebuilt(state, lambda tensor: tensor)
+            self._guard = CopyGuard(step, state)
+            self._hook_optimizers(parts)
         # Not a daemon: an exiting interpreter lets a started save finish rather than cut it off.
-        self._writer = threading.Thread(target=self._copy_and_commit, args=(step, state), name=f"checkpoint-{step}")
+        self._writer = threading.Thread(target=self._write, args=(step, state, self._guard), name=f"checkpoint-{step}")
         self._writer.start()
-        if not self.overlap:
-            self._copied.wait()
         self.blocked_seconds += time.perf_counter() - started
         return self.store.path_for(step)
 
     def wait_for_copy(self) -> None:
-        """Block until the save in flight has copied the state (the live tensors may change after)."""
-        if not self._copied.is_set():
-            started = time.perf_counter()
-            self._copied.wait()
-            self.blocked_seconds += time.perf_counter() - started
+        """Block until the save in flight has copied the state; from then on the state may change.
+        Raises the save's CheckpointError if the state changed before (no file is published then)."""
+        guard = self._guard
+        if guard is None or guard.passed():
+            return
+        started = time.perf_counter()
+        guard.copied.wait()
+        guard.decide()  # here the loop has nothing running: every change it made is counted
+        self.blocked_seconds += time.perf_counter() - started
+        if not guard.passed():
+            self.wait()  # the writer ends without writing; its error is raised here
 
     def wait(self) -> None:
-        """Block until no save is in flight; raise BackgroundSaveFailed if the last one failed."""
+        """Block until no save is in flight; raise the error of the last one if it failed."""
         if self._writer is not None:
+            if self._guard is not None:  # the writer waits for this thread's decision
+                self._guard.copied.wait()
+                self._guard.decide()
             self._writer.join()
             self._writer = None
+        self._guard = None
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
 
     def close(self) -> None:
-        """Wait for the save in flight (the Saver interface; the staging memory is kept for reuse)."""
-        self.wait()
+        """Wait for the save in flight and take the optimizers' pre-hooks off (the staging memory is
+        kept for reuse)."""
+        try:
+            self.wait()
+        finally:
+            for handle in self._hooks.values():
+                handle.remove()
+            self._hooks.clear()
 
     def _hook_optimizers(self, parts: Mapping[str, Stateful]) -> None:
         for part in parts.values():
             optimizer = getattr(part, "part", part)  # a part may wrap its object (resume.PerRank)
-            if isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in self._hooked:
-                optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.wait_for_copy())
-                self._hooked.add(id(optimizer))
+            if isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in self._hooks:
+                hook = lambda optimizer, args, kwargs: self.wait_for_copy()
+                self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(hook)
 
-    def _copy_and_commit(self, step: int, state: dict) -> None:
+    def _write(self, step: int, state: dict, guard: CopyGuard | None) -> None:
         # Hand the interpreter lock back at once: a new thread otherwise keeps it while it runs Python,
         # and `save` (waiting in Thread.start) would return only after tens of milliseconds.
         time.sleep(0)
         try:
-            try:
-                state = self.staging.copy(state)
-            finally:
-                self._copied.set()  # a failed copy must not leave the loop waiting
-            self.store.commit(step, state)
-        except BaseException as error:  # handed to the training thread, which decides
-            self._failure = BackgroundSaveFailed(step, error)
+            if guard is None:
+                self.store.commit(step, state)
+            else:  # written while the loop decides; published only once it has (copy_guard.py)
+                self.store.commit(step, self._copy_guarded(state, guard), before_publish=guard.confirm)
+        except OSError as error:
+            self._failure = self._refused_write(step, error)
+        except BaseException as error:  # a UserError as it is; anything else is a bug: its own traceback
+            self._failure = error
+
+    def _refused_write(self, step: int, error: OSError) -> StorageError:
+        """The storage refused a write: the store's one line, with the newest checkpoint, which is intact."""
+        try:
+            refused = self.store.storage_error(step, error)
+        except OSError:  # the folder cannot even be listed: what failed, and why
+            refused = StorageError.from_os_error(f"the checkpoint at step {step} in {self.store.folder}", error)
+        refused.__cause__ = error
+        return refused
+
+    def _copy_guarded(self, state: dict, guard: CopyGuard) -> dict:
+        try:
+            state = self.staging.copy(state, guard.check_copied)
+            guard.check_all()
+        except BaseException:
+            guard.refuse()
+            raise
+        finally:
+            guard.copied.set()  # a failed copy must not leave the loop waiting
+        return state

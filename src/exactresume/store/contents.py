@@ -33,7 +33,7 @@ from exactresume.errors import CheckpointError
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format, content_kind, path_kind
 from exactresume.store.listing import format_listing, list_checkpoints
 from exactresume.store.locations import Location, S3Location
-from exactresume.store.resume import RESERVED_NAMES, read_resume
+from exactresume.store.resume import RESERVED_NAMES, read_resume, saved_step
 from exactresume.store.safetensors_weights import DIGEST_KEY, load_verified, tied_names
 from exactresume.store.sealed import load_sealed, read_seal
 
@@ -112,7 +112,7 @@ def _describe_torch(obj: Any) -> dict:
             "kind": "resume",
             "format": RESUME_FORMAT,
             "version": obj.get("version"),
-            "step": obj.get("step"),
+            "step": saved_step(obj),
             "config": obj.get("config"),
             "parts": parts,
             "tied": tied_names(model),
@@ -168,6 +168,7 @@ def _commit(folder: Path) -> dict:
         "format": SHARDED_FORMAT,
         "version": marker["version"],
         "processes": marker["processes"],
+        "step": marker.get("step"),
         "files_listed": marker["files"],
     }
 
@@ -185,6 +186,8 @@ def _inspect_sharded(folder: Path) -> dict:
         stored[index.fqn] = stored.get(index.fqn, 0) + int(info.length)
     parts: dict[str, dict] = {}
     for fqn, entry in metadata.state_dict_metadata.items():
+        if fqn.split(".")[0] in RESERVED_NAMES:  # our own keys beside the parts
+            continue
         part = parts.setdefault(fqn.split(".")[0], _empty_summary())
         properties = getattr(entry, "properties", None)
         if properties is None:  # BytesStorageMetadata: a pickled Python object
@@ -209,15 +212,18 @@ def _inspect_sharded(folder: Path) -> dict:
 def _description(info: dict) -> str:
     dtypes = [SHORT_DTYPES.get(d, d) for d in info["total"]["dtypes"] if d in SHORT_DTYPES]
     if info["kind"] == "resume":
-        steps = ((info.get("config") or {}).get("train") or {}).get("steps", "?")
-        return f"resume file ({info['format']} version {info['version']}), step {info['step']} of {steps}"
+        steps = ((info.get("config") or {}).get("train") or {}).get("steps")
+        return f"resume file ({info['format']} version {info['version']}), step {info['step']}" + (
+            f" of {steps}" if steps is not None else ""
+        )
     if info["kind"] == "weights":
         return "fp32 weights file"
     if info["kind"] == "export":
         return f"{'/'.join(dtypes) or 'non-float'} inference weights ({info['container']} export)"
     if info["kind"] == "sharded" and info["commit"] == "verified":
         processes = f"{info['processes']} process" + ("es" if info["processes"] != 1 else "")
-        return f"sharded resume folder ({info['format']} version {info['version']}, {processes})"
+        step = f", step {info['step']}" if info.get("step") is not None else ""
+        return f"sharded resume folder ({info['format']} version {info['version']}, {processes}){step}"
     if info["kind"] == "sharded":
         return f"sharded checkpoint folder (torch.distributed.checkpoint), {info['commit']} commit marker: not trusted"
     return f"torch file, not an exactresume layout (keys: {', '.join(info['keys'][:8])})"

@@ -31,25 +31,27 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
-from exactresume.errors import CheckpointError, ReadBackError
+from exactresume.errors import CheckpointError, ReadBackError, UserError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.locations import S3Location, is_s3
 from exactresume.store.lock import FolderLock
 from exactresume.store.numbered import (
     CHECKPOINT_NAME,
+    UNREADABLE_SUFFIX,
     Checkpoint,
     NumberedStore,
     check_checkpoint,
+    check_keep,
     checkpoint_name,
-    print_to_stderr,
 )
+from exactresume.store.resume import print_to_stderr
 from exactresume.store.sealed import load_sealed, verify, write_sealed
 
 
@@ -75,9 +77,9 @@ class CheckpointStore(NumberedStore):
         notify: Callable[[str], None] = print_to_stderr,
         lock: FolderLock | None = None,
     ):
-        if keep is not None and keep < 1:
-            raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), got {keep}")
-        self.folder, self.keep, self.notify = Path(folder), keep, notify
+        self.folder, self.keep, self.notify = Path(folder), check_keep(keep), notify
+        if self.folder.exists() and not self.folder.is_dir():
+            raise UserError(f"{self.folder} is a file, not a folder of checkpoints: give a folder's path")
         self.faults = FaultPoints.from_environment()
         self.lock, self.owns_lock = lock, lock is None  # a caller's lock on a folder that holds this one
 
@@ -121,15 +123,18 @@ class CheckpointStore(NumberedStore):
 
     # -- saving: one sequence of stages, each a fault-injection point ---------------------------
 
-    def commit(self, step: int, state: dict) -> Path:
+    def commit(self, step: int, state: dict, before_publish: Callable[[], None] | None = None) -> Path:
         """The stages after the snapshot: write, fsync, rename, folder fsync, verify, retention.
 
         `state` must not change while this runs (background.py hands it a private copy).
+        `before_publish()` runs just before the rename: if it raises, the file written so far is removed
+        and nothing else changes (a background save whose state changed during its copy).
         """
         path = self.path_for(step)
         self._ensure_folder()
         self.hold_lock()
-        self._write(path, state)
+        self._set_aside_if_unreadable(Checkpoint(step, path))
+        self._write(path, state, before_publish)
         self._verify_written(path)
         self._retain(step)
         return path
@@ -139,11 +144,13 @@ class CheckpointStore(NumberedStore):
             self.folder.mkdir(parents=True)
             fsync_path(self.folder.parent)
 
-    def _write(self, path: Path, state: dict) -> None:
+    def _write(self, path: Path, state: dict, before_publish: Callable[[], None] | None) -> None:
         """serialize + checksum -> fsync -> rename -> folder fsync; on any failure no new file remains."""
         reached: list[str] = []
 
         def stage(name: str) -> None:
+            if name == "rename" and before_publish is not None:
+                before_publish()
             reached.append(name)
             self.faults.reached(name)
 
@@ -153,6 +160,20 @@ class CheckpointStore(NumberedStore):
             if "folder-fsync" in reached:
                 _remove_quietly(path)  # a rename we could not make durable is not a checkpoint
             raise
+
+    def _set_aside_if_unreadable(self, existing: Checkpoint) -> None:
+        """A file at the step about to be saved that is no checkpoint we can load (damaged, or of another
+        release) is renamed `NAME.unreadable`, not written over: its bytes may still matter to someone."""
+        path = existing.path
+        if not path.exists():
+            return
+        try:
+            check_checkpoint(existing, load_sealed(path))
+        except CheckpointError as error:
+            aside = _free_name(path.with_name(path.name + UNREADABLE_SUFFIX))
+            os.replace(path, aside)
+            fsync_path(self.folder)
+            self.notify(f"set aside {path} as {aside.name} before saving its step again ({error})")
 
     def _verify_written(self, path: Path) -> None:
         """Read the new file back and check its checksum; a file that fails is removed."""
@@ -166,6 +187,14 @@ class CheckpointStore(NumberedStore):
             _remove_quietly(path)
             raise ReadBackError(errno.EIO, f"the checkpoint read back damaged ({error})") from None
 
+    def verifies(self, checkpoint: Checkpoint) -> bool:
+        """Whether the checkpoint's bytes match their checksum (nothing is unpickled)."""
+        try:
+            verify(checkpoint.path)
+        except (CheckpointError, OSError):
+            return False
+        return True
+
     def _delete(self, older: list[Checkpoint]) -> None:
         for checkpoint in older:
             checkpoint.path.unlink(missing_ok=True)
@@ -174,13 +203,18 @@ class CheckpointStore(NumberedStore):
 
     # -- restoring ---------------------------------------------------------------------------------
 
-    def load_newest(self, names: Collection[str]) -> tuple[Checkpoint, dict] | None:
-        """The newest checkpoint that verifies and holds every part in `names`, with its state."""
+    def load_newest(self) -> tuple[Checkpoint, dict] | None:
+        """The newest checkpoint that verifies, with its state; each one passed over is named to `notify`."""
         for checkpoint in reversed(self.checkpoints()):
             try:
-                return checkpoint, check_checkpoint(checkpoint, load_sealed(checkpoint.path), names)
-            except CheckpointError as error:
-                self.notify(f"skipping damaged checkpoint {error}")
+                state = load_sealed(checkpoint.path)
+            except CheckpointError as error:  # its bytes do not verify
+                self.skipped(error, damaged=True)
+                continue
+            try:
+                return checkpoint, check_checkpoint(checkpoint, state)
+            except CheckpointError as error:  # sound bytes, but not a checkpoint this release reads
+                self.skipped(error, damaged=False)
         return None
 
 
@@ -192,6 +226,15 @@ def _tensor_bytes(state: Any) -> int:
     if isinstance(state, (list, tuple)):
         return sum(_tensor_bytes(value) for value in state)
     return 0
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path.2`, `path.3`, ... : the first name not taken."""
+    candidate, number = path, 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}.{number}")
+    return candidate
 
 
 def _remove_quietly(path: Path) -> None:

@@ -80,7 +80,10 @@ class FolderLock:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as error:
-            raise UserError(f"cannot lock the folder {folder}: {error.strerror}") from None
+            raise UserError(
+                f"cannot lock the folder {folder}: {error.strerror} (a reader that writes nothing there "
+                "takes no lock: store.load(parts, clean=False), or open_resume)"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

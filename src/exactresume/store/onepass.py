@@ -16,6 +16,7 @@ here.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import struct
@@ -42,6 +43,15 @@ LOCAL_HEADER_SIZE = 30
 EOCD_SIZE = 22
 ZIP64_MARK = 0xFFFFFFFF  # a size or offset too large for zip's 32 bits: its true value is elsewhere
 STORED = 0  # zip's compression method "none", the only one torch.save uses
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as a writable memoryview; the caller keeps the tensor alive.
+
+    Through ctypes rather than `tensor.numpy()`: the library runs where numpy is not installed."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"byte_view needs a contiguous CPU tensor, not one on {tensor.device}")  # never a wild pointer
+    return memoryview((ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,7 @@ class _HashingReader:
     def read_storage(self, count: int) -> torch.Tensor:
         """`count` bytes into new memory of their own (a uint8 tensor), hashed piece by piece while in cache."""
         tensor = torch.empty(count, dtype=torch.uint8)
-        view = memoryview(tensor.numpy())
+        view = byte_view(tensor)
         for start in range(0, count, PIECE):
             piece = view[start : start + PIECE]
             done = 0

@@ -14,11 +14,17 @@ this same code with one part skipped.
 
 from __future__ import annotations
 
+import copy
+import operator
+import sys
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exactresume.errors import CheckpointError
+import torch
+
+from exactresume.errors import CheckpointError, FieldError, StorageError, UserError
+from exactresume.store.fit import check_names, check_tensors
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, RESUME_VERSIONS, check_format
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.world import World
@@ -36,26 +42,137 @@ PER_RANK_KEY = "per_rank"
 
 def capture(parts: Mapping[str, Stateful], step: int | None = None) -> dict:
     """The resume state of `parts` (and the step it is saved at) as one dict: tensors and plain values only."""
-    for name, part in parts.items():
-        if name in RESERVED_NAMES:
-            raise ValueError(f"the part name {name!r} is reserved in a resume file")
-        if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
-            raise TypeError(f"part {name!r} ({type(part).__name__}) has no state_dict() / load_state_dict()")
-    header = {"format": RESUME_FORMAT, "version": RESUME_VERSION} | ({STEP_KEY: step} if step is not None else {})
+    check_parts(parts)
+    header = {"format": RESUME_FORMAT, "version": RESUME_VERSION}
+    if step is not None:
+        header[STEP_KEY] = check_step(step)
     return header | {name: part.state_dict() for name, part in parts.items()}
 
 
-def restore(state: Mapping, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> None:
-    """Load every part of `state` into `parts`, except those named in `skip` (the config part first)."""
-    unknown = set(skip) - set(parts)
-    if unknown:
-        raise ValueError(f"cannot skip parts that are not given: {sorted(unknown)}")
-    ordered = [name for name in PART_NAMES if name in parts] + [name for name in parts if name not in PART_NAMES]
-    for name in ordered:
-        if name not in skip:
-            if name not in state:
-                raise CheckpointError(f"the resume file lacks the part {name} this run needs")
+def check_parts(parts: Any) -> None:
+    """FieldError unless `parts` maps names to objects with `state_dict()` and `load_state_dict()`."""
+    if not isinstance(parts, Mapping):
+        raise FieldError(f"parts must be a dict of name -> part, got a {type(parts).__name__}", "parts")
+    for name, part in parts.items():
+        if not isinstance(name, str) or name in RESERVED_NAMES:
+            reserved = ", ".join(RESERVED_NAMES)
+            raise FieldError(f"parts: {name!r} cannot name a part (a string; {reserved} are reserved)", "parts")
+        if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
+            raise FieldError(f"parts: {name} ({type(part).__name__}) has no state_dict() / load_state_dict()", "parts")
+
+
+def names_of(names: Collection[str] | str, field: str) -> list[str]:
+    """`skip=` or `fresh=` as a list of part names: one name alone is taken as itself, not as its letters."""
+    if isinstance(names, str):
+        return [names]
+    names = list(names)
+    if not all(isinstance(name, str) for name in names):
+        raise FieldError(f"{field} must name parts (strings), got {names!r}", field)
+    return names
+
+
+def check_step(step: Any) -> int:
+    """`step` as the int a checkpoint is named after, or FieldError: a negative or fractional step is a mistake."""
+    try:
+        index = None if isinstance(step, bool) else operator.index(step)  # an int, numpy's or a tensor's
+    except (TypeError, ValueError, RuntimeError):
+        index = None
+    if index is None or index < 0:
+        raise FieldError(f"step must be an integer of at least 0, got {step!r}", "step")
+    return index
+
+
+def restore(
+    state: Mapping,
+    parts: Mapping[str, Stateful],
+    skip: Collection[str] = (),
+    fresh: Collection[str] = (),
+    source: object = "the resume state",
+) -> list[str]:
+    """Load every part of `state` into `parts` (the config part first), all or nothing; the parts that
+    started fresh.
+
+    `skip` names parts, given or saved, to leave as they are; `fresh` names parts given that may be
+    absent from `state` (new since the save): they then keep their current state. Any other difference
+    of names, a tensor of another shape or dtype, or a part's own `load_state_dict` failing is a
+    CheckpointError naming `source`, and every part is left as it was.
+    """
+    check_parts(parts)
+    skip, fresh = names_of(skip, "skip"), names_of(fresh, "fresh")
+    loading = [name for name in _ordered(parts) if name not in skip and name in state]
+    loaded: dict[str, Any] = {}  # each part's state before it loaded, to put back if a later one fails
+    try:
+        # A file of another run is refused as such first: its parts may differ for that reason alone.
+        _load_parts(state, parts, loading[:1] if loading[:1] == ["config"] else [], loaded)
+        starting = check_names(str(source), state, parts, skip, fresh)
+        for name in loading:
+            check_tensors(name, state[name], parts[name], source)
+        _load_parts(state, parts, [name for name in loading if name not in loaded], loaded)
+    except Exception as error:
+        stuck = _put_back(parts, loaded)
+        if isinstance(error, UserError) and not stuck:
+            raise
+        failed = getattr(error, "part_name", "?")
+        changed = f"{', '.join(stuck)} could not be put back" if stuck else "no part was changed"
+        reason = f"the part {failed} could not load its saved state from {source}, and {changed}"
+        raise CheckpointError(f"{reason}: {_one_line(error)}") from error
+    return starting
+
+
+def _load_parts(state: Mapping, parts: Mapping[str, Stateful], names: list[str], loaded: dict[str, Any]) -> None:
+    for name in names:
+        try:
+            before = detached_copy(own_state(parts[name]))
+            loaded[name] = before
             parts[name].load_state_dict(state[name])
+        except Exception as error:
+            error.part_name = name  # which part the message names
+            raise
+
+
+def _ordered(parts: Mapping[str, Stateful]) -> list[str]:
+    return [name for name in PART_NAMES if name in parts] + [name for name in parts if name not in PART_NAMES]
+
+
+def own_state(part: Stateful) -> Any:
+    """The state of this process's own object (a per-rank part's without gathering every rank's)."""
+    return part.part.state_dict() if isinstance(part, PerRank) else part.state_dict()
+
+
+def detached_copy(value: Any) -> Any:
+    """`value` with every tensor copied (to the CPU where it is a plain tensor): what a rollback loads."""
+    if isinstance(value, torch.Tensor):
+        plain = type(value) in (torch.Tensor, torch.nn.Parameter)
+        return value.detach().to("cpu", copy=True) if plain else value.detach().clone()
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # keeps the type and attributes (a module state dict's _metadata)
+        for key, item in value.items():
+            copied[key] = detached_copy(item)
+        return copied
+    if isinstance(value, (list, tuple)):
+        return type(value)(detached_copy(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def _put_back(parts: Mapping[str, Stateful], loaded: Mapping[str, Any]) -> list[str]:
+    """Load each part's state from before the restore back into it; the parts that refused even that."""
+    stuck = []
+    for name, before in loaded.items():
+        part = parts[name]
+        try:
+            (part.part if isinstance(part, PerRank) else part).load_state_dict(before)
+        except Exception:  # a part that cannot take its own state back; named in the error
+            stuck.append(name)
+    return stuck
+
+
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines) or type(error).__name__
+
+
+def print_to_stderr(message: str) -> None:
+    print(f"exactresume: {message}", file=sys.stderr)
 
 
 def saved_step(state: Mapping) -> int | None:
@@ -65,15 +182,24 @@ def saved_step(state: Mapping) -> int | None:
 
 
 def save_resume(path: Path, parts: Mapping[str, Stateful], step: int | None = None) -> Path:
-    """Write `parts` (saved at `step`) as one resume file, atomically, with its checksum; returns `path`."""
-    save_sealed(Path(path), capture(parts, step))
+    """Write `parts` (saved at `step`) as one resume file, atomically, with its checksum; returns `path`.
+    A write the storage refuses is a StorageError, and what was at `path` is left as it was."""
+    state = capture(parts, step)
+    try:
+        save_sealed(Path(path), state)
+    except OSError as error:
+        raise StorageError.from_os_error(str(path), error, "; what was there before is intact") from error
     return Path(path)
 
 
-def load_resume(path: Path, parts: Mapping[str, Stateful], skip: Collection[str] = ()) -> int | None:
-    """Verify the resume file at `path` and load it into `parts` (all but `skip`); the step it was saved at."""
-    state = read_resume(path, needs=[name for name in parts if name not in skip])
-    restore(state, parts, skip)
+def load_resume(
+    path: Path, parts: Mapping[str, Stateful], skip: Collection[str] = (), fresh: Collection[str] = ()
+) -> int | None:
+    """Verify the resume file at `path` and load it into `parts`, all or nothing (`skip` and `fresh` as in
+    `restore`); the step it was saved at."""
+    state = read_resume(path)
+    for name in restore(state, parts, skip, fresh, source=path):
+        print_to_stderr(f"{path} holds no part {name}: it starts fresh (fresh=)")
     return saved_step(state)
 
 

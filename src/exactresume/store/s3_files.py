@@ -86,11 +86,24 @@ def state_bytes(state: Any) -> int:
     return sum(state_bytes(value) for value in state) if isinstance(state, (list, tuple)) else 0
 
 
-def publish_sealed(objects: ObjectStore, target: S3Location, state: Any, stage: Stage = lambda name: None) -> None:
+def publish_sealed(
+    objects: ObjectStore,
+    target: S3Location,
+    state: Any,
+    stage: Stage = lambda name: None,
+    before_publish: Callable[[], None] | None = None,
+) -> None:
     """torch.save `state` with its seal straight into an upload to `target` (s3_upload.py), verified, then
-    commit it: the old commit is deleted just before the object is replaced, the new one written last."""
+    commit it: the old commit is deleted just before the object is replaced, the new one written last.
+    `before_publish()` runs before that deletion; if it raises, the upload is aborted."""
     commit = commit_of(target)
-    upload = SealedUpload(objects, target, before_replace=lambda: objects.delete([commit]))
+
+    def before_replace() -> None:
+        if before_publish is not None:
+            before_publish()
+        objects.delete([commit])
+
+    upload = SealedUpload(objects, target, before_replace=before_replace)
     stage("write")
     try:
         save_unsealed(state, upload)

@@ -18,13 +18,14 @@ There is no lock on a prefix: one run writes one prefix (its local OUT is locked
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from exactresume.errors import CheckpointError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.locations import S3Config, S3Location, location
 from exactresume.store.lock import FolderLock
-from exactresume.store.numbered import CHECKPOINT_NAME, Checkpoint, NumberedStore, check_checkpoint, print_to_stderr
+from exactresume.store.numbered import CHECKPOINT_NAME, Checkpoint, NumberedStore, check_checkpoint, check_keep
+from exactresume.store.resume import print_to_stderr
 from exactresume.store.s3 import ObjectStore
 from exactresume.store.s3_commit import COMMIT_SUFFIX, commit_of
 from exactresume.store.s3_files import load_committed, publish_sealed
@@ -41,9 +42,7 @@ class S3CheckpointStore(NumberedStore):
         lock: FolderLock | None = None,
         config: S3Config | None = None,
     ):
-        if keep is not None and keep < 1:
-            raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), got {keep}")
-        self.folder, self.keep, self.notify = location(folder, config), keep, notify
+        self.folder, self.keep, self.notify = location(folder, config), check_keep(keep), notify
         self.faults = FaultPoints.from_environment()
         self.objects = ObjectStore(self.folder.config)
         self.objects.before_part = lambda number: self.faults.reached("upload")
@@ -90,25 +89,39 @@ class S3CheckpointStore(NumberedStore):
             self.notify(f"aborted {aborted} unfinished upload(s) under {self.folder}")
         return removed
 
-    def commit(self, step: int, state: dict) -> S3Location:
-        """The stages after the snapshot: write, upload (verified), commit, retention."""
+    def commit(self, step: int, state: dict, before_publish: Callable[[], None] | None = None) -> S3Location:
+        """The stages after the snapshot: write, upload (verified), commit, retention; `before_publish()`
+        runs before the object is completed (folder.py says why)."""
         target = self.path_for(step)
-        publish_sealed(self.objects, target, state, self.faults.reached)
+        publish_sealed(self.objects, target, state, self.faults.reached, before_publish)
         self._retain(step)
         return target
+
+    def verifies(self, checkpoint: Checkpoint) -> bool:
+        """Whether the committed checkpoint's object reads back as its commit says."""
+        try:
+            load_committed(self.objects, checkpoint.path)
+        except CheckpointError:
+            return False
+        return True
 
     def _delete(self, older: list[Checkpoint]) -> None:
         """Each commit first: a checkpoint whose object is gone is never left committed."""
         self.objects.delete([commit_of(c.path) for c in older])
         self.objects.delete([c.path for c in older])
 
-    def load_newest(self, names: Collection[str]) -> tuple[Checkpoint, dict] | None:
-        """The newest committed checkpoint whose objects verify and hold every part in `names`, with its state."""
+    def load_newest(self) -> tuple[Checkpoint, dict] | None:
+        """The newest committed checkpoint whose objects verify, with its state; each one passed over is
+        named to `notify`."""
         committed, _, sizes = self._listing()
         for checkpoint in reversed(committed):
             try:
                 state = load_committed(self.objects, checkpoint.path, sizes.get(checkpoint.path.name, 0))
-                return checkpoint, check_checkpoint(checkpoint, state, names)
+            except CheckpointError as error:  # its objects do not verify, or are gone
+                self.skipped(error, damaged=True)
+                continue
+            try:
+                return checkpoint, check_checkpoint(checkpoint, state)
             except CheckpointError as error:
-                self.notify(f"skipping damaged checkpoint {error}")
+                self.skipped(error, damaged=False)
         return None

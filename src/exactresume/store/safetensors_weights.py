@@ -15,18 +15,26 @@ from pathlib import Path
 
 import torch
 import xxhash
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
 
 from exactresume.atomic import atomic_write_bytes
 from exactresume.config import ModelConfig
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, UserError
+from exactresume.store.onepass import byte_view
 
 StateDict = dict[str, torch.Tensor]
 WEIGHTS_FORMAT = "exactresume.weights"
 FORMAT_VERSION = "1"
 DIGEST_KEY = "exactresume.xxh3_128"
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def safetensors_module():
+    """safetensors itself, imported on first use: the library installs without it (it is in the lab's extra)."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise UserError("safetensors files need safetensors: pip install safetensors (or 'exactresume[lab]')") from None
+    return safetensors
 
 
 def is_safetensors(path: Path) -> bool:
@@ -62,7 +70,7 @@ def tensors_digest(tensors: StateDict) -> str:
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
         digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        digest.update(byte_view(tensor.reshape(-1).view(torch.uint8)))
     return digest.hexdigest()
 
 
@@ -79,7 +87,7 @@ def save_safetensors(path: Path, state_dict: StateDict, config: ModelConfig | No
     if config is not None:
         metadata["config"] = json.dumps(config.to_dict())
     # Small files (inference weights): serialising to bytes first keeps the write atomic and simple.
-    atomic_write_bytes(Path(path), save(tensors, metadata=metadata))
+    atomic_write_bytes(Path(path), safetensors_module().torch.save(tensors, metadata=metadata))
 
 
 def read_metadata(path: Path) -> dict[str, str]:
@@ -92,10 +100,11 @@ def read_metadata(path: Path) -> dict[str, str]:
 
 def load_verified(path: Path) -> tuple[StateDict, dict[str, str]]:
     """The stored tensors (tied ones once) and the metadata, after checking the digest if there is one."""
+    safetensors = safetensors_module()
     try:
         metadata = read_metadata(path)
-        tensors = load_file(path)
-    except (OSError, ValueError, SafetensorError) as error:
+        tensors = safetensors.torch.load_file(path)
+    except (OSError, ValueError, safetensors.SafetensorError) as error:
         raise CheckpointError(f"{path}: not a loadable safetensors file ({str(error)[:200]})") from None
     recorded = metadata.get(DIGEST_KEY)
     if recorded is not None and tensors_digest(tensors) != recorded:

@@ -87,11 +87,25 @@ SCALER_MARK = "saved"
 
 
 def sharded_parts(parts: Mapping[str, Stateful]) -> dict[str, Stateful]:
-    """`parts` as a sharded checkpoint holds them."""
-    wrapped = {"optimizer": OptimizerByName(parts["model"], parts["optimizer"])}
+    """`parts` as a sharded checkpoint holds them: each optimizer keyed by the names of the parameters
+    of the module part it optimizes (whatever the parts are called), the scaler marked."""
+    wrapped: dict[str, Stateful] = {}
+    for name, part in parts.items():
+        model = _module_of(part, parts) if isinstance(part, torch.optim.Optimizer) else None
+        if model is not None:
+            wrapped[name] = OptimizerByName(model, part)
     if "scaler" in parts:
         wrapped["scaler"] = MarkedScaler(parts["scaler"])
     return dict(parts) | wrapped
+
+
+def _module_of(optimizer: torch.optim.Optimizer, parts: Mapping[str, Stateful]) -> torch.nn.Module | None:
+    """The module part whose parameters `optimizer` steps, if one of the parts is."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for part in parts.values():
+        if isinstance(part, torch.nn.Module) and stepped <= {id(p) for p in part.parameters()}:
+            return part
+    return None
 
 
 # ---- saving -----------------------------------------------------------------------------------
@@ -109,7 +123,7 @@ def save_sharded(folder: Path, parts: Mapping[str, Stateful], world: World, step
         # sync_files: each shard and the metadata are fsynced before DCP returns.
         dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=True), no_dist=world.size == 1)
     if world.is_main:  # dcp.save returns on rank 0 only after every rank's shard and the metadata are written
-        write_commit(staging, world.size)
+        write_commit(staging, world.size, step)
         replace_folder(staging, folder)
     world.barrier()
 
@@ -123,12 +137,12 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_commit(staging: Path, processes: int) -> None:
-    """The commit marker: the checksum of every file DCP wrote, itself sealed; written last."""
+def write_commit(staging: Path, processes: int, step: int | None = None) -> None:
+    """The commit marker: the checksum of every file DCP wrote, itself sealed; written last. It also
+    holds the step, so that `inspect` can say it without reading DCP's objects."""
     files = {p.name: file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
-    save_sealed(
-        staging / COMMIT, {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes, "files": files}
-    )
+    marker = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes, "files": files}
+    save_sealed(staging / COMMIT, marker | ({"step": step} if step is not None else {}))
     fsync_path(staging)
 
 

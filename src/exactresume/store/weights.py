@@ -8,6 +8,7 @@ model from a file is the training layer's (training/inference.py `load_model`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from exactresume.config import ModelConfig
 from exactresume.errors import CheckpointError
 from exactresume.store.formats import content_kind, path_kind
 from exactresume.store.locations import Location, S3Location
-from exactresume.store.resume import check_resume_state
+from exactresume.store.resume import RESERVED_NAMES, check_resume_state
 from exactresume.store.safetensors_weights import read_safetensors
 from exactresume.store.sealed import load_sealed, save_sealed
 
@@ -40,18 +41,57 @@ def read_weights(path: Location) -> tuple[StateDict, ModelConfig | None]:
                 raise CheckpointError(str(error).replace(str(local), str(path))) from None
     path = Path(path)
     kind, config = path_kind(path), None
+    if kind == "folder":  # a CheckpointStore's folder: its newest checkpoint that verifies, as a resume reads it
+        return resume_weights(_newest_checkpoint(path))
     if kind == "sharded":  # a sharded resume checkpoint (--sharded)
         from exactresume.store.sharded import load_sharded
 
-        state = load_sharded(path)
-        return state["model"], ModelConfig.from_dict(state["config"]["model"])
+        return resume_weights(load_sharded(path))
     if kind == "safetensors":
         obj, config = read_safetensors(path)
     else:
         obj = load_sealed(path, require_seal=False)
     if content_kind(obj) == "resume":
-        state = check_resume_state(path, obj)
-        return state["model"], ModelConfig.from_dict(state["config"]["model"])
-    if content_kind(obj) == "weights":
+        return resume_weights(check_resume_state(path, obj))
+    if content_kind(obj) == "weights" or _is_module_state(obj):  # ours, or any model's torch.save(state_dict())
         return obj, config
-    raise CheckpointError(f"{path} holds no MiniMind model weights")
+    raise CheckpointError(f"{path} holds no model weights (a resume file, or a module's state dict)")
+
+
+def _newest_checkpoint(folder: Path) -> dict:
+    from exactresume.store.folder import CheckpointStore
+
+    found = CheckpointStore(folder, keep=None).load_newest()  # each one passed over is named on stderr
+    if found is None:
+        raise CheckpointError(f"{folder} holds no checkpoint that verifies (step-*.pth)")
+    return found[1]
+
+
+def resume_weights(state: dict) -> tuple[StateDict, ModelConfig | None]:
+    """A resume state's model weights and config: its `model` part, or, in a file of parts a loop of
+    one's own named otherwise, the tensors of every part that is a module's state dict under their
+    dotted paths (`net.0.weight`; every tensor of every part when none is)."""
+    config = (state.get("config") or {}).get("model") if isinstance(state.get("config"), dict) else None
+    model_config = ModelConfig.from_dict(config) if isinstance(config, dict) else None
+    if _is_module_state(state.get("model")):
+        return state["model"], model_config
+    parts = {name: value for name, value in state.items() if name not in RESERVED_NAMES}
+    modules = {name: value for name, value in parts.items() if _is_module_state(value)}
+    return dict(tensor_leaves(modules or parts)), None
+
+
+def _is_module_state(value: object) -> bool:
+    """A flat name -> tensor dict, as a module's state_dict is (an optimizer's or an RNG's is not)."""
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
+
+
+def tensor_leaves(value: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted path, tensor) for every tensor inside nested dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from tensor_leaves(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from tensor_leaves(item, f"{path}.{index}" if path else str(index))

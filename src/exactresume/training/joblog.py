@@ -5,7 +5,6 @@ StorageError for a disk that refuses a write, and the per-step loss and samples 
 from __future__ import annotations
 
 import contextlib
-import errno
 import sys
 
 from exactresume.errors import StorageError
@@ -30,9 +29,7 @@ def ignore(message: str) -> None:
 
 def storage_error(what: str, error: OSError, after: str = "") -> StorageError:
     """A one-line StorageError: what could not be written, why (with the errno name), what is intact."""
-    code = errno.errorcode.get(error.errno or 0)
-    reason = f"{error.strerror or error}" + (f" ({code})" if code and code not in str(error.strerror) else "")
-    return StorageError(f"could not write {what}: {reason}{after}")
+    return StorageError.from_os_error(what, error, after)
 
 
 class RunLogs:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import numpy as np
 import torch
 
 from exactresume.errors import CheckpointError
@@ -49,43 +48,59 @@ class GeneratorPart:
 class GlobalRng:
     """torch (CPU and CUDA), numpy and python `random` states: dropout masks and any other draw.
 
-    Each process has its own, so under many processes every rank's state is kept (`per_rank`)."""
+    numpy's state is held where numpy is installed (the library does not need it); a file holding it
+    loads where numpy is absent, without it. Each process has its own, so under many processes every
+    rank's state is kept (`per_rank`)."""
 
     per_rank = True
 
     def state_dict(self) -> dict:
-        kind, keys, position, has_gauss, cached_gauss = np.random.get_state()
         version, internal, gauss_next = random.getstate()
-        return {
+        state = {
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        np = numpy_or_none()
+        if np is not None:
+            kind, keys, position, has_gauss, cached_gauss = np.random.get_state()
             # numpy arrays would need an unpickling allow-list; tensors and ints do not.
-            "numpy": {
+            state["numpy"] = {
                 "kind": kind,
                 "keys": torch.from_numpy(keys.astype(np.int64)),
                 "pos": int(position),
                 "has_gauss": int(has_gauss),
                 "cached_gaussian": float(cached_gauss),
-            },
-            "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        }
+            }
+        state["python"] = {"version": version, "internal": list(internal), "gauss_next": gauss_next}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         torch.set_rng_state(state["torch"])
         if state["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
-        numpy_state = state["numpy"]
-        np.random.set_state(
-            (
-                numpy_state["kind"],
-                numpy_state["keys"].numpy().astype(np.uint32),
-                numpy_state["pos"],
-                numpy_state["has_gauss"],
-                numpy_state["cached_gaussian"],
+        np = numpy_or_none() if "numpy" in state else None
+        if np is not None:
+            numpy_state = state["numpy"]
+            np.random.set_state(
+                (
+                    numpy_state["kind"],
+                    numpy_state["keys"].numpy().astype(np.uint32),
+                    numpy_state["pos"],
+                    numpy_state["has_gauss"],
+                    numpy_state["cached_gaussian"],
+                )
             )
-        )
         python_state = state["python"]
         random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss_next"]))
+
+
+def numpy_or_none():
+    """numpy where it is installed, else None: without it no code can have drawn from its RNG."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
 
 
 class RunIdentity:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from exactresume.errors import StorageError
 from exactresume.parallel.fsdp import full_model_state
 from exactresume.store.access import make_saver
-from exactresume.store.background import BackgroundSaveFailed, BackgroundSaver
+from exactresume.store.background import DURING_NEXT_STEP, BackgroundSaver
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.resume import per_rank
 from exactresume.store.weights import save_weights
@@ -29,8 +30,11 @@ class Checkpointer:
     """The job's saves into its store: log rows made durable first, each step saved at most once.
 
     Every rank calls `save` (the per-rank parts gather every rank's state); rank 0 writes. In the
-    background a save returns at once (its copy is made during the next step); `wait` is the point
-    where the last one is durable (the end of the run and a preemption call it before exiting).
+    background a save returns at once: its copy is made during the next step's forward and backward
+    (copy="during-next-step"), which is exact here because the loop changes the state only in the
+    optimizer's step, which waits for the copy (and a change before it would refuse the save, not
+    write it). `wait` is the point where the last one is durable (the end of the run and a
+    preemption call it before exiting).
     """
 
     def __init__(
@@ -42,7 +46,7 @@ class Checkpointer:
         background: bool = False,
     ):
         self.store, self.logs, self.saved_step, self.world = store, logs, saved_step, world
-        self.saver = make_saver(store, world, background=background)
+        self.saver = make_saver(store, world, background=background, copy=DURING_NEXT_STEP)
         self.coalesced = 0  # periodic saves skipped because the one before was still being written
 
     def _busy(self) -> bool:
@@ -70,13 +74,14 @@ class Checkpointer:
     def _stopping_on_error(self, step: int | None):
         try:
             yield
-        except BackgroundSaveFailed as failed:  # an earlier step's save, found out now
-            if not isinstance(failed.error, OSError):
-                raise failed.error from None
-            raise storage_error(
-                f"the checkpoint at step {failed.step} in {self.store.folder}", failed.error, self._intact(failed.error)
-            ) from None
-        except OSError as error:
+        except StorageError as refused:  # the store's line (an earlier step's, from the background): what is intact
+            cause = refused.__cause__
+            if not isinstance(cause, OSError):
+                raise
+            stopped = StorageError(f"{refused}; training stopped ({advice(cause)})")
+            stopped.errno = refused.errno
+            raise stopped from None
+        except OSError as error:  # a writer that leaves its OSError as it is
             raise storage_error(
                 f"the checkpoint at step {step} in {self.store.folder}", error, self._intact(error)
             ) from None

@@ -1,0 +1,138 @@
+"""Whether a saved state fits the parts it is loaded into, said in one line before anything is loaded.
+
+Two questions, asked before the first `load_state_dict` so that a refusal changes nothing:
+
+- the names: every part the file holds is given (or skipped), and every part given is in the file
+  (or skipped, or new since the save and allowed to start fresh);
+- the tensors: where a saved tensor and the part's current one sit at the same place, their shapes
+  and dtypes agree; a module's keys are the same on both sides (PyTorch's own check would copy half
+  the tensors first and then raise a message of many lines).
+
+A part that still fails in its own `load_state_dict` is caught by the caller (resume.restore), which
+puts back every part it already loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from exactresume.errors import CheckpointError
+
+OWN_KEYS = ("format", "version", "checkpoint_step")  # beside the parts in every file; resume.RESERVED_NAMES
+SHOWN = 4  # names listed in a message before "and N more"
+
+
+def saved_parts(state: Mapping) -> list[str]:
+    """The names of the parts a resume state holds (its own keys left out)."""
+    return [name for name in state if name not in OWN_KEYS]
+
+
+def check_names(
+    where: str, state: Mapping, given: Collection[str], skip: Collection[str] = (), fresh: Collection[str] = ()
+) -> list[str]:
+    """The given parts that start fresh (in `fresh`, absent from the file); CheckpointError when the
+    names differ in any other way, naming both sides and how to load anyway."""
+    saved = saved_parts(state)
+    unknown = set(fresh) - set(given)
+    if unknown:
+        raise CheckpointError(f"fresh= names parts that are not given: {_all(sorted(unknown))}")
+    absent = [name for name in given if name not in state and name not in skip]
+    unread = [name for name in saved if name not in given and name not in skip]
+    starting = [name for name in absent if name in fresh]
+    absent = [name for name in absent if name not in fresh]
+    if absent or unread:
+        raise CheckpointError(_mismatch(where, saved, list(given), absent, unread))
+    return starting
+
+
+def _mismatch(where: str, saved: list[str], given: list[str], absent: list[str], unread: list[str]) -> str:
+    sides = [f"{where} holds the parts {_all(saved)}; the parts given are {_all(given)}"]
+    if absent:
+        sides.append(f"{_all(absent)} {_is_are(absent)} not in the checkpoint")
+    if unread:
+        sides.append(f"{_all(unread)} {_is_are(unread)} not given")
+    ways = []
+    if absent and unread:
+        ways.append(f"a renamed part under its saved name ({_all(unread)})")
+    if absent:
+        ways.append(f"fresh={absent!r} to start {_as_now(absent)}")
+    if unread:
+        ways.append(f"skip={unread!r} to leave {_it_them(unread)} unread")
+    return "; ".join(sides) + "; nothing was loaded. To load anyway, give " + " or ".join(ways)
+
+
+def check_tensors(name: str, saved: Any, part: Any, source: object) -> None:
+    """CheckpointError naming the tensors of `saved` that do not fit the part's current state: for a
+    module, which copies the saved tensors into its own, and an optimizer, whose state belongs to
+    parameters of fixed shapes; any other part may change its tensors' shapes as it likes."""
+    if not isinstance(part, (torch.nn.Module, torch.optim.Optimizer)):
+        return
+    current = part.state_dict()
+    problems = list(_module_keys(saved, current)) if isinstance(part, torch.nn.Module) else []
+    problems += [f"{path}: {why}" for path, why in _tensor_misfits(saved, current, name)]
+    if problems:
+        more = f" and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+        raise CheckpointError(
+            f"the part {name} does not fit {source}: {'; '.join(problems[:SHOWN])}{more}; nothing was loaded"
+        )
+
+
+def _module_keys(saved: Any, current: Mapping) -> Iterator[str]:
+    if not isinstance(saved, Mapping):
+        yield f"the saved state is a {type(saved).__name__}, not a module's state dict"
+        return
+    missing = [key for key in current if key not in saved]
+    unexpected = [key for key in saved if key not in current]
+    if missing:
+        yield f"the saved state lacks {_names(missing)}"
+    if unexpected:
+        yield f"the module has no {_names(unexpected)}"
+
+
+def _tensor_misfits(saved: Any, current: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(path, why) wherever both sides hold a plain tensor at `path` and its shape or dtype differs."""
+    if _plain_tensor(saved) and _plain_tensor(current):
+        if saved.shape != current.shape:
+            yield path, f"saved {list(saved.shape)}, given {list(current.shape)}"
+        elif saved.dtype != current.dtype:
+            yield path, f"saved {_dtype(saved)}, given {_dtype(current)}"
+    elif isinstance(saved, Mapping) and isinstance(current, Mapping):
+        for key in saved:
+            if key in current:
+                yield from _tensor_misfits(saved[key], current[key], f"{path}.{key}")
+    elif isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
+        for index, (old, new) in enumerate(zip(saved, current)):
+            yield from _tensor_misfits(old, new, f"{path}.{index}")
+
+
+def _plain_tensor(value: Any) -> bool:
+    # A DTensor's shape is the global one and a sharded load fits it to this rank: only plain tensors here.
+    return isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:SHOWN])
+    return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "") if names else "none"
+
+
+def _all(names: list[str]) -> str:
+    return ", ".join(names) or "none"
+
+
+def _is_are(names: list) -> str:
+    return "is" if len(names) == 1 else "are"
+
+
+def _it_them(names: list) -> str:
+    return "it" if len(names) == 1 else "them"
+
+
+def _as_now(names: list) -> str:
+    return "it as it is now" if len(names) == 1 else "them as they are now"
