@@ -119,6 +119,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         runs = examine(plan)
     finally:
         imports.join()
+    one_hash(runs)
     from exactresume.doctor.diagnose import diagnose
     from exactresume.doctor.verdict import terminal, write_report
 
@@ -129,6 +130,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     (plan.out / "verdict.txt").write_text(text + "\n")
     print(text)
     return diagnosis.exit_code
+
+
+def one_hash(runs) -> None:
+    """The three runs' fingerprints agree only when made with one hash (xxh3 where the command's Python has
+    xxhash, BLAKE2b where it has not): refuse runs whose Python changed between them."""
+    used = {name: getattr(runs, name).hashes for name in ("straight", "interrupted", "resumed")}
+    if len(set().union(*used.values())) > 1:
+        said = ", ".join(f"{' and '.join(sorted(hashes))} in the {name} run" for name, hashes in used.items())
+        raise UserError(
+            f"the runs hashed with different functions ({said}): was xxhash installed or removed meanwhile?"
+        )
 
 
 def write_json(path: Path, plan, runs, diagnosis) -> None:

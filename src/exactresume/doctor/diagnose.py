@@ -3,12 +3,14 @@
 Steps 1..K of the interrupted run against the straight run are the determinism check; steps
 K+1..N of the resumed run against the straight run are the resume check. A fingerprint that
 differs between two fresh runs but never changes a result (an unseeded python `random` no one
-draws from) is left out of the resume check, with a note.
+draws from) is left out of the resume check, with a note. A fingerprint the tracer lost sight of (one
+of its hooks failed in that run: tracer/guard.py) is compared in neither run from that step on, and
+the verdict says so.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -50,7 +52,8 @@ class Diagnosis:
     missing: list[dict] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)  # what to change, in the framework's words
     causes: list[str] = field(default_factory=list)  # every cause that parts at the first step, the data first
-    equal: dict[str, list[bool]] = field(default_factory=dict)  # field -> per straight step 1..N
+    equal: dict[str, list[bool | None]] = field(default_factory=dict)  # field -> per straight step 1..N (None: lost)
+    lost: list[dict] = field(default_factory=list)  # what the tracer lost sight of: run, what, step, fields, error
     distance: list[float | None] = field(default_factory=list)  # weight sample max |a - b| per step
 
     @property
@@ -70,6 +73,7 @@ def diagnose(runs: Runs) -> Diagnosis:
 
 
 def diagnose_one(runs: Runs) -> Diagnosis:
+    runs, blind, lost = blinded(runs)
     straight, interrupted, resumed, k = (
         runs.straight.steps,
         runs.interrupted.steps,
@@ -86,15 +90,17 @@ def diagnose_one(runs: Runs) -> Diagnosis:
         for f in unseeded
     ]
     pairs = list(zip(straight, interrupted[:k])) + list(zip(straight[k:], resumed))
-    equal = {f: [a.get(f) == b.get(f) for a, b in pairs] for f in fields}
+    equal = {f: [None if (f, p) in blind else a.get(f) == b.get(f) for p, (a, b) in enumerate(pairs)] for f in fields}
+    notes += [lost_note(row) for row in lost]
     diagnosis = first_difference(runs, kept, notes) or Diagnosis(
         "exact",
         "exact",
-        f"exact: steps {k + 1}..{k + len(resumed)} are bit-identical to the straight run",
+        f"exact: steps {k + 1}..{k + len(resumed)} are bit-identical to the straight run{unseen(lost, k)}",
         k,
         notes=notes,
     )
     diagnosis.equal, diagnosis.distance, diagnosis.unseeded = equal, distances(runs), unseeded
+    diagnosis.lost = lost
     framework = next((f["framework"] for f in runs.files if f.get("framework")), None)
     diagnosis.missing = missing_state(runs, framework)
     said = {row["fix"] for row in diagnosis.missing}
@@ -159,8 +165,59 @@ def distances(runs: Runs) -> list[float | None]:
         if straight is None or other is None or at >= len(other) or other.shape[1] != straight.shape[1]:
             rows.append(None)
         else:
-            rows.append(float(np.max(np.abs(straight[step] - other[at]), initial=0.0)))
+            found = float(np.max(np.abs(straight[step] - other[at]), initial=0.0))
+            rows.append(None if np.isnan(found) else found)  # NaN: a sample the tracer lost (or NaN weights)
     return rows
+
+
+def blinded(runs: Runs) -> tuple[Runs, set[tuple[str, int]], list[dict]]:
+    """The runs with each fingerprint a run lost sight of set to "lost" in both runs of every pair compared
+    from that step on; the (field, straight step index) pairs left out; and what was lost, where (steps
+    counted as the straight run counts them: the resumed run's own step 1 is step K+1)."""
+    k, blind, lost = runs.resume_step, set(), []
+    named = {"straight": runs.straight, "interrupted": runs.interrupted, "resumed": runs.resumed}
+    for name, run in named.items():
+        offset = k if name == "resumed" else 0
+        for process in run.processes:
+            for event in process.lost:
+                facts = {key: value for key, value in event.items() if key != "event"}
+                lost.append({"run": name, "rank": process.rank} | facts | {"step": event["step"] + offset})
+                if process is run.first:
+                    first = event["step"] + offset - 1  # as an index of the straight run's steps
+                    span = range(first, k) if name == "interrupted" else range(first, len(runs.straight.steps))
+                    blind |= {(f, p) for f in event["fields"] for p in span}
+    if not blind:
+        return runs, blind, lost
+    steps = {name: [dict(step) for step in run.steps] for name, run in named.items()}
+    for f, p in blind:
+        partner, at = ("interrupted", p) if p < k else ("resumed", p - k)
+        if at < len(steps[partner]) and (f in steps["straight"][p] or f in steps[partner][at]):
+            steps["straight"][p][f] = steps[partner][at][f] = "lost"
+    views = {
+        name: replace(run, processes=[replace(p, steps=steps[name]) if p is run.first else p for p in run.processes])
+        for name, run in named.items()
+    }
+    return replace(runs, **views), blind, lost
+
+
+def lost_note(row: dict) -> str:
+    where = f"step {row['step']} of the {row['run']} run" + (
+        f" (rank {row['rank']})" if row["rank"] is not None else ""
+    )
+    compared = ", ".join(NAMES[f] for f in row["fields"] if f in NAMES)
+    after = f": the {compared} not compared from there" if compared else ""
+    return f"the doctor lost sight of {row['what']} from {where} ({row['error']}){after}"
+
+
+def unseen(lost: list[dict], k: int) -> str:
+    """What an exact verdict could not see: the fingerprints lost in the steps it compares (the notes list them)."""
+    seen = [row for row in lost if row["fields"] and (row["run"] != "interrupted" or row["step"] <= k)]
+    if not seen:
+        return ""
+    blind = {f for row in seen for f in row["fields"]}
+    fields = [name for f, name in NAMES.items() if f in blind]
+    said = ", ".join(fields[:3]) + (f" and {len(fields) - 3} more" if len(fields) > 3 else "")
+    return f", in what the doctor could compare: it lost sight of the {said} from step {min(r['step'] for r in seen)}"
 
 
 FIXES = {

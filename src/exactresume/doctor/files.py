@@ -9,6 +9,11 @@ a run changed, replaced or deleted was copied to OUT/files/before/RUN first (the
 its original is put back after every run, so each run starts from what the user had, and is what
 stays at the end (the straight run's version of it stays in OUT/files/straight). OUT/files/moved.json
 lists each move before it is made; OUT/files/moves.json lists them all once done.
+
+Only regular files, folders and symbolic links are moved or copied, never anything under /dev, /proc
+or /sys (`ordinary`). Caches, the Python installation and the temp folder's contents stay where they
+are (`left_alone`), except where a run saved or loaded a checkpoint, or in a working folder that is
+itself under the temp folder: what the resume reads must go aside, whichever folder holds it.
 """
 
 from __future__ import annotations
@@ -21,19 +26,52 @@ import tempfile
 from pathlib import Path
 
 from exactresume.doctor.run import TracedRun
+from exactresume.doctor.tracer.files import ordinary
 
-CACHES = ("XDG_CACHE_HOME", "HF_HOME", "TORCH_HOME", "MPLCONFIGDIR", "TRITON_CACHE_DIR")
+CACHES = ("XDG_CACHE_HOME", "HF_HOME", "TORCH_HOME", "MPLCONFIGDIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+# What tempfile.mkdtemp, torchrun, torch.compile and multiprocessing make in the temp folder.
+SCRATCH = ("tmp", "torchelastic_", "torchinductor_", "pymp-")
 
 
-def left_alone(path: str) -> bool:
-    """Caches, the Python installation, and temporary files: not the script's output."""
+def inside(path: str, folder: str) -> bool:
+    return (path + os.sep).startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def left_alone(path: str, checkpoints: list[str] = ()) -> bool:
+    """Caches, the Python installation, and temporary files: not the script's output. `checkpoints`:
+    the paths the runs saved or loaded checkpoints at and their folders (`checkpoint_places`)."""
     if "__pycache__" in Path(path).parts:
         return True
-    homes = [os.environ.get(name) for name in CACHES] + [str(Path.home() / ".cache"), sys.prefix]
-    if any(home and (path + os.sep).startswith(os.path.abspath(home) + os.sep) for home in homes):
+    homes = [os.environ.get(name) for name in CACHES] + [sys.prefix]
+    homes += [str(Path.home() / ".cache"), str(Path.home() / ".triton")]
+    if any(home and inside(path, os.path.abspath(home)) for home in homes):
         return True
-    folder, name = os.path.split(path)
-    return folder == os.path.abspath(tempfile.gettempdir()) and name.startswith(("tmp", "torchelastic_"))
+    temp = os.path.abspath(tempfile.gettempdir())
+    if not inside(path, temp) or any(inside(path, place) or inside(place, path) for place in checkpoints):
+        return False
+    # A working folder inside the temp folder (a notebook's, a test's) holds the user's own files; what
+    # tempfile, torchrun, torch.compile and multiprocessing leave at the temp folder's top does not.
+    cwd = os.getcwd()
+    top = os.path.relpath(path, temp).split(os.sep)[0]
+    return top.startswith(SCRATCH) or cwd == temp or not inside(path, cwd)
+
+
+def checkpoint_places(runs: list[TracedRun]) -> list[str]:
+    """Every path a run saved a checkpoint to or loaded one from, and the folder holding it (unless that
+    is the temp folder or above it): a resume reads there, and what sits next to a checkpoint goes with it."""
+    temp = os.path.abspath(tempfile.gettempdir())
+    places = set()
+    for run in runs:
+        for path in [event["path"] for event in run.saves + run.loads if event.get("path")]:
+            places.add(path)
+            if not inside(temp, os.path.dirname(path)):
+                places.add(os.path.dirname(path))
+    return sorted(places)
+
+
+def the_runs(path: str, checkpoints: list[str]) -> bool:
+    """A path the doctor may move: the run's output, a regular file, folder or link outside /dev, /proc, /sys."""
+    return ordinary(path) and not left_alone(path, checkpoints)
 
 
 def merged(runs: list[TracedRun]) -> dict[str, bool]:
@@ -49,13 +87,14 @@ def roots(runs: list[TracedRun]) -> list[str]:
     """The topmost paths the runs made or changed that are there now, the shortest first."""
     wrote = merged(runs)
     made = {path for path, new in wrote.items() if new}
+    checkpoints = checkpoint_places(runs)
     found = set()
     for path in wrote:
         if not os.path.lexists(path):
             continue
         while os.path.dirname(path) in made:
             path = os.path.dirname(path)
-        if not left_alone(path):
+        if the_runs(path, checkpoints):
             found.add(path)
     return outermost(found)
 
@@ -79,7 +118,8 @@ def originals(runs: list[TracedRun]) -> dict[str, str]:
             if path not in found and path not in written:
                 found[path] = copy
         written |= {path for path, new in run.wrote.items() if new}
-    return {path: found[path] for path in outermost(found)}
+    checkpoints = checkpoint_places(runs)
+    return {path: found[path] for path in outermost(p for p in found if the_runs(p, checkpoints))}
 
 
 class Ledger:

@@ -3,11 +3,14 @@
 The tracer (tracer/) is started in the child by the `sitecustomize` in tracer/shim, put first on
 the child's PYTHONPATH, and so in every Python process the command starts (each torchrun rank, and
 torchrun itself); each writes OUT/traces/NAME/trace-PID.jsonl, and the command's output goes to
-OUT/logs/NAME.log. The processes that stepped an optimizer are kept, by rank.
+OUT/logs/NAME.log. The processes that stepped an optimizer are kept, by rank. A process whose Python
+the tracer cannot start in (no torch, say) ends before the script runs and leaves failed-PID.json:
+the run is refused in one line, as is a command that started no Python the tracer could see.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -36,6 +39,7 @@ class Process:
     saves: list[dict] = field(default_factory=list)
     loads: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)  # iterators made, RNG states set, in order
+    lost: list[dict] = field(default_factory=list)  # a hook of the tracer's that failed: what, fields, step
     end: int | None = None  # CUT or CRASH when the tracer ended it
     weights: np.ndarray | None = None
 
@@ -53,6 +57,9 @@ class TracedRun:
     processes: list[Process] = field(default_factory=list)  # those that stepped, saved or loaded, by rank
     wrote: dict[str, bool] = field(default_factory=dict)  # path -> new (it was not there before)
     kept: dict[str, str] = field(default_factory=dict)  # a path that was there before -> its copy
+    traced: int = 0  # the processes the tracer started in
+    hashes: set[str] = field(default_factory=set)  # the hash their fingerprints use (one Python: one hash)
+    not_started: list[dict] = field(default_factory=list)  # where the tracer could not start: python, error
 
     @property
     def stepping(self) -> list[Process]:
@@ -149,7 +156,24 @@ def run_traced(
     forked_from = child.server if isinstance(child, WarmChild) else None
     run = TracedRun(name, command, rc, time.perf_counter() - started, log, forked_from)
     read_traces(run, trace)
+    check_started(run)
     return run
+
+
+def check_started(run: TracedRun) -> None:
+    """One line when the tracer saw nothing: it could not start in the command's Python, or the command
+    started no Python it could start in (a command that failed before is the examiner's to report)."""
+    if run.not_started and not run.stepping:
+        first = run.not_started[0]
+        hint = "; the doctor traces PyTorch training: run the command with a Python that has torch"
+        hint = hint if "'torch'" in first["error"] else ""
+        raise UserError(f"the tracer could not start in {first['python']}: {first['error']}{hint}")
+    if not run.traced and run.rc == 0:
+        raise UserError(
+            f"the tracer started in no process of the {run.name} run: {run.command[0]} is not a Python program "
+            "and started none, or its Python skips PYTHONPATH or site (-E, -I, -S); the doctor traces the Python "
+            f"processes a command starts; its output: {run.log}"
+        )
 
 
 def read_traces(run: TracedRun, folder: Path) -> None:
@@ -157,12 +181,18 @@ def read_traces(run: TracedRun, folder: Path) -> None:
     earliest: dict[str, int] = {}
     for path in sorted(folder.glob("trace-*.jsonl")) if folder.is_dir() else []:
         process = Process(int(path.stem.removeprefix("trace-")))
+        run.traced += 1
         for event in load_events(path):
             file_event(run, event, earliest)
             sort_event(process, event)
+            if event["event"] == "start" and "hash" in event:
+                run.hashes.add(event["hash"])
         if process.steps or process.saves or process.loads:
             read_weights(process, path)
             run.processes.append(process)
+    for path in sorted(folder.glob("failed-*.json")) if folder.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError):
+            run.not_started.append(json.loads(path.read_text()))
     run.processes.sort(key=lambda p: (p.rank is None, p.rank or 0, -len(p.steps)))
 
 
@@ -191,6 +221,8 @@ def sort_event(process: Process, event: dict) -> None:
         process.end = event["code"]
     elif kind in ("iter", "rng_set", "loader"):
         process.events.append(event)
+    elif kind == "lost":
+        process.lost.append(event)
     elif kind == "rename":
         for save in reversed(process.saves):
             if save["path"] == event["source"] or save["path"] is None:
@@ -211,8 +243,15 @@ def load_events(path: Path) -> list[dict]:
 
 
 def read_weights(process: Process, trace: Path) -> None:
+    """Each step's weight sample (`sample`: how many values it appended); NaN where the tracer lost it."""
     weights = trace.with_name(trace.name.replace("trace-", "weights-").replace(".jsonl", ".f32"))
-    if process.steps and weights.exists():
-        values = np.fromfile(weights, dtype=np.float32)
-        width = values.size // len(process.steps)
-        process.weights = values[: width * len(process.steps)].reshape(len(process.steps), width) if width else None
+    counts = [step.get("sample", 0) for step in process.steps]
+    width = max(counts, default=0)
+    if not width or not weights.exists():
+        return
+    values, at = np.fromfile(weights, dtype=np.float32), 0
+    process.weights = np.full((len(counts), width), np.nan, dtype=np.float32)
+    for row, count in enumerate(counts):
+        if count == width and at + count <= values.size:
+            process.weights[row] = values[at : at + count]
+        at += count

@@ -61,7 +61,8 @@ def draw(diagnosis) -> Figure:
     steps = len(next(iter(diagnosis.equal.values()), []))
     ignored = set(diagnosis.unseeded)
     grid = np.array(
-        [[2 if f in ignored else (0 if ok else 1) for ok in diagnosis.equal[f]] for f in fields], dtype=float
+        [[2 if f in ignored or ok is None else (0 if ok else 1) for ok in diagnosis.equal[f]] for f in fields],
+        dtype=float,
     ).reshape(len(fields), steps)
     width = max(6.5, 0.35 * steps + 3.5)
     figure = Figure(figsize=(width, 5.5))
@@ -73,7 +74,7 @@ def draw(diagnosis) -> Figure:
     top.imshow(grid, aspect="auto", cmap=colours, vmin=0, vmax=2, extent=extent, interpolation="nearest")
     labels = [NAMES[f] + (" (not seeded)" if f in ignored else "") for f in fields]
     top.set_yticks(range(len(fields)), labels, fontsize=8)
-    figure.suptitle("vs the straight run: equal (green), different (red), ignored (grey)", fontsize=10)
+    figure.suptitle("vs the straight run: equal (green), different (red), ignored or lost (grey)", fontsize=10)
     distance = [FLOOR if d == 0 else (np.nan if d is None else d) for d in diagnosis.distance]
     xs = np.arange(1, len(distance) + 1)
     bottom.semilogy(xs, distance, marker="o", color="#1f77b4")
@@ -127,7 +128,7 @@ def step_table(diagnosis) -> str:
     head = "| fingerprint | " + " | ".join(str(s) for s in range(1, steps + 1)) + " |"
     rule = "|---|" + "---|" * steps
     rows = [
-        f"| {NAMES[f]} | " + " | ".join("=" if ok else "**≠**" for ok in oks) + " |"
+        f"| {NAMES[f]} | " + " | ".join("?" if ok is None else ("=" if ok else "**≠**") for ok in oks) + " |"
         for f, oks in diagnosis.equal.items()
     ]
     return "\n".join([head, rule, *rows])

@@ -7,13 +7,16 @@ write). A path that was there before this process and that it is about to change
 delete (`os.remove`, `os.unlink`, `os.rmdir`, `shutil.rmtree`) is first copied into the keep
 folder (a `kept` event), so that the doctor can put it back; not a path that one of the doctor's
 earlier runs made (EXACTRESUME_DOCTOR_MADE lists those). Writes into the doctor's own folder are not
-reported.
+reported, nor writes to anything but a regular file, a folder or a symbolic link (`/dev/null`, a
+FIFO, a socket; anything under /dev, /proc or /sys): the doctor moves and copies the paths reported,
+and a device moved and put back comes back as an empty regular file.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 
 WRITING_MODES = frozenset("wax+")
@@ -21,6 +24,25 @@ WRITING_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 # os.open(FOLDER, O_TMPFILE | ...) makes a file without a name in FOLDER (tempfile.TemporaryFile does,
 # on Linux): no path is written, and the folder is not the process's to copy.
 UNNAMED = getattr(os, "O_TMPFILE", 0)
+SYSTEM = ("/dev", "/proc", "/sys")  # the kernel's trees: nothing there is a run's output
+
+
+def ordinary(path: str) -> bool:
+    """A regular file, a folder or a symbolic link (or nothing yet) outside /dev, /proc and /sys, by its
+    own path and by the path it resolves to (/dev/stdout is a link into /proc)."""
+    for where in (path, os.path.realpath(path)):
+        if any(where == root or where.startswith(root + os.sep) for root in SYSTEM):
+            return False
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return True  # not there: what a write makes of it is a regular file or a folder
+    return stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)
+
+
+def specials(folder: str, names: list[str]) -> list[str]:
+    """The entries of `folder` a copy leaves out (copytree's ignore): FIFOs, sockets, devices."""
+    return [name for name in names if not ordinary(os.path.join(folder, name))]
 
 
 class Files:
@@ -48,6 +70,8 @@ class Files:
         if path is None or path in self.seen:
             return
         self.seen.add(path)
+        if not ordinary(path):
+            return
         existed = os.path.lexists(path)
         if existed:
             self.keep_copy(path)
@@ -58,7 +82,8 @@ class Files:
         path = self.path_of(path)
         if path is not None and path not in self.seen:
             self.seen.add(path)
-            self.write({"event": "wrote", "path": path, "new": True})
+            if ordinary(path):
+                self.write({"event": "wrote", "path": path, "new": True})
 
     def before_delete(self, path) -> None:
         """A path this process did not write, about to be deleted: keep a copy first."""
@@ -66,6 +91,8 @@ class Files:
         if path is None or path in self.seen or not os.path.lexists(path):
             return
         self.seen.add(path)
+        if not ordinary(path):
+            return
         self.keep_copy(path)
         self.write({"event": "wrote", "path": path, "new": False})
 
@@ -79,7 +106,7 @@ class Files:
         try:
             os.makedirs(self.keep, exist_ok=True)
             if os.path.isdir(path) and not os.path.islink(path):
-                shutil.copytree(path, copy, symlinks=True)
+                shutil.copytree(path, copy, symlinks=True, ignore=specials)
             else:
                 shutil.copy2(path, copy, follow_symlinks=False)
         finally:

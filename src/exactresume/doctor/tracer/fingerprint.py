@@ -1,16 +1,40 @@
-"""xxh3 fingerprints of tensors, nested containers and RNG states, and short summaries of saved objects."""
+"""Fingerprints of tensors, nested containers and RNG states, and short summaries of saved objects.
+
+The tracer runs in the user's Python, which may have torch and nothing else: the hash is xxh3 where
+xxhash is importable, BLAKE2b (the standard library) otherwise, chosen once as the tracer starts (so
+in every run of one doctor, which share a Python); numpy is used only once the script has loaded it.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import random
+import sys
 from collections.abc import Iterable, Iterator
 
-import numpy as np
 import torch
-import xxhash
+
+try:
+    import xxhash
+except Exception:  # not installed, or a build this Python cannot load: the standard library's hash instead
+    xxhash = None
 
 HALF_DTYPES = ("torch.float16", "torch.bfloat16")
+
+
+def stdlib_hasher():
+    return hashlib.blake2b(digest_size=8)
+
+
+# The hash every fingerprint of this process uses, and its name (each trace's start event says it).
+new_hasher, HASH = (xxhash.xxh3_64, "xxh3_64") if xxhash is not None else (stdlib_hasher, "blake2b-64")
+
+
+def use_stdlib_hash() -> None:
+    """Hash with BLAKE2b even where xxhash is installed: what a Python without xxhash costs (the bench)."""
+    global new_hasher, HASH
+    new_hasher, HASH = stdlib_hasher, "blake2b-64"
 
 
 HEADERS: dict[tuple, bytes] = {}  # (dtype, shape) -> its header, made once: a step hashes ~100 tensors
@@ -23,50 +47,66 @@ def header(tensor: torch.Tensor) -> bytes:
     return HEADERS[key]
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a tensor's values (copied to the CPU and made contiguous when needed)."""
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values in a contiguous CPU tensor of their own dtype: itself when it is one already."""
     if tensor.is_cpu and tensor.layout is torch.strided and tensor.is_contiguous() and not tensor.is_conj():
-        # the values in place, read through their address: a third of the cost of detach().numpy()
-        return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
+        return tensor
     flat = tensor.detach()
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    flat = flat.contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    return memoryview(flat.view(torch.uint8).numpy())
+    flat = flat.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return flat.to(torch.uint8) if flat.dtype == torch.bool else flat
 
 
-def update(hasher: xxhash.xxh3_64, value) -> None:
+def raw(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, read in place through their address (a third of the cost of
+    .numpy(), which needs numpy): the caller keeps the tensor alive while it reads them."""
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def update(hasher, value) -> None:
     """Feed one value into `hasher`: tensors by dtype, shape and bytes; containers element by element."""
     if isinstance(value, torch.Tensor):
         hasher.update(header(value))
         if value.numel():
-            hasher.update(tensor_bytes(value))
-    elif isinstance(value, np.ndarray):
-        hasher.update(f"A{value.dtype}{value.shape}".encode())
-        hasher.update(np.ascontiguousarray(value).tobytes())
+            values = plain(value)  # held here while raw() reads it
+            hasher.update(raw(values))
     elif isinstance(value, dict):
         hasher.update(b"{")
         for key in value:
             hasher.update(repr(key).encode())
             update(hasher, value[key])
         hasher.update(b"}")
-    elif isinstance(value, list | tuple) and value and all(type(item) is int for item in value):
+    elif isinstance(value, (list, tuple)) and len(value) > 0 and all(type(item) is int for item in value):
         hasher.update(b"I" + repr(value).encode())  # python's RNG state: 625 ints at once, not one by one
-    elif isinstance(value, list | tuple):
+    elif isinstance(value, (list, tuple)):
         hasher.update(b"[")
         for item in value:
             update(hasher, item)
         hasher.update(b"]")
+    elif is_ndarray(value):
+        hasher.update(f"A{value.dtype}{value.shape}".encode())
+        hasher.update(sys.modules["numpy"].ascontiguousarray(value).tobytes())
     else:
         hasher.update(repr(value).encode())
 
 
+def is_ndarray(value) -> bool:
+    """A numpy array, without importing numpy: only a script that loaded numpy can hold one."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.ndarray)
+
+
 def digest(*values) -> str:
-    hasher = xxhash.xxh3_64()
+    hasher = new_hasher()
     for value in values:
         update(hasher, value)
+    return hasher.hexdigest()
+
+
+def hexdigest(data) -> str:
+    hasher = new_hasher()
+    hasher.update(data)
     return hasher.hexdigest()
 
 
@@ -75,20 +115,20 @@ def settings_digest(settings: list[dict]) -> str:
     numbers, strings and tuples of them: one hash, not one per value. A tensor among them (its repr
     rounds) goes through digest()."""
     text = repr(settings)
-    return digest(settings) if "tensor(" in text else "r" + xxhash.xxh3_64_hexdigest(text.encode())
+    return digest(settings) if "tensor(" in text else "r" + hexdigest(text.encode())
 
 
 MT19937_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], int pos
 
 
-def numpy_rng_digest() -> str:
+def numpy_rng_digest(np) -> str:
     """numpy's global RNG state read in place (np.random.get_state() costs 0.1 ms, a step's worth on a tiny
     model); a legacy Gaussian cached by the RandomState is not in it."""
     generator = np.random.get_bit_generator()
     if type(generator).__name__ != "MT19937":
         return digest(list(np.random.get_state()))
     state = (ctypes.c_char * MT19937_STATE_BYTES).from_address(generator.ctypes.state_address)
-    return xxhash.xxh3_64_hexdigest(memoryview(state).cast("B"))
+    return hexdigest(memoryview(state).cast("B"))
 
 
 def python_rng_digest() -> str:
@@ -99,12 +139,12 @@ def python_rng_digest() -> str:
 
 
 def rng_digests() -> dict[str, str]:
-    """The global torch, CUDA, numpy and python RNG states, one fingerprint each."""
-    states = {
-        "rng_torch": digest(torch.get_rng_state()),
-        "rng_numpy": numpy_rng_digest(),
-        "rng_python": python_rng_digest(),
-    }
+    """The global torch, CUDA, python RNG states, and numpy's once the script has loaded numpy, one
+    fingerprint each."""
+    states = {"rng_torch": digest(torch.get_rng_state()), "rng_python": python_rng_digest()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and hasattr(numpy, "random"):  # hasattr: numpy may still be importing itself
+        states["rng_numpy"] = numpy_rng_digest(numpy)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["rng_cuda"] = digest(torch.cuda.get_rng_state_all())
     return states
@@ -147,15 +187,16 @@ def top_keys(value) -> list[str]:
     return [str(key) for key in value] if isinstance(value, dict) else [type(value).__name__]
 
 
-def weight_sample(params: Iterable[torch.Tensor], size: int = 4096) -> np.ndarray:
-    """About `size` values spread evenly over the (largest) parameters, as float32: the weight-distance probe."""
+def weight_sample(params: Iterable[torch.Tensor], size: int = 4096) -> torch.Tensor:
+    """About `size` values spread evenly over the (largest) parameters, as a contiguous float32 CPU tensor:
+    the weight-distance probe."""
     params = list(params)
     if len(params) > 8:  # the eight largest, in their order: a step of a small model is mostly this sample's ops
         largest = set(sorted(range(len(params)), key=lambda i: -params[i].numel())[:8])
         params = [p for i, p in enumerate(params) if i in largest]
     if not params:
-        return np.zeros(0, np.float32)
+        return torch.zeros(0, dtype=torch.float32)
     stride = max(1, sum(p.numel() for p in params) // size)
     with torch.no_grad():  # views of the parameters, not nodes of the autograd graph: a few microseconds each
         sample = torch.cat([p.reshape(-1) if stride == 1 else p.reshape(-1)[::stride] for p in params])
-    return (sample if sample.dtype == torch.float32 else sample.float()).cpu().numpy()
+    return (sample if sample.dtype == torch.float32 else sample.float()).cpu().contiguous()

@@ -66,6 +66,17 @@ def fresh_entropy() -> None:
         modules["torch"].default_generator.seed()
 
 
+def start_tracer(install) -> None:
+    """The tracer started from the run's environment; where it cannot start in this Python (the server
+    could not load it: `install` is that error), the run ends as the shim ends it, saying why."""
+    try:
+        if isinstance(install, BaseException):
+            raise install
+        install.start_from_environment()
+    except Exception as error:
+        sys.modules[NAME].not_started(error)
+
+
 def run_child(request: dict, install) -> None:
     """In the forked child: become the command's process, run it, exit with its code. Never returns."""
     code = 1
@@ -78,7 +89,7 @@ def run_child(request: dict, install) -> None:
         redirect(request["log"])
         sys.argv = list(request["argv"])
         fresh_entropy()
-        install.start_from_environment()
+        start_tracer(install)
         if "module" in request:
             sys.path.insert(0, os.getcwd())
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -103,7 +114,10 @@ def run_child(request: dict, install) -> None:
 
 def serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the doctor and the run
-    install = load_tracer()
+    try:
+        install = load_tracer()
+    except Exception as error:  # this Python has no torch, say: each run says so, as a cold one would
+        install = error
     for module in PRELOAD:
         try:
             importlib.import_module(module)

@@ -16,6 +16,9 @@ step, the gradients, the optimizer state after it, the RNG states, the drawing s
 the GradScalers' state; plus the loss passed to backward() and what drew from the global torch RNG
 since the last step. A closure-style step (`optimizer.step(closure)`, as Lightning and LBFGS do)
 gets the batch, loss and gradients of the forward and backward its closure runs first.
+
+Each fingerprint is computed on its own, through the guard (guard.py): one that fails is reported
+once, from its step on, and the others go on; the step is counted whatever failed.
 """
 
 from __future__ import annotations
@@ -30,14 +33,18 @@ import torch
 from . import CRASH, CUT
 from . import fingerprint as fp
 from .files import Files
+from .guard import Guard
 from .live import Live, coverage
 
 FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "pytorch_lightning": "lightning"}
 FRAMEWORKS |= {"lightning": "lightning", "lightning_fabric": "lightning"}
+# What a save's record holds when the tracer could not read the saved object.
+UNSEEN = {"keys": [], "tensors": [], "live": [], "loaders": [], "held": [], "dropout": False, "framework": None}
 
 
-class Tracer:
+class Tracer(Guard):
     def __init__(self, folder: str, limit: int, crash_from: int | None, keep: str | None = None, ignore=None):
+        super().__init__()
         self.limit, self.crash_from = limit, crash_from
         self.inside = 0  # > 0 while a traced save or load runs
         os.makedirs(folder, exist_ok=True)
@@ -52,11 +59,12 @@ class Tracer:
         self.drew: list[str] = []  # what drew from the global torch RNG since the last step
         self.fetched = 0  # batches fetched since the last step
         self.record: dict = {}
+        self.forwarded = False  # the step's batch and gradients are in its record
         self.armed = False
         self.has_params: dict[int, bool] = {}
         self.described = ""
         rank = {name.lower(): int(os.environ[name]) for name in ("RANK", "WORLD_SIZE") if name in os.environ}
-        self.write({"event": "start", "pid": os.getpid(), "argv": sys.argv[:1]} | rank)
+        self.write({"event": "start", "pid": os.getpid(), "argv": sys.argv[:1], "hash": fp.HASH} | rank)
 
     def write(self, record: dict) -> None:
         self.out.write(json.dumps(record) + "\n")
@@ -87,9 +95,10 @@ class Tracer:
         if tensor.numel() == 1:
             self.losses.append(float(tensor.detach().float()))
 
-    def on_iterator(self, loader, iterator, drew: bool) -> None:
-        """A DataLoader made an iterator (an epoch begins); `drew`: it drew from the global torch RNG."""
-        self.live.on_iterator(loader, iterator)
+    def on_iterator(self, loader, iterator, drew: bool, began: list[str] | None = None) -> None:
+        """A DataLoader made an iterator (an epoch begins); `drew`: it drew from the global torch RNG;
+        `began`: its generators' states before."""
+        self.live.on_iterator(loader, iterator, began)
         if drew:
             self.drew.append("iterator")
         generator = getattr(loader, "generator", None) is not None
@@ -100,11 +109,12 @@ class Tracer:
             self.described = described
             self.write({"event": "loader", "step": self.step, "loader": described})
 
-    def on_fetch(self, iterator, drew: bool) -> None:
+    def on_fetch(self, iterator) -> None:
         self.live.on_fetch(iterator)
         self.fetched += 1
-        if drew:
-            self.drew.append("fetch")
+
+    def on_draw(self, where: str) -> None:
+        self.drew.append(where)
 
     def on_rng_set(self) -> None:
         """The global torch RNG was set; `fetched`: batches of the coming step fetched before it."""
@@ -113,7 +123,7 @@ class Tracer:
     # -- optimizer steps ----------------------------------------------------------------------
 
     def before_step(self, optimizer, args, kwargs):
-        self.live.optimizers.add(optimizer)
+        self.attempt("the optimizer state", self.live.optimizers.add, optimizer)
         if self.primary is None:
             self.primary = optimizer
         if optimizer is not self.primary:
@@ -122,28 +132,18 @@ class Tracer:
             self.end(CRASH)
         if self.step >= self.limit:
             self.end(CUT)
+        self.record, self.forwarded = {"event": "step", "step": self.step + 1}, False
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        data = self.live.data_state()
-        self.record = {
-            "event": "step",
-            "step": self.step + 1,
-            "lr": [float(g.get("lr", 0.0)) for g in groups],
-            "hparams": fp.settings_digest([{k: v for k, v in g.items() if k != "lr"} for g in groups]),
-            "params": fp.digest(params),
-            "data": fp.digest(data),
-            "sampler_epochs": [row[1] for row in data],
-            "generators": [state for row in data for state in row[2]],
-            "scaler": fp.digest([s.state_dict() for s in list(self.live.scalers) if s.is_enabled()]),
-            "scale": [float(s.get_scale()) for s in list(self.live.scalers) if s.is_enabled()],
-        } | fp.rng_digests()
-        self.weights.write(fp.weight_sample(params).tobytes())
+        for what, fingerprint in BEFORE_STEP:
+            self.record |= self.attempt(what, fingerprint, self, optimizer, params, default={})
         # args holds the optimizer itself first, then step()'s own arguments
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if not callable(closure):
-            self.after_forward(params)
+            self.attempt("the batch", self.after_forward, params)
             return None
-        wrapped = self.closing(closure, params)
+        return self.attempt("the closure's forward", self.with_closure, args, kwargs, self.closing(closure, params))
+
+    def with_closure(self, args, kwargs, wrapped):
         if "closure" in kwargs:
             return args, kwargs | {"closure": wrapped}
         return (args[0], wrapped, *args[2:]), kwargs
@@ -153,33 +153,37 @@ class Tracer:
 
         def traced(*args, **kwargs):
             result = closure(*args, **kwargs)
-            if "batch" not in self.record:
-                self.after_forward(params)
+            if not self.forwarded:
+                self.attempt("the batch", self.after_forward, params)
             return result
 
         return traced
 
     def after_forward(self, params) -> None:
+        self.forwarded = True
         self.record |= {
             "batch": fp.digest(self.micro),
             "micro": list(self.micro),
-            "grads": fp.digest([p.grad for p in params]),
             "loss": sum(self.losses) if self.losses else None,
             "drew": sorted(set(self.drew)),
         }
+        self.record |= self.attempt("the gradients", gradients, params, default={})
 
     def after_step(self, optimizer, args, kwargs) -> None:
-        if optimizer is not self.primary or not self.record:
+        if self.primary is None:  # its before_step failed: the step still counts
+            self.primary = optimizer
+        if optimizer is not self.primary:
             return
-        if "batch" not in self.record:  # a closure the optimizer never called
-            self.after_forward([p for group in optimizer.param_groups for p in group["params"]])
-        states = [optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state]
-        self.record["optim"] = fp.digest(states)
-        counters = [float(s["step"]) for s in states[:1] if "step" in s]
-        self.record["optim_step"] = counters[0] if counters else None
-        self.step += 1
-        self.write(self.record)
-        self.record, self.micro, self.losses, self.drew, self.fetched = {}, [], [], [], 0
+        record = self.record or {"event": "step", "step": self.step + 1}  # {}: its before_step failed
+        try:
+            if self.record and not self.forwarded:  # a closure the optimizer never called
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                self.attempt("the batch", self.after_forward, params)
+            record |= self.attempt("the optimizer state", optimizer_state, optimizer, default={})
+        finally:  # the step counts whatever failed: the cut and the crash go by the count
+            self.step += 1
+            self.record, self.forwarded, self.micro, self.losses, self.drew, self.fetched = {}, False, [], [], [], 0
+        self.write(record)
 
     def marked(self) -> bool:
         """Another rank saved the checkpoint this run ends after: end at the same step it does."""
@@ -193,29 +197,28 @@ class Tracer:
     # -- checkpoint files ---------------------------------------------------------------------
 
     def on_save(self, obj, path: str | None) -> None:
-        held = {fp.digest(t) for _, t in fp.tensors_in(obj) if t.dtype == torch.uint8}
-        self.write(
-            {
-                "event": "save",
-                "path": path,
-                "step": self.step,
-                "pending_micro": len(self.micro),
-                "keys": fp.top_keys(obj),
-                "tensors": fp.summary(obj),
-                "live": coverage(obj, self.live),
-                "loaders": [self.live.describe(loader) for loader in self.live.drawing()],
-                "held": sorted(held),
-                "dropout": self.live.dropout(),
-                "framework": framework(),
-            }
-        )
+        record = {"event": "save", "path": path, "step": self.step, "pending_micro": len(self.micro)}
+        self.write(record | self.attempt("what the checkpoints hold", self.contents, obj, default=UNSEEN))
         if self.crash_from is not None and self.step >= self.crash_from:
             self.armed = True
             with self.files_busy(), open(self.marker, "w") as marker:
                 marker.write(str(self.step))
 
+    def contents(self, obj) -> dict:
+        """What a saved object holds, and which live stateful objects it lacks."""
+        return {
+            "keys": fp.top_keys(obj),
+            "tensors": fp.summary(obj),
+            "live": coverage(obj, self.live),
+            "loaders": [self.live.describe(loader) for loader in self.live.drawing()],
+            "held": sorted({fp.digest(t) for _, t in fp.tensors_in(obj) if t.dtype == torch.uint8}),
+            "dropout": self.live.dropout(),
+            "framework": framework(),
+        }
+
     def on_load(self, path: str | None) -> None:
-        self.write({"event": "load", "path": path, "step": self.step, "framework": framework()})
+        found = self.attempt("the checkpoints loaded", framework)
+        self.write({"event": "load", "path": path, "step": self.step, "framework": found})
 
     @contextlib.contextmanager
     def within(self):
@@ -249,7 +252,7 @@ def framework() -> str | None:
 
 def file_path(file) -> str | None:
     """The path a torch.save / torch.load argument names: a path, or an open file's name."""
-    if isinstance(file, str | os.PathLike):
+    if isinstance(file, (str, os.PathLike)):
         return os.path.abspath(file)
     for holder in (file, getattr(file, "file", None), getattr(file, "raw", None), getattr(file, "f", None)):
         name = getattr(holder, "name", None)
@@ -257,3 +260,59 @@ def file_path(file) -> str | None:
             return os.path.abspath(name)
     path = getattr(file, "path", None)  # fsspec's local files
     return os.path.abspath(path) if isinstance(path, str) else None
+
+
+# -- the fingerprints of a step, each computed on its own: one that fails leaves the others ------------
+
+
+def settings(tracer: Tracer, optimizer, params) -> dict:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {
+        "lr": [float(g.get("lr", 0.0)) for g in groups],
+        "hparams": fp.settings_digest([{k: v for k, v in g.items() if k != "lr"} for g in groups]),
+    }
+
+
+def weights(tracer: Tracer, optimizer, params) -> dict:
+    """The weights' fingerprint, and their sample appended to the weights file (`sample`: its length)."""
+    found, sample = fp.digest(params), fp.weight_sample(params)
+    if sample.numel():
+        tracer.weights.write(fp.raw(sample))
+    return {"params": found, "sample": sample.numel()}
+
+
+def data(tracer: Tracer, optimizer, params) -> dict:
+    rows = tracer.live.data_state()
+    return {
+        "data": fp.digest(rows),
+        "sampler_epochs": [row[1] for row in rows],
+        "generators": [state for row in rows for state in row[2]],
+    }
+
+
+def scalers(tracer: Tracer, optimizer, params) -> dict:
+    enabled = [s for s in list(tracer.live.scalers) if s.is_enabled()]
+    return {"scaler": fp.digest([s.state_dict() for s in enabled]), "scale": [float(s.get_scale()) for s in enabled]}
+
+
+def rngs(tracer: Tracer, optimizer, params) -> dict:
+    return fp.rng_digests()
+
+
+BEFORE_STEP = (
+    ("the lr and hyperparameters", settings),
+    ("the weights", weights),
+    ("the sampler's state", data),
+    ("the GradScalers' state", scalers),
+    ("the RNG states", rngs),
+)
+
+
+def gradients(params) -> dict:
+    return {"grads": fp.digest([p.grad for p in params])}
+
+
+def optimizer_state(optimizer) -> dict:
+    states = [optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state]
+    counters = [float(s["step"]) for s in states[:1] if "step" in s]
+    return {"optim": fp.digest(states), "optim_step": counters[0] if counters else None}

@@ -1,8 +1,9 @@
 """Start the tracer in this process: PyTorch's global optimizer hooks and thin wrappers around
 Module.__call__, Tensor.backward, DataLoader iterators, torch.set_rng_state, torch.save / torch.load,
 safetensors, DCP, os.replace / os.rename and every writer of files (files.py).
-Every wrapper calls the original unchanged and only records what went through it; `install`
-returns the function that takes them all off again (the overhead bench uses it).
+Every wrapper calls the original unchanged, once, and only records what went through it; what it
+records goes through the tracer's guard (guard.py), so that a failure of the tracer's own is never
+the script's. `install` returns the function that takes them all off again (the overhead bench uses it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def start_from_environment() -> Tracer | None:
     keep, ignore = os.environ.get("EXACTRESUME_DOCTOR_KEEP"), os.environ.get("EXACTRESUME_DOCTOR_OUT")
     made = os.environ.get("EXACTRESUME_DOCTOR_MADE", "")
     tracer = Tracer(folder, limit, int(crash_from) if crash_from else None, keep, ignore)
+    fail_from = os.environ.get("EXACTRESUME_DOCTOR_FAIL_FROM")  # the doctor's own tests only
+    tracer.fail_from = int(fail_from) if fail_from else None
     tracer.files.made = tuple(os.path.join(path, "") for path in made.split(os.pathsep) if path)
     install(tracer)
     atexit.register(lambda: tracer.close({"event": "exit", "steps": tracer.step}))
@@ -54,26 +57,44 @@ class Patches:
             self.undo.pop()()
 
 
+class Guarded:
+    """`target` seen through the tracer's guard: each of its methods called through this reports its own
+    failure as lost sight of `what` (files.py's wrappers call the tracer's Files this way)."""
+
+    def __init__(self, tracer: Tracer, target, what: str):
+        object.__setattr__(self, "_guarded", (tracer, target, what))
+
+    def __getattr__(self, name: str):
+        tracer, target, what = self._guarded
+        value = getattr(target, name)
+        if not callable(value):
+            return value
+        return lambda *args, **kwargs: tracer.attempt(what, value, *args, **kwargs)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._guarded[1], name, value)
+
+
 def install(tracer: Tracer) -> Callable[[], None]:
     patches = Patches()
-    tracer.live.install(patches.replace)
+    tracer.live.install(patches.replace, tracer.attempt)
     for handle in (
-        register_optimizer_step_pre_hook(tracer.before_step),
-        register_optimizer_step_post_hook(tracer.after_step),
+        register_optimizer_step_pre_hook(lambda *args: tracer.attempt("the steps", tracer.before_step, *args)),
+        register_optimizer_step_post_hook(lambda *args: tracer.attempt("the steps", tracer.after_step, *args)),
     ):
         patches.undo.append(handle.remove)
     patches.replace(torch.nn.Module, "__call__", lambda original: module_call(tracer, original))
     patches.replace(torch.Tensor, "backward", lambda original: backward(tracer, original))
     wrap_data(tracer, patches)
     wrap_files(tracer, patches)
-    wrap_writes(tracer.files, patches.replace)
+    wrap_writes(Guarded(tracer, tracer.files, "the files it writes"), patches.replace)
     return patches.remove
 
 
 def module_call(tracer: Tracer, original):
     def call(module, *args, **kwargs):
         if tracer.depth == 0:
-            tracer.on_forward(module, args, kwargs)
+            tracer.attempt("the batch", tracer.on_forward, module, args, kwargs)
         tracer.depth += 1
         try:
             return original(module, *args, **kwargs)
@@ -85,7 +106,7 @@ def module_call(tracer: Tracer, original):
 
 def backward(tracer: Tracer, original):
     def traced(tensor, *args, **kwargs):
-        tracer.on_backward(tensor)
+        tracer.attempt("the loss", tracer.on_backward, tensor)
         return original(tensor, *args, **kwargs)
 
     return traced
@@ -99,28 +120,39 @@ def wrap_data(tracer: Tracer, patches: Patches) -> None:
     """DataLoader iterators (each epoch's, and each batch they yield) and torch.set_rng_state."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+    def drew(before: str | None, where: str) -> bool:
+        """Whether the global torch RNG moved since `before` (None: it could not be read then)."""
+        found = before is not None and rng_state() != before
+        if found:
+            tracer.on_draw(where)
+        return found
+
     def iterating(original):
         def traced(loader):
-            before = rng_state()
+            before = tracer.attempt("what drew from the torch RNG", rng_state)
+            began = tracer.attempt("the DataLoaders", tracer.live.states, loader)
             iterator = original(loader)
-            tracer.on_iterator(loader, iterator, rng_state() != before)
+            moved = tracer.attempt("what drew from the torch RNG", drew, before, "iterator", default=False)
+            tracer.attempt("the DataLoaders", tracer.on_iterator, loader, iterator, moved, began)
             return iterator
 
         return traced
 
     def fetching(original):
         def traced(iterator):
-            before = rng_state()
+            before = tracer.attempt("what drew from the torch RNG", rng_state)
             batch = original(iterator)
-            tracer.on_fetch(iterator, rng_state() != before)
+            tracer.attempt("what drew from the torch RNG", drew, before, "fetch")
+            tracer.attempt("the DataLoaders", tracer.on_fetch, iterator)
             return batch
 
         return traced
 
     def setting(original):
         def traced(*args, **kwargs):
-            original(*args, **kwargs)
-            tracer.on_rng_set()
+            result = original(*args, **kwargs)
+            tracer.attempt("the torch RNG states set", tracer.on_rng_set)
+            return result
 
         return traced
 
@@ -134,11 +166,11 @@ def saving(tracer: Tracer, original):
     def traced(obj, f, *args, **kwargs):
         if tracer.inside:  # a save within a traced one (DCP writes some items with torch.save)
             return original(obj, f, *args, **kwargs)
-        if isinstance(f, str | os.PathLike):
-            tracer.files.before_write(f)
+        if isinstance(f, (str, os.PathLike)):
+            tracer.attempt("the files it writes", tracer.files.before_write, f)
         with tracer.within():
             result = original(obj, f, *args, **kwargs)
-        tracer.on_save(obj, file_path(f))
+        tracer.attempt("the checkpoints saved", lambda: tracer.on_save(obj, file_path(f)))
         return result
 
     return traced
@@ -147,7 +179,7 @@ def saving(tracer: Tracer, original):
 def loading(tracer: Tracer, original):
     def traced(f, *args, **kwargs):
         if not tracer.inside:
-            tracer.on_load(file_path(f))
+            tracer.attempt("the checkpoints loaded", lambda: tracer.on_load(file_path(f)))
         with tracer.within():
             return original(f, *args, **kwargs)
 
@@ -156,9 +188,10 @@ def loading(tracer: Tracer, original):
 
 def renaming(tracer: Tracer, original):
     def traced(source, target, *args, **kwargs):
-        tracer.files.before_write(target)
-        original(source, target, *args, **kwargs)
-        tracer.on_rename(source, target)
+        tracer.attempt("the files it writes", tracer.files.before_write, target)
+        result = original(source, target, *args, **kwargs)
+        tracer.attempt("the files it writes", tracer.on_rename, source, target)
+        return result
 
     return traced
 
@@ -170,17 +203,29 @@ def wrap_files(tracer: Tracer, patches: Patches) -> None:
     for name in ("replace", "rename"):
         patches.replace(os, name, lambda original: renaming(tracer, original))
     patches.replace(shutil, "move", lambda original: renaming(tracer, original))  # across devices it copies
-    if "torch.distributed.checkpoint" in sys.modules:
-        wrap_dcp(tracer, patches, sys.modules["torch.distributed.checkpoint"])
-    else:  # DCP takes half a second to import: wrap it only when the script imports it
-        finder = AfterImport("torch.distributed.checkpoint", lambda module: wrap_dcp(tracer, patches, module))
-        sys.meta_path.insert(0, finder)
-        patches.undo.append(lambda: finder in sys.meta_path and sys.meta_path.remove(finder))
-    if importlib.util.find_spec("safetensors") is not None:
-        import safetensors.torch as st
+    # Wrapped once the script imports them, not imported here: DCP takes half a second to import, and the
+    # tracer imports nothing the script does not (safetensors, say)
+    after_import(tracer, patches, "torch.distributed.checkpoint", lambda module: wrap_dcp(tracer, patches, module))
+    after_import(tracer, patches, "safetensors.torch", lambda module: wrap_safetensors(tracer, patches, module))
 
-        patches.replace(st, "save_file", lambda original: saving(tracer, original))
-        patches.replace(st, "load_file", lambda original: loading(tracer, original))
+
+def wrap_safetensors(tracer: Tracer, patches: Patches, module) -> None:
+    patches.replace(module, "save_file", lambda original: saving(tracer, original))
+    patches.replace(module, "load_file", lambda original: loading(tracer, original))
+
+
+def after_import(tracer: Tracer, patches: Patches, name: str, wrap: Callable) -> None:
+    """`wrap(module)` as soon as the module `name` is imported (now, if it is already)."""
+
+    def then(module) -> None:
+        tracer.attempt("the checkpoints saved", wrap, module)
+
+    if name in sys.modules:
+        then(sys.modules[name])
+        return
+    finder = AfterImport(name, then)
+    sys.meta_path.insert(0, finder)
+    patches.undo.append(lambda: finder in sys.meta_path and sys.meta_path.remove(finder))
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
@@ -209,23 +254,25 @@ class AfterImport(importlib.abc.MetaPathFinder):
 def dcp_path(kwargs: dict, role: str) -> str | None:
     """The folder a torch.distributed.checkpoint save or load names (checkpoint_id, or its storage's path)."""
     where = kwargs.get("checkpoint_id") or getattr(kwargs.get(role), "path", None)
-    return os.path.abspath(where) if isinstance(where, str | os.PathLike) else None
+    return os.path.abspath(where) if isinstance(where, (str, os.PathLike)) else None
 
 
 def wrap_dcp(tracer: Tracer, patches: Patches, module) -> None:
     def saving_dcp(original):
         def traced(state_dict, *args, **kwargs):
-            tracer.files.before_write(dcp_path(kwargs, "storage_writer"))
+            where = tracer.attempt("the checkpoints saved", dcp_path, kwargs, "storage_writer")
+            tracer.attempt("the files it writes", tracer.files.before_write, where)
             with tracer.within():
                 result = original(state_dict, *args, **kwargs)
-            tracer.on_save(state_dict, dcp_path(kwargs, "storage_writer"))
+            tracer.attempt("the checkpoints saved", tracer.on_save, state_dict, where)
             return result
 
         return traced
 
     def loading_dcp(original):
         def traced(state_dict, *args, **kwargs):
-            tracer.on_load(dcp_path(kwargs, "storage_reader"))
+            where = tracer.attempt("the checkpoints loaded", dcp_path, kwargs, "storage_reader")
+            tracer.attempt("the checkpoints loaded", tracer.on_load, where)
             with tracer.within():
                 return original(state_dict, *args, **kwargs)
 

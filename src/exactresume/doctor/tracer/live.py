@@ -9,6 +9,7 @@ same fields, for schedulers and scalers).
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -28,30 +29,41 @@ class Live:
         self.loaders: weakref.WeakSet = weakref.WeakSet()
         self.wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> who built it
         self.iterated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> states at each epoch start
+        self.began: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> states before each iterator
         self.of_iterator: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # iterator -> its loader
         self.current = None  # a weak reference to the loader whose iterator yielded last
 
-    def install(self, replace) -> None:
-        """Wrap the constructors through `replace(owner, name, make_wrapper)` (install.Patches)."""
+    def install(self, replace, guard) -> None:
+        """Wrap the constructors through `replace(owner, name, make_wrapper)` (install.Patches); what they
+        record goes through `guard(what, action, *args)` (the tracer's attempt)."""
         from torch.optim.lr_scheduler import LRScheduler
 
         for cls, registry in ((LRScheduler, self.schedulers), (torch.amp.GradScaler, self.scalers)):
-            replace(cls, "__init__", lambda original, registry=registry: tracking(original, registry))
-        replace(torch.utils.data.DataLoader, "__init__", lambda original: self.tracking_loader(original))
+            replace(cls, "__init__", lambda original, registry=registry: tracking(original, registry, guard))
+        replace(torch.utils.data.DataLoader, "__init__", lambda original: self.tracking_loader(original, guard))
 
-    def tracking_loader(self, original):
+    def tracking_loader(self, original, guard):
         def init(loader, *args, **kwargs):
             original(loader, *args, **kwargs)
-            self.loaders.add(loader)
-            wrapper = order.wrapper_of(loader)
-            if wrapper:
-                self.wrappers[loader] = wrapper
+            guard("the DataLoaders", self.track_loader, loader, sys._getframe(1))
 
         return init
 
-    def on_iterator(self, loader, iterator) -> None:
-        """A new epoch's iterator: remember the generators' states as the epoch starts."""
-        self.iterated.setdefault(loader, []).append([digest(g.get_state()) for _, g in order.generators(loader)])
+    def track_loader(self, loader, caller) -> None:
+        """A new DataLoader, and who built it (`caller`: the frame that called its __init__)."""
+        self.loaders.add(loader)
+        wrapper = order.wrapper_of(loader, caller)
+        if wrapper is not None:
+            self.wrappers[loader] = wrapper
+
+    def states(self, loader) -> list[str]:
+        return [digest(g.get_state()) for _, g in order.generators(loader)]
+
+    def on_iterator(self, loader, iterator, began: list[str] | None = None) -> None:
+        """A new epoch's iterator: remember the generators' states as the epoch starts, and `began`, theirs
+        before the iterator was made (which draws the workers' base seed from the DataLoader's generator)."""
+        self.iterated.setdefault(loader, []).append(self.states(loader))
+        self.began.setdefault(loader, []).extend(began or [])
         self.of_iterator[iterator] = loader
 
     def on_fetch(self, iterator) -> None:
@@ -79,10 +91,10 @@ class Live:
         return [order.state(loader) for loader in drawing]
 
 
-def tracking(original, registry: weakref.WeakSet):
+def tracking(original, registry: weakref.WeakSet, guard):
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        registry.add(self)
+        guard("the LR schedulers and GradScalers", registry.add, self)
 
     return init
 
@@ -134,9 +146,10 @@ def model_row(model, held: set, halves: set) -> dict:
 
 def loader_rows(loader, live: Live, held: set) -> list[dict]:
     """A loader's generators count as saved when the file holds the bytes of their state now or at the
-    start of an epoch (a script may rightly keep the state an epoch began with)."""
+    start of an epoch, before or after its iterator was made (a script may rightly keep the state an
+    epoch began with)."""
     rows = []
-    starts = [state for epoch in live.iterated.get(loader, []) for state in epoch]
+    starts = [state for epoch in live.iterated.get(loader, []) for state in epoch] + live.began.get(loader, [])
     for where, gen in order.generators(loader):
         found = digest(gen.get_state()) in held or any(state in held for state in starts)
         detail = "" if found else f"the {where} state (get_state()) is not in the file"

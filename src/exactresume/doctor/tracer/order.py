@@ -10,7 +10,6 @@ that draws.
 
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
@@ -37,15 +36,22 @@ def chain(loader) -> list:
 
 def follow(loader) -> list:
     found: list = []
-    node = getattr(loader, "batch_sampler", None) or getattr(loader, "sampler", None)
+    node = inner(loader)
     while node is not None and len(found) < 8 and all(node is not seen for seen in found):
         found.append(node)
-        node = getattr(node, "batch_sampler", None) or getattr(node, "sampler", None)
+        node = inner(node)
     return found
 
 
+def inner(node):
+    """The batch sampler or sampler `node` draws from. `is None`, never truth: a sampler's truth is its
+    len(), which an IterableDataset's (_InfiniteConstantSampler) does not have."""
+    found = getattr(node, "batch_sampler", None)
+    return getattr(node, "sampler", None) if found is None else found
+
+
 def drawer(loader):
-    """The sampler that draws the order (None for an iterable dataset)."""
+    """The sampler that draws the order (an IterableDataset's draws nothing: it yields its own order)."""
     found = chain(loader)
     return found[-1] if found else None
 
@@ -83,6 +89,8 @@ def draws_from(loader) -> str:
     """What the drawing sampler's order is a function of, in words."""
     sampler = drawer(loader)
     kind = type(sampler).__name__
+    if iterable(loader):
+        return f"an IterableDataset ({type(loader.dataset).__name__}) that yields its own order"
     if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
         return f"a {type(loader).__name__} over a {kind} (its position is in its state_dict())"
     if seeded(sampler):
@@ -96,15 +104,19 @@ def draws_from(loader) -> str:
 
 def describe(loader, wrapper: str | None) -> str:
     """The whole way down, e.g. "Accelerate's DataLoaderShard > DataLoader > BatchSampler > a RandomSampler ..."."""
-    names = [type(node).__name__ for node in chain(loader)[:-1]]
+    names = [] if iterable(loader) else [type(node).__name__ for node in chain(loader)[:-1]]
     outer = [wrapper] if wrapper else []
     return " > ".join([*outer, "DataLoader", *names, draws_from(loader)])
 
 
-def wrapper_of(loader) -> str | None:
-    """The object whose __init__ built this DataLoader as its inner loader (Accelerate's adapters), in words."""
-    frame = sys._getframe(2)  # the caller of the DataLoader.__init__ wrapper
-    outer = frame.f_locals.get("self")
+def iterable(loader) -> bool:
+    return isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
+
+
+def wrapper_of(loader, caller) -> str | None:
+    """The object whose __init__ built this DataLoader as its inner loader (Accelerate's adapters), in words;
+    `caller`: the frame that called the DataLoader's __init__."""
+    outer = caller.f_locals.get("self")
     # type(), not isinstance(): an Accelerate adapter's __class__ pretends to be its inner DataLoader's
     if outer is None or outer is loader or issubclass(type(outer), torch.utils.data.DataLoader):
         return None

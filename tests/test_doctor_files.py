@@ -1,0 +1,134 @@
+"""The doctor moves the run's own files only: never /dev/null, a FIFO, or a cache in the temp folder.
+
+A script that writes to /dev/null (a logger, a child's stdout=DEVNULL) once had /dev/null moved aside
+and put back as an empty regular file: run as root, the machine had no null device after the doctor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import stable_environ
+from exactresume.cli import main
+from exactresume.doctor.files import originals, roots
+from exactresume.doctor.run import Process, TracedRun
+from exactresume.doctor.tracer.files import Files
+
+SCRIPT = Path(__file__).parent / "doctor_scripts" / "system_files.py"
+
+
+def traced(wrote: dict[str, bool], kept: dict[str, str] = (), saves: list[str] = ()) -> TracedRun:
+    """A run as the doctor reads it from its traces: the paths it wrote, the copies kept, its saves."""
+    run = TracedRun("straight", [], 0, 0.0, Path("log"), None, wrote=dict(wrote), kept=dict(kept))
+    run.processes = [Process(1, saves=[{"path": path, "step": 2} for path in saves])]
+    return run
+
+
+@pytest.fixture
+def temp(tmp_path, monkeypatch) -> Path:
+    """A temp folder of the test's own (tempfile.gettempdir() answers it), the working folder outside it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    return tmp_path / "temp"
+
+
+def test_devices_fifos_and_temporary_caches_are_not_the_runs(temp, tmp_path):
+    work = tmp_path / "work"
+    for folder in ("torchinductor_root/fxgraph", "pymp-abc", "cache/entries", "tmpxyz", "run/ckpt"):
+        (temp / folder).mkdir(parents=True)
+    os.mkfifo(work / "pipe")
+    os.symlink(os.devnull, work / "log")
+    (work / "ckpt").mkdir()
+    paths = {
+        os.devnull: False,
+        str(work / "pipe"): False,
+        str(work / "log"): False,
+        str(temp / "torchinductor_root"): True,
+        str(temp / "torchinductor_root" / "fxgraph"): True,
+        str(temp / "pymp-abc"): True,
+        str(temp / "cache" / "entries"): True,
+        str(temp / "tmpxyz"): True,  # mkdtemp's folder, with a checkpoint in it: the resume reads it
+        str(temp / "run" / "ckpt"): True,  # a checkpoint folder in the temp folder
+        str(work / "ckpt"): True,
+    }
+    saves = [str(temp / "tmpxyz" / "resume.pt"), str(temp / "run" / "ckpt" / "resume.pt"), str(work / "ckpt" / "a.pt")]
+    run = traced(paths, saves=saves)
+    assert set(roots([run])) == {str(work / "ckpt"), str(temp / "tmpxyz"), str(temp / "run" / "ckpt")}
+    kept = {os.devnull: "copy", str(work / "pipe"): "copy", str(temp / "cache" / "old"): "copy"}
+    assert originals([traced({}, kept)]) == {}
+    ours = {str(work / "notes.txt"): "copy"}
+    assert originals([traced({}, kept | ours)]) == ours
+
+
+def test_a_working_folder_in_the_temp_folder_is_the_users(temp, monkeypatch):
+    (temp / "notebook" / "logs").mkdir(parents=True)
+    (temp / "notebook" / "tmpcache").mkdir()
+    (temp / "elsewhere").mkdir()
+    monkeypatch.chdir(temp / "notebook")
+    paths = {str(temp / "notebook" / "logs"): True, str(temp / "notebook" / "tmpcache"): True}
+    run = traced(paths | {str(temp / "elsewhere"): True})
+    assert roots([run]) == [str(temp / "notebook" / "logs"), str(temp / "notebook" / "tmpcache")]
+
+
+def test_the_tracer_reports_and_copies_no_device_and_no_fifo(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "folder" / "pipe")
+    (tmp_path / "folder" / "a.txt").write_text("a")
+    (tmp_path / "notes.txt").write_text("before")
+    events: list[dict] = []
+    files = Files(events.append, str(tmp_path / "keep"), str(tmp_path / "out"))
+    for path in (os.devnull, "/dev/stdout", "/proc/self/status", tmp_path / "pipe", tmp_path / "notes.txt"):
+        files.before_write(path)  # a FIFO once raised SpecialFileError in the user's script here
+    files.before_delete(tmp_path / "folder")
+    assert [(e["event"], e["path"]) for e in events if e["event"] == "wrote"] == [
+        ("wrote", str(tmp_path / "notes.txt")),
+        ("wrote", str(tmp_path / "folder")),
+    ]
+    copy = {e["path"]: Path(e["copy"]) for e in events if e["event"] == "kept"}[str(tmp_path / "folder")]
+    assert sorted(p.name for p in copy.iterdir()) == ["a.txt"]  # the FIFO in it is left out of the copy
+
+
+@pytest.fixture
+def null_device():
+    """/dev/null's device numbers; should the doctor ever replace it again, it is made again as root."""
+    before = os.stat(os.devnull)
+    yield before
+    after = os.lstat(os.devnull)
+    if not stat.S_ISCHR(after.st_mode) and os.geteuid() == 0:
+        os.unlink(os.devnull)
+        os.mknod(os.devnull, stat.S_IFCHR | 0o666, before.st_rdev)
+        os.chmod(os.devnull, 0o666)
+
+
+def test_the_doctor_leaves_dev_null_a_fifo_and_a_temp_cache_where_they_are(tmp_path, null_device):
+    cache = Path(tempfile.mkdtemp(prefix="exactresume-cache-"))
+    try:
+        (cache / "mine.txt").write_text("the user's")
+        command = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "ckpt")]
+        command += ["--cache", str(cache), "--fifo", str(tmp_path / "pipe")]
+        flags = ["--steps", "8", "--stop-after", "4", "--out", str(tmp_path / "doctor"), "--resume-args=--resume"]
+        with stable_environ():
+            code = main(["doctor", "--warm", *flags, "--", *command])
+        after = os.stat(os.devnull)
+        assert stat.S_ISCHR(after.st_mode) and after.st_rdev == null_device.st_rdev
+        assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode)
+        assert code == 0 and "bit-identical" in (tmp_path / "doctor" / "verdict.txt").read_text()
+        contents = {str(p.relative_to(cache)): p.read_bytes() for p in cache.rglob("*") if p.is_file()}
+        assert contents == {"mine.txt": b"the user's", "entries/kernel.bin": b"compiled once"}
+        moves = json.loads((tmp_path / "doctor" / "files" / "moves.json").read_text())
+        assert {move["from"] for move in moves} == {
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "doctor/files/straight/000-ckpt"),
+        }
+    finally:
+        shutil.rmtree(cache)
