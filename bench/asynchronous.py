@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,7 +41,8 @@ BLOCK_GOAL, THROUGHPUT_GOAL = 0.1, 0.95
 
 
 def bench_async_block(run: Run, folder: Path, reps: int) -> dict:
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier bench's checkpoints: a store refuses to save beside them
+    folder.mkdir(parents=True)
     synchronous = CheckpointStore(folder / "sync", keep=1)
     log = StepLog(folder / "block_log.csv", LOSS_HEADER, 0).open()
 
