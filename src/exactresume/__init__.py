@@ -52,10 +52,16 @@ PUBLIC = {
     "build_run": "exactresume.training.loop",
     "train": "exactresume.training.loop",
     "train_step": "exactresume.training.loop",
+    "check_resume": "exactresume.doctor.check",
+    "ResumeCheck": "exactresume.doctor.check",
 }
-# The built-in trainer's names need the lab extra (`pip install 'exactresume[lab]'`): they are imported
-# by name, and left out of `from exactresume import *`, which works with the library's needs alone.
-NEEDS_LAB = ("load_tokens", "prepare", "PrepareConfig", "load_model", "Run", "build_run", "train", "train_step")
+# The built-in trainer's names, and the doctor's (its verdict draws with numpy and matplotlib), need the
+# lab extra (`pip install 'exactresume[lab]'`): they are imported by name, and left out of
+# `from exactresume import *`, which works with the library's needs alone.
+NEEDS_LAB = (
+    *("load_tokens", "prepare", "PrepareConfig", "load_model", "Run", "build_run", "train", "train_step"),
+    *("check_resume", "ResumeCheck"),
+)
 __all__ = sorted(name for name in PUBLIC if name not in NEEDS_LAB)
 
 

@@ -109,9 +109,16 @@ def import_quietly(modules: tuple[str, ...]) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    diagnosis, text = run_doctor(plan_from(args))
+    print(text)
+    return diagnosis.exit_code
+
+
+def run_doctor(plan):
+    """The three runs and their verdict, written to OUT (doctor.json, report.md, verdict.txt): the
+    diagnosis and the verdict as the terminal shows it. `cmd_doctor` prints it; check.py returns it."""
     from exactresume.doctor.examine import examine
 
-    plan = plan_from(args)
     # The doctor only waits while the user's command runs: import the verdict's modules meanwhile.
     imports = threading.Thread(target=import_quietly, args=(VERDICT_MODULES,), name="doctor-imports")
     imports.start()
@@ -128,8 +135,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     write_report(plan.out, plan, runs, diagnosis)
     text = terminal(plan, runs, diagnosis)
     (plan.out / "verdict.txt").write_text(text + "\n")
-    print(text)
-    return diagnosis.exit_code
+    return diagnosis, text
 
 
 def one_hash(runs) -> None:
