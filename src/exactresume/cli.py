@@ -58,7 +58,7 @@ COMMANDS = {
     "train": ("train, stop with a resume file, resume", "exactresume train --out runs/a --stop-at 30"),
     "lab": ("the whole lab: straight, stop, resume, ablations, fp16, report", "exactresume lab --out runs/lab"),
     "ablate": ("resume with each part of the resume file lost in turn, measured", "exactresume ablate --out runs/ab"),
-    "diff": ("two weights or resume files compared bit for bit, tensor by tensor", "exactresume diff a.pth b.pth"),
+    "diff": ("the model weights of two files or folders, compared bit for bit", "exactresume diff a.pth b.pth"),
     "inspect": ("what a checkpoint is: kind, step, config, parts, sizes", "exactresume inspect runs/a/resume.pth"),
     "export": ("inference weights in fp16/bf16/fp32, .pt or .safetensors", "exactresume export r.pth -o m.safetensors"),
     "doctor": DOCTOR_HELP,
