@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from conftest import SMALL, assert_one_line_error, call_cli
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
-from exactresume.errors import CheckpointError, StorageError
+from exactresume.errors import CheckpointError, StorageError, UserError
 from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP, BackgroundSaver, StagingMemory
 from exactresume.store.faults import Fault, FaultPoints
 from exactresume.store.folder import CheckpointStore
@@ -260,7 +260,7 @@ def test_when_the_loop_thread_ends_without_waiting_the_writer_decides(tmp_path):
 
 
 def test_an_unknown_copy_mode_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="copy must be 'before-return' or 'during-next-step', got 'overlap'"):
+    with pytest.raises(UserError, match="copy must be 'before-return' or 'during-next-step', got 'overlap'"):
         BackgroundSaver(CheckpointStore(tmp_path), copy="overlap")
 
 

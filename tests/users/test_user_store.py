@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from conftest import call_cli, run_python
-from exactresume import CheckpointError, CheckpointStore, GlobalRng, UserError, make_saver, save_resume
+from exactresume import (
+    BackgroundSaver,
+    CheckpointError,
+    CheckpointStore,
+    GeneratorPart,
+    GlobalRng,
+    UserError,
+    make_saver,
+    save_resume,
+)
 
 PROGRAM = Path(__file__).parent / "programs" / "user_loop.py"
 
@@ -131,9 +140,26 @@ def test_a_loop_that_never_loads_cannot_write_over_the_run(run):
     line = last_line_with(forgot.stdout, "CheckpointError:")
     assert "already holds step-00000010.pth" in line and "has not loaded" in line, line
     assert fingerprints(run) == before
+    # ... and one that goes on after each refusal, past the run's newest step: every save is refused.
+    goes_on = run_python(PROGRAM, run, "--no-load", "--ignore-save-errors", "--steps", 60, "--keep", 1)
+    assert goes_on.returncode == 0 and goes_on.stdout.count("save refused:") == 6, goes_on.stdout
+    checkpoints = lambda found: {name: digest for name, digest in found.items() if name.startswith("step-")}  # noqa: E731
+    assert checkpoints(fingerprints(run)) == checkpoints(before)
+
+
+def test_a_file_the_load_passed_over_is_never_pruned(run):
+    foreign = run / step_file(35)
+    torch.save({"weight": torch.ones(3)}, foreign)  # not ours: no seal
+    resumed = run_python(PROGRAM, run, "--steps", 70, "--keep", 3)
+    assert resumed.returncode == 0 and "skipping" in resumed.stdout, resumed.stdout
+    assert foreign.exists()  # passed over at the load, so never deleted by keep
+    assert [n for n in fingerprints(run) if n.startswith("step-")] == [step_file(s) for s in (35, 50, 60, 70)]
 
 
 def test_what_is_not_a_folder_or_not_parts_is_refused_in_one_line(tmp_path):
+    for mistake in (lambda: CheckpointStore(5), lambda: BackgroundSaver(str(tmp_path)), lambda: GeneratorPart(5)):
+        with pytest.raises(UserError):
+            mistake()
     (tmp_path / "a-file").write_text("not a folder")
     with pytest.raises(UserError, match="is a file, not a folder of checkpoints"):
         CheckpointStore(tmp_path / "a-file")
@@ -225,6 +251,26 @@ def test_diff_and_inspect_read_what_the_store_and_save_resume_wrote(run, tmp_pat
     assert folders.returncode == 0 and "equal" in folders.stdout, folders.stderr
     plain = call_cli("diff", run / "final.pt", run / "final.pt")  # the loop's own torch.save(state_dict())
     assert plain.returncode == 0 and "equal" in plain.stdout, plain.stderr
+
+
+def test_diff_compares_every_module_part_so_a_missing_ema_is_not_equal(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    save_resume(tmp_path / "with-ema.pth", {"model": model, "ema": torch.nn.Linear(4, 2)}, step=1)
+    save_resume(tmp_path / "without.pth", {"model": model}, step=1)
+    differ = call_cli("diff", tmp_path / "with-ema.pth", tmp_path / "without.pth")
+    assert differ.returncode == 2 and "names differ" in differ.stderr and "equal" not in differ.stdout, differ.stderr
+
+
+def test_a_background_saver_may_save_its_own_step_again(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    with CheckpointStore(tmp_path) as store:
+        saver = BackgroundSaver(store)
+        saver.save(3, {"model": model})
+        saver.wait()
+        torch.nn.init.zeros_(model.weight)
+        saver.save(3, {"model": model})
+        saver.close()
+    assert torch.equal(torch.load(tmp_path / step_file(3), weights_only=True)["model"]["weight"], model.weight)
 
 
 def test_inspect_and_diff_read_a_sharded_folder_of_the_users_parts(tmp_path):

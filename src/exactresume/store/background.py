@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exactresume.errors import StorageError
+from exactresume.errors import FieldError, StorageError
 from exactresume.store.copy_guard import CopyGuard
 from exactresume.store.folder import CheckpointStore
-from exactresume.store.numbered import snapshot
+from exactresume.store.numbered import NumberedStore, snapshot
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -132,8 +132,10 @@ class BackgroundSaver:
     """
 
     def __init__(self, store: CheckpointStore, copy: str = BEFORE_RETURN):
+        if not isinstance(store, NumberedStore):
+            raise FieldError(f"store must be a CheckpointStore, got a {type(store).__name__}", "store")
         if copy not in (BEFORE_RETURN, DURING_NEXT_STEP):
-            raise ValueError(f"copy must be {BEFORE_RETURN!r} or {DURING_NEXT_STEP!r}, got {copy!r}")
+            raise FieldError(f"copy must be {BEFORE_RETURN!r} or {DURING_NEXT_STEP!r}, got {copy!r}", "copy")
         self.store, self.copy, self.staging = store, copy, StagingMemory()
         self.blocked_seconds = 0.0
         self.coalesced = 0  # saves skipped because the previous one was still being written
@@ -224,6 +226,7 @@ class BackgroundSaver:
                 self.store.commit(step, state)
             else:  # written while the loop decides; published only once it has (copy_guard.py)
                 self.store.commit(step, self._copy_guarded(state, guard), before_publish=guard.confirm)
+            self.store.known = step  # as a synchronous save records it
         except OSError as error:
             self._failure = self._refused_write(step, error)
         except BaseException as error:  # a UserError as it is; anything else is a bug: its own traceback

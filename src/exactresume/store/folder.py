@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
-from exactresume.errors import CheckpointError, ReadBackError, UserError
+from exactresume.errors import CheckpointError, FieldError, ReadBackError, UserError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.locations import S3Location, is_s3
 from exactresume.store.lock import FolderLock
@@ -77,6 +77,8 @@ class CheckpointStore(NumberedStore):
         notify: Callable[[str], None] = print_to_stderr,
         lock: FolderLock | None = None,
     ):
+        if not isinstance(folder, (str, os.PathLike)):
+            raise FieldError(f"folder must be a path, got a {type(folder).__name__}", "folder")
         self.folder, self.keep, self.notify = Path(folder), check_keep(keep), notify
         if self.folder.exists() and not self.folder.is_dir():
             raise UserError(f"{self.folder} is a file, not a folder of checkpoints: give a folder's path")
@@ -209,12 +211,12 @@ class CheckpointStore(NumberedStore):
             try:
                 state = load_sealed(checkpoint.path)
             except CheckpointError as error:  # its bytes do not verify
-                self.skipped(error, damaged=True)
+                self.skipped(checkpoint, error, damaged=True)
                 continue
             try:
                 return checkpoint, check_checkpoint(checkpoint, state)
             except CheckpointError as error:  # sound bytes, but not a checkpoint this release reads
-                self.skipped(error, damaged=False)
+                self.skipped(checkpoint, error, damaged=False)
         return None
 
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from exactresume.errors import UserError
+from exactresume.errors import StorageError, UserError
 
 LOCK_NAME = ".exactresume.lock"
 HELD_ENV = "EXACTRESUME_HELD_LOCKS"  # tokens of the locks held by the processes that started us
@@ -80,10 +80,8 @@ class FolderLock:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as error:
-            raise UserError(
-                f"cannot lock the folder {folder}: {error.strerror} (a reader that writes nothing there "
-                "takes no lock: store.load(parts, clean=False), or open_resume)"
-            ) from None
+            reader = " (a reader that writes nothing there takes no lock: store.load(parts, clean=False))"
+            raise StorageError.from_os_error(f"the lock file of {folder}", error, reader) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

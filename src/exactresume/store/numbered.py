@@ -77,6 +77,8 @@ class NumberedStore:
     keep: int | None
     refused: Checkpoint | None = None  # the checkpoint the last load could not load
     known: int | None = None  # the step this store last loaded or saved: the run it writes has reached it
+    passed_over: frozenset = frozenset()  # what its last load skipped: never deleted by its retention
+    blocked: Checkpoint | None = None  # a checkpoint a save was refused for: every later save is refused
 
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Location:
         """Write `parts` as the checkpoint at `step`, durably and verified, then prune old ones."""
@@ -104,21 +106,26 @@ class NumberedStore:
                 "that could write over or delete it: load it as the load's error says (skip=, fresh=, or the "
                 "parts it was saved from), or move it out of the folder"
             )
-        ahead = self.unknown_from(step)
+        ahead = self.blocked or self.unknown_from(step)
         if ahead is not None:
+            self.blocked = ahead  # a loop that catches this and goes on must not prune the run later
             raise CheckpointError(
-                f"{self.folder} already holds {ahead.path.name}, a checkpoint at or after step {step} that this "
-                "store has not loaded: load the folder first (store.load(parts)), or save into another folder"
+                f"{self.folder} already holds {ahead.path.name}, a checkpoint this store has not loaded: load "
+                "the folder first (store.load(parts)), or save into another folder"
             )
         return step
 
+    def continue_from(self, step: int) -> None:
+        """The run this store writes was resumed at `step` from elsewhere: its checkpoints up to there are its own."""
+        self.known = step
+
     def unknown_from(self, step: int) -> Checkpoint | None:
-        """A checkpoint at `step` or later, beyond what this store loaded or wrote, that verifies: a save at
-        `step` would write over it, or continue another run beside it."""
+        """A checkpoint at `step` or later, past what this store loaded or wrote, whose bytes verify: a save
+        at `step` would write over it, or continue another run beside it."""
         for checkpoint in self.checkpoints():
-            if checkpoint.step >= step and (self.known is None or checkpoint.step > self.known):
-                if self.verifies(checkpoint):
-                    return checkpoint
+            beyond = checkpoint.step >= step and (self.known is None or checkpoint.step > self.known)
+            if beyond and checkpoint.path not in self.passed_over and self.verifies(checkpoint):
+                return checkpoint
         return None
 
     def wait(self) -> None:
@@ -128,7 +135,8 @@ class NumberedStore:
         """Delete all but the newest `keep` checkpoints up to `step` (`_delete`); a failure here only warns."""
         if self.keep is None:
             return
-        older = [c for c in self.checkpoints() if c.step <= step][: -self.keep]
+        kept = [c for c in self.checkpoints() if c.step <= step and c.path not in self.passed_over]
+        older = kept[: -self.keep]
         try:
             self.faults.reached("retention")
             self._delete(older)
@@ -169,13 +177,14 @@ class NumberedStore:
         except CheckpointError:
             self.refused = checkpoint
             raise
-        self.refused, self.known = None, checkpoint.step
+        self.refused, self.blocked, self.known = None, None, checkpoint.step
         for name in starting:
             self.notify(f"{checkpoint.path} holds no part {name}: it starts fresh (fresh=)")
         return checkpoint.step
 
-    def skipped(self, error: CheckpointError, damaged: bool) -> None:
-        """Say that `checkpoint` was passed over on the way to an older one, and why."""
+    def skipped(self, checkpoint: Checkpoint, error: CheckpointError, damaged: bool) -> None:
+        """Say that `checkpoint` was passed over on the way to an older one, and why; keep it from retention."""
+        self.passed_over = self.passed_over | {checkpoint.path}
         self.notify(f"skipping {'damaged ' if damaged else ''}checkpoint {error}")
 
 

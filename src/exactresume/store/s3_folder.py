@@ -118,10 +118,10 @@ class S3CheckpointStore(NumberedStore):
             try:
                 state = load_committed(self.objects, checkpoint.path, sizes.get(checkpoint.path.name, 0))
             except CheckpointError as error:  # its objects do not verify, or are gone
-                self.skipped(error, damaged=True)
+                self.skipped(checkpoint, error, damaged=True)
                 continue
             try:
                 return checkpoint, check_checkpoint(checkpoint, state)
             except CheckpointError as error:
-                self.skipped(error, damaged=False)
+                self.skipped(checkpoint, error, damaged=False)
         return None

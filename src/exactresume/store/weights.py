@@ -68,15 +68,15 @@ def _newest_checkpoint(folder: Path) -> dict:
 
 
 def resume_weights(state: dict) -> tuple[StateDict, ModelConfig | None]:
-    """A resume state's model weights and config: its `model` part, or, in a file of parts a loop of
-    one's own named otherwise, the tensors of every part that is a module's state dict under their
-    dotted paths (`net.0.weight`; every tensor of every part when none is)."""
+    """A resume state's weights and model config: its `model` part when that is its only module's state
+    dict; else the tensors of every part that is one (an EMA copy, a teacher, a part named otherwise)
+    under their dotted paths (`ema.0.weight`), or of every part when none is."""
     config = (state.get("config") or {}).get("model") if isinstance(state.get("config"), dict) else None
     model_config = ModelConfig.from_dict(config) if isinstance(config, dict) else None
-    if _is_module_state(state.get("model")):
-        return state["model"], model_config
     parts = {name: value for name, value in state.items() if name not in RESERVED_NAMES}
     modules = {name: value for name, value in parts.items() if _is_module_state(value)}
+    if list(modules) == ["model"]:  # the trainer's file, and most loops': the names as the model has them
+        return modules["model"], model_config
     return dict(tensor_leaves(modules or parts)), None
 
 

@@ -146,6 +146,7 @@ class JobRun:
             self._note_allowed_changes(start)
         until = self._target(start)
         resumed_auto = job.resume == AUTO_RESUME and start
+        store.continue_from(start)  # the checkpoints up to the step it resumed at are this run's own
         self.checkpointer = Checkpointer(store, self.logs, start if resumed_auto else None, self.world, job.async_save)
         self.progress.begin(start)
         try:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, FieldError
 
 
 class StepCounter:
@@ -36,6 +36,8 @@ class GeneratorPart:
     """
 
     def __init__(self, generator: torch.Generator, per_rank: bool = False):
+        if not isinstance(generator, torch.Generator):
+            raise FieldError(f"GeneratorPart takes a torch.Generator, got a {type(generator).__name__}", "generator")
         self.generator, self.per_rank = generator, per_rank
 
     def state_dict(self) -> torch.Tensor:

@@ -22,6 +22,7 @@ flags.add_argument("--skip", default="")
 flags.add_argument("--keep", type=int, default=3)
 flags.add_argument("--start-over-on-error", action="store_true")  # catch the load's error and train from 0
 flags.add_argument("--no-load", action="store_true")  # the script that forgot to resume
+flags.add_argument("--ignore-save-errors", action="store_true")  # ... and that goes on when a save is refused
 flags.add_argument("--save-step", type=int)  # one save at this step (a mistake like -1), then stop
 flags.add_argument("--file-size-limit", type=int)  # the test's stand-in for a full disk: RLIMIT_FSIZE
 args = flags.parse_args()
@@ -64,7 +65,12 @@ try:
         if "sched" in parts:  # the second version of the script added a schedule
             scheduler.step()
         if step % 10 == 0:
-            store.save(step, parts)
+            try:
+                store.save(step, parts)
+            except UserError as error:
+                if not args.ignore_save_errors:
+                    raise
+                print(f"save refused: {error}")
 except UserError as error:
     print(f"{type(error).__name__}: {error}")
     sys.exit(error.exit_code)
