@@ -4,15 +4,29 @@ that stops: what is committed stays trusted, nothing else is, and `--resume auto
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
 import signal
+import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, one_torch_thread, run_cli, spawn_cli
+from conftest import (
+    SMALL,
+    assert_one_line_error,
+    assert_same_run,
+    assert_weights_equal,
+    call_cli,
+    one_torch_thread,
+    run_cli,
+    spawn_cli,
+)
 from exactresume.store.faults import FAULT_ENV, OBJECT_STORE_STAGES
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config
@@ -154,6 +168,24 @@ def test_damaged_sharded_folder_is_refused_in_one_line(tmp_path, kjv_folder, s3_
     assert_one_line_error(refused, reason)
 
 
+def test_inspect_and_diff_of_a_prefix_read_its_newest_verified_checkpoint(s3_server, victim):
+    _, prefix = victim
+    reach = ("--s3-endpoint", s3_server.endpoint)
+    listed = call_cli("inspect", prefix, *reach)
+    assert listed.returncode == 0 and "a resume continues from step 4" in listed.stdout, listed.stdout + listed.stderr
+    newest = call_cli("diff", prefix, f"{prefix}/step-00000004.pth", *reach)
+    assert newest.returncode == 0 and "equal" in newest.stdout, newest.stdout + newest.stderr
+    copy = s3_server.new_prefix()
+    _copy_prefix(s3_server.client(), prefix, copy)
+    damage(s3_server.client(), f"{copy}/step-00000004.pth", "flip")
+    listed = call_cli("inspect", copy, *reach, "--json")
+    assert listed.returncode == 1, listed.stderr  # shown, but not all verified
+    assert [c["status"] for c in json.loads(listed.stdout)["checkpoints"]] == ["verified", "damaged"]
+    older = call_cli("diff", copy, f"{prefix}/step-00000002.pth", *reach)
+    assert older.returncode == 0 and "equal" in older.stdout, older.stdout + older.stderr
+    assert "skipping damaged checkpoint" in older.stderr and "step-00000004.pth" in older.stderr
+
+
 def _copy_prefix(client, source: str, target: str) -> None:
     bucket, source_key = source.removeprefix("s3://").split("/", 1)
     target_key = target.removeprefix("s3://").split("/", 1)[1]
@@ -168,22 +200,116 @@ def _stopped(pid: int) -> bool:
         return stat.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-def test_server_stopped_mid_run_stops_in_one_line_then_resumes(tmp_path, kjv_folder, reference, s3_server, s3_prefix):
+@pytest.mark.parametrize("fault", ["frozen", "killed"])
+def test_server_frozen_or_killed_mid_save_stops_in_one_line_within_the_bound_then_resumes(
+    tmp_path, kjv_folder, reference, s3_server, s3_prefix, fault
+):
+    """SIGSTOP (it accepts connections, never answers) or a kill while a save's parts go up: the run
+    stops within S3Config.bound() of the fault, in one line, and `--resume auto` ends bit-identical."""
     out, endpoint = tmp_path / "run", s3_server.endpoint
     env = {"OMP_NUM_THREADS": "1", FAULT_ENV: "upload@9:stop"}  # frozen in its third save's upload
-    child = spawn_cli(*chaos_flags(out, kjv_folder, endpoint, s3_prefix), "--s3-tries", "3", env=env)
+    reach = ("--s3-tries", "2", "--s3-timeout", "2")
+    child = spawn_cli(*chaos_flags(out, kjv_folder, endpoint, s3_prefix), *reach, env=env)
     while not _stopped(child.pid) and child.poll() is None:
         time.sleep(0.05)
-    s3_server.stop()
+    if fault == "frozen":
+        os.killpg(s3_server.process.pid, signal.SIGSTOP)
+    else:
+        s3_server.stop()
+    started = time.monotonic()
     try:
         child.send_signal(signal.SIGCONT)
         _, stderr = child.communicate(timeout=120)
+        took = time.monotonic() - started
     finally:
-        s3_server.start()
+        if fault == "frozen":
+            os.killpg(s3_server.process.pid, signal.SIGCONT)
+        else:
+            s3_server.start()
     assert child.returncode == 74, stderr
     lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and endpoint in lines[0] and "3 tries" in lines[0] and "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert endpoint in lines[0] and "2 tries" in lines[0] and "rerun with --resume auto" in lines[0], stderr
+    bound = S3Config(tries=2, connect_timeout=2, read_timeout=2).bound()
+    assert took <= bound + 2, (took, bound)  # and the process's own exit
     assert committed(endpoint, s3_prefix) == [1, 2]
     finished = run_cli(*chaos_flags(out, kjv_folder, endpoint, s3_prefix), env={"OMP_NUM_THREADS": "1"})
     assert finished.returncode == 0, finished.stderr
     assert_same_run(out, reference)
+
+
+def test_server_frozen_before_a_run_starts_stops_in_one_line_within_the_bound(tmp_path, kjv_folder, s3_server, victim):
+    _, prefix = victim
+    flags = train_flags(tmp_path, kjv_folder, s3_server.endpoint, "--checkpoints", prefix, "--resume", "auto")
+    os.killpg(s3_server.process.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        refused = call_cli(*flags, "--s3-tries", 2, "--s3-timeout", 1)
+    finally:
+        os.killpg(s3_server.process.pid, signal.SIGCONT)
+    took = time.monotonic() - started
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 74 and len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert s3_server.endpoint in lines[0] and "no answer within 1 s" in lines[0] and "--resume auto" in lines[0]
+    assert took <= S3Config(tries=2, connect_timeout=1, read_timeout=1).bound() + 1, took
+
+
+class FreezingProxy:
+    """TCP to the server through this process until `after` bytes of its answers have passed, then
+    nothing more either way, the connections held open: a server frozen in the middle of an answer."""
+
+    def __init__(self, port: int, after: int):
+        self.port, self.left, self.frozen = port, after, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint, self.held = f"http://127.0.0.1:{self.listener.getsockname()[1]}", []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.port))
+                self.held += [client, server]
+                threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
+        with contextlib.suppress(OSError):
+            while (data := source.recv(1 << 16)) and not self.frozen.is_set():
+                if answers:
+                    self.left -= len(data)
+                    if self.left < 0:
+                        self.frozen.set()
+                        return
+                sink.sendall(data)
+
+    def close(self) -> None:
+        for held in [self.listener, *self.held]:
+            held.close()
+
+
+def test_server_frozen_during_a_load_stops_in_one_line_within_the_bound_then_resumes(
+    tmp_path, kjv_folder, reference, s3_server, victim
+):
+    """The resume's streaming GET stops mid-body: the read timeout ends it, then `--resume auto` goes on."""
+    _, prefix = victim
+    copy = s3_server.new_prefix()
+    _copy_prefix(s3_server.client(), prefix, copy)
+    proxy = FreezingProxy(int(s3_server.endpoint.rsplit(":", 1)[1]), after=3 << 20)  # inside the 20 MB checkpoint
+    flags = ("--checkpoints", copy, "--save-every", 2, "--resume", "auto")
+    try:
+        reach = ("--s3-tries", 2, "--s3-timeout", 2)
+        child = spawn_cli(*train_flags(tmp_path, kjv_folder, proxy.endpoint, *flags), *reach)
+        proxy.frozen.wait(120)
+        started = time.monotonic()
+        _, stderr = child.communicate(timeout=120)
+        took = time.monotonic() - started
+    finally:
+        proxy.close()
+    lines = stderr.strip().splitlines()
+    assert child.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert proxy.endpoint in lines[0] and "within 2 s" in lines[0] and "--resume auto" in lines[0], stderr
+    assert took <= S3Config(tries=2, connect_timeout=2, read_timeout=2).bound() + 2, took
+    finished = run_cli(*train_flags(tmp_path, kjv_folder, s3_server.endpoint, *flags), env={"OMP_NUM_THREADS": "1"})
+    assert finished.returncode == 0 and f"resumed from {copy}/step-00000004.pth" in finished.stdout, finished.stderr
+    assert_weights_equal(tmp_path / "final.pth", reference / "final.pth")

@@ -122,6 +122,24 @@ def test_a_stream_of_unknown_size_grows_its_parts_to_stay_within_s3s_ten_thousan
     assert torch.equal(load_committed(objects, target)["weight"], weight)
 
 
+def test_a_store_that_stops_answering_inside_torch_save_is_its_own_one_line(s3, monkeypatch):
+    """torch.save's zip writer turns an error raised by our `write` into a RuntimeError about positions."""
+    stopped = StorageError("the object store at AWS S3 did not answer a multipart upload (2 tries)")
+    send = s3_upload.PartsUpload.send
+    monkeypatch.setattr(
+        s3_upload.PartsUpload, "send", lambda upload, data: send(upload, data) if not upload.sent else _raise(stopped)
+    )
+    objects, target = ObjectStore(S3Config(part_bytes=5 << 20)), location(f"s3://{BUCKET}/run/resume.pth")
+    with pytest.raises(StorageError) as raised:
+        publish_sealed(objects, target, {"weight": torch.arange(4 << 20, dtype=torch.float32)})
+    assert raised.value is stopped
+    assert s3.list_objects_v2(Bucket=BUCKET).get("KeyCount") == 0
+
+
+def _raise(error: Exception):
+    raise error
+
+
 def test_uncommitted_objects_are_not_trusted_and_are_cleaned_at_the_next_start(s3):
     checkpoints = saved(store(), 1, 2)
     s3.copy_object(

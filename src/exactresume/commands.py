@@ -53,8 +53,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def add_s3_flags(group) -> None:
-    """--s3-endpoint, --s3-tries and --s3-part-mib: how an s3:// location is reached (credentials: the AWS chain)."""
-    from exactresume.store.locations import DEFAULT_TRIES, PART_BYTES
+    """--s3-endpoint, --s3-tries, --s3-timeout and --s3-part-mib: how an s3:// location is reached
+    (credentials: the AWS chain)."""
+    from exactresume.store.locations import CONNECT_SECONDS, DEFAULT_TRIES, PART_BYTES, READ_SECONDS
 
     group.add_argument(
         "--s3-endpoint",
@@ -69,6 +70,13 @@ def add_s3_flags(group) -> None:
         help="tries of each S3 request, with backoff, before stopping",
     )
     group.add_argument(
+        "--s3-timeout",
+        type=float,
+        default=READ_SECONDS,
+        metavar="SECONDS",
+        help=f"how long one try waits for the server's answer (to connect: at most {CONNECT_SECONDS:g} s)",
+    )
+    group.add_argument(
         "--s3-part-mib",
         type=int,
         default=PART_BYTES >> 20,
@@ -78,10 +86,11 @@ def add_s3_flags(group) -> None:
 
 
 def s3_config(args: argparse.Namespace):
-    """How the command reaches an object store: --s3-endpoint (else AWS_ENDPOINT_URL), --s3-tries."""
-    from exactresume.store.locations import S3Config
+    """How the command reaches an object store: --s3-endpoint (else AWS_ENDPOINT_URL), --s3-tries, --s3-timeout."""
+    from exactresume.store.locations import CONNECT_SECONDS, S3Config
 
-    return S3Config(endpoint=args.s3_endpoint, tries=args.s3_tries, part_bytes=args.s3_part_mib << 20)
+    timeouts = {"read_timeout": args.s3_timeout, "connect_timeout": min(CONNECT_SECONDS, args.s3_timeout)}
+    return S3Config(endpoint=args.s3_endpoint, tries=args.s3_tries, part_bytes=args.s3_part_mib << 20, **timeouts)
 
 
 def place(value, args: argparse.Namespace):
@@ -282,8 +291,10 @@ def render_diff(summary: dict) -> list[str]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from exactresume.store.contents import format_inspection, inspect_checkpoint
 
-    emit(args, inspect_checkpoint(place(args.path, args)), lambda info: [format_inspection(info)], gap=False)
-    return 0
+    info = inspect_checkpoint(place(args.path, args))
+    emit(args, info, lambda info: [format_inspection(info)], gap=False)
+    # A folder or prefix listed with a damaged checkpoint in it: a script checking a store must not read "all well".
+    return 1 if info["kind"] == "store" and info["checksum"] != "verified" else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

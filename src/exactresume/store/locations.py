@@ -23,28 +23,58 @@ SCHEME = "s3://"
 # S3's rules for a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens.
 BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 DEFAULT_TRIES = 5  # each request, the first try included, before an unreachable store stops the run
+CONNECT_SECONDS = 5.0  # a server that takes longer to accept a connection is not answering
+READ_SECONDS = 30.0  # the longest wait for any byte of an answer (or for room to send): a frozen server's bound
 PART_BYTES = 16 << 20  # a file larger than this goes up as a multipart upload of parts this size (see s3_upload.py)
 MIN_PART_BYTES = 5 << 20  # S3's smallest part (all but the last)
 
 
 @dataclass(frozen=True)
 class S3Config:
-    """How an object store is reached: its endpoint (None: AWS_ENDPOINT_URL or AWS itself) and how often a
-    request is tried before the store is called unreachable (with backoff: 0.5 s, 1 s, 2 s, ...)."""
+    """How an object store is reached: its endpoint (None: AWS_ENDPOINT_URL or AWS itself), how long one
+    try of a request may wait (to connect, then for each read or send), and how often a request is
+    tried before the store is called unreachable (with backoff: 0.5 s, 1 s, 2 s, ...)."""
 
     endpoint: str | None = None
     tries: int = DEFAULT_TRIES
     part_bytes: int = PART_BYTES
-    timeout: float = 10.0  # seconds to connect (a read may take six times as long)
+    connect_timeout: float = CONNECT_SECONDS
+    read_timeout: float = READ_SECONDS
 
     def __post_init__(self) -> None:
         if self.tries < 1:
             raise UserError(f"--s3-tries must be at least 1, got {self.tries}")
+        if not 0 < self.read_timeout <= 3600 or not 0 < self.connect_timeout <= 3600:
+            raise UserError(f"--s3-timeout must be above 0 and at most 3600 seconds, got {self.read_timeout:g}")
         if self.part_bytes < MIN_PART_BYTES:
             raise UserError(f"--s3-part-mib must be at least {MIN_PART_BYTES >> 20}, got {self.part_bytes / 2**20:g}")
         # No user info (user:secret@host): an endpoint is printed in error lines, a credential never is.
-        if self.endpoint is not None and not re.match(r"^https?://[^/\s@]+/?$", self.endpoint):
-            raise UserError("--s3-endpoint is not an http(s)://host[:port] URL (credentials go in the AWS chain)")
+        if self.endpoint is not None:
+            check_endpoint(self.endpoint)
+
+    def bound(self) -> float:
+        """The longest a run waits on a store that stopped answering: a request's tries, each of which
+        connects and waits for the server (at most the two timeouts), the backoff between them, and one
+        more try, of the requests then in flight (a save's other parts)."""
+        return (self.tries + 1) * (self.connect_timeout + self.read_timeout) + backoff_seconds(self.tries)
+
+
+def backoff_seconds(tries: int) -> float:
+    """The sleeps between `tries` tries of one request: 0.5 s, 1 s, 2 s, ..."""
+    return sum(0.5 * 2**attempt for attempt in range(tries - 1))
+
+
+def check_endpoint(endpoint: str) -> None:
+    """UserError unless `endpoint` is http(s)://host[:port], in a line that says what is wrong with it."""
+    if re.match(r"^https?://[^/\s@]+/?$", endpoint):
+        return
+    if "@" in endpoint:  # user info (user:secret@host): an endpoint is printed in error lines, a credential never is
+        raise UserError("--s3-endpoint holds user info; credentials go in the AWS chain (environment or profile)")
+    if "://" not in endpoint:
+        raise UserError(
+            f"--s3-endpoint {endpoint}: the scheme is missing; give http://{endpoint} (or https:// for TLS)"
+        )
+    raise UserError(f"--s3-endpoint {endpoint} is not an http(s)://host[:port] URL")
 
 
 @dataclass(frozen=True)

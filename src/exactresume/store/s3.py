@@ -13,8 +13,10 @@ the server lost (mlcommons/storage #593) changes both (`check_stored`). A server
 checksum gets the object read back and hashed instead.
 
 Every request is tried `S3Config.tries` times with backoff (0.5 s, 1 s, 2 s, ...) while the server
-does not answer or answers 5xx; then the run stops with one StorageError line naming the endpoint,
-never a credential (an endpoint with user info is refused in locations.py).
+does not answer or answers 5xx, each try bounded by the connect and read timeouts (a frozen server
+accepts connections but never answers); then the run stops with one StorageError line naming the
+endpoint, never a credential (an endpoint with user info is refused in locations.py). An endpoint
+that answers HTTP without S3's error documents is named as the wrong port it most likely is.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ READ_PIECE = 8 << 20  # a download is written and hashed this many bytes at a ti
 UPLOAD_THREADS = 4  # parts of one multipart upload in flight at once
 # Answers worth another try: a busy or failing server, and bytes damaged on the way (BadDigest).
 RETRIED_CODES = {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "ServiceUnavailable", "BadDigest"}
+# AWS's answers to a request signed for, or sent to, another region than the bucket's.
+WRONG_REGION_CODES = {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,10 @@ class ObjectStore:
         self._client: Any = None
         self._made = threading.Lock()
         self.before_part: Callable[[int], None] = lambda number: None  # faults.py's upload point
+        # Set once a request ran out of tries: the requests then in flight (a save's other parts) stop
+        # after their current try, so the run ends within one more try, not a whole request's tries.
+        self.unreachable: StorageError | None = None
+        self.unreachable_since = 0.0  # time.monotonic() when it was set; later requests try as usual
 
     @property
     def endpoint(self) -> str:
@@ -89,13 +97,16 @@ class ObjectStore:
                 self._client = _make_client(self.config)
         return self._client
 
-    def call(self, operation: str, what: str, **arguments: Any) -> Any:
-        """`client.<operation>(**arguments)`, retried with backoff while the store does not answer."""
+    def call(self, operation: str, what: str, then: Callable[[Any], Any] | None = None, **arguments: Any) -> Any:
+        """`client.<operation>(**arguments)`, retried with backoff while the store does not answer; with
+        `then`, `then(answer)` (reading its body) is part of each try."""
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
+        started = time.monotonic()
         for attempt in range(self.config.tries):
             try:
-                return getattr(self.client, operation)(**arguments)
+                answer = getattr(self.client, operation)(**arguments)
+                return answer if then is None else then(answer)
             except NoCredentialsError:
                 raise UserError(
                     f"no AWS credentials for {what} (environment, ~/.aws profile or instance role)"
@@ -103,18 +114,41 @@ class ObjectStore:
             except ClientError as error:
                 code = error.response.get("Error", {}).get("Code", "")
                 status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                # No S3 error document (botocore then gives the status as the code): not an S3 server.
+                if code.isdigit() and status < 500 and operation != "head_object":
+                    raise not_s3(self.endpoint, what, f"HTTP {status}") from None
                 if code not in RETRIED_CODES and status < 500:
                     raise _refusal(what, code, error) from None
                 reason = code or f"HTTP {status}"
             except BotoCoreError as error:
-                reason = str(error).split(":")[0]
+                if type(error).__name__ == "ResponseParserError":
+                    raise not_s3(self.endpoint, what, "an answer that is not S3's XML") from None
+                reason = self._reason(error)
+            except (OSError, ValueError) as error:  # a body cut or timed out as `then` read it (urllib3's types)
+                reason = type(error).__name__
+            if self.unreachable is not None and self.unreachable_since >= started:
+                raise self.unreachable
             if attempt + 1 < self.config.tries:
                 time.sleep(0.5 * 2**attempt)
-        waited = sum(0.5 * 2**attempt for attempt in range(self.config.tries - 1))
-        raise StorageError(
-            f"the object store at {self.endpoint} did not answer {what} ({reason}; {self.config.tries} tries "
-            f"over {waited:g} s); the committed checkpoints are unchanged: rerun with --resume auto once it is back"
+        self.unreachable, self.unreachable_since = self._gave_up(what, reason), time.monotonic()
+        raise self.unreachable
+
+    def _gave_up(self, what: str, reason: str) -> StorageError:
+        return StorageError(
+            f"the object store at {self.endpoint} did not answer {what} ({reason}; {self.config.tries} tries); "
+            "the committed checkpoints are unchanged: rerun with --resume auto once it is back"
         )
+
+    def _reason(self, error: Exception) -> str:
+        """Why a try got no answer, with its likely cause."""
+        name = type(error).__name__
+        if name == "EndpointConnectionError":
+            return "could not connect: nothing listens there, or the host or port is wrong"
+        if name == "ConnectTimeoutError":
+            return f"no connection within {self.config.connect_timeout:g} s"
+        if name == "ReadTimeoutError":
+            return f"no answer within {self.config.read_timeout:g} s: a frozen or overloaded server"
+        return str(error).split(":")[0]
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -162,8 +196,16 @@ class ObjectStore:
         try:
             yield from body.iter_chunks(READ_PIECE)
         except Exception as error:  # a connection cut mid-body: botocore's and urllib3's many types
-            reason = type(error).__name__
-            raise StorageError(f"the object store at {self.endpoint} broke off GET {target} ({reason})") from None
+            raise self.broke_off(target, error) from None
+
+    def broke_off(self, target: S3Location, error: Exception) -> StorageError:
+        """A GET whose body stopped coming (cut, or nothing within the read timeout) as one line."""
+        name = type(error).__name__
+        reason = f"no bytes within {self.config.read_timeout:g} s" if "Timeout" in name else name
+        return StorageError(
+            f"the object store at {self.endpoint} broke off GET {target} ({reason}); "
+            "the committed checkpoints are unchanged: rerun with --resume auto once it is back"
+        )
 
     def digest(self, target: S3Location) -> str:
         """The xxh3-128 of the object's bytes, read back."""
@@ -180,8 +222,14 @@ class ObjectStore:
         if length == 0:
             return b""
         span = f"bytes={start}-{start + length - 1}"
-        answer = self.call("get_object", f"GET {target}", Bucket=target.bucket, Key=target.key, Range=span)
-        return answer["Body"].read()
+        return self.call(
+            "get_object",
+            f"GET {target}",
+            lambda answer: answer["Body"].read(),
+            Bucket=target.bucket,
+            Key=target.key,
+            Range=span,
+        )
 
     def download(self, source: S3Location, path: Path) -> ObjectInfo:
         """Write the object at `source` to `path`, hashing as it is written; its size and xxh3."""
@@ -245,6 +293,14 @@ class ObjectStore:
             markers = {"KeyMarker": page.get("NextKeyMarker"), "UploadIdMarker": page.get("NextUploadIdMarker")}
 
 
+def not_s3(endpoint: str, what: str, answer: str) -> UserError:
+    """An endpoint that answers HTTP but not as S3 does: most likely another port of the server."""
+    return UserError(
+        f"{endpoint} answered {what} with {answer}, not as an S3 server: is --s3-endpoint the S3 port "
+        "(SeaweedFS 8333, MinIO 9000), not a filer, console or web port?"
+    )
+
+
 def _refusal(what: str, code: str, error: Exception) -> Exception:
     """A store's refusal as one line: a missing object is a checkpoint's problem, the rest the user's."""
     if code in ("NoSuchKey", "404", "NotFound"):
@@ -255,6 +311,10 @@ def _refusal(what: str, code: str, error: Exception) -> Exception:
         return UserError(f"{what}: the bucket does not exist")
     if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
         return UserError(f"{what}: access denied ({code}); check the AWS credentials and the bucket's policy")
+    if code in WRONG_REGION_CODES:
+        return UserError(
+            f"{what}: refused ({code}): the bucket is in another region; set AWS_REGION (or the profile's region) to it"
+        )
     return UserError(f"{what}: refused by the object store ({code or type(error).__name__})")
 
 
@@ -268,8 +328,8 @@ def _make_client(config: S3Config) -> Any:
 
     settings = Config(
         retries={"total_max_attempts": 1},
-        connect_timeout=config.timeout,
-        read_timeout=config.timeout * 6,
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.read_timeout,  # also bounds each send: a frozen server's full buffers
         max_pool_connections=UPLOAD_THREADS * 4,
         request_checksum_calculation="when_required",  # we send each part's CRC-32 ourselves
         response_checksum_validation="when_required",

@@ -106,7 +106,7 @@ def publish_sealed(
     upload = SealedUpload(objects, target, before_replace=before_replace)
     stage("write")
     try:
-        save_unsealed(state, upload)
+        upload.save(lambda file: save_unsealed(state, file))
         info = upload.finish()
     except BaseException:
         upload.abort()

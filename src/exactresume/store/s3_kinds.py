@@ -5,7 +5,9 @@
     with local_copy(location) as path:   the committed checkpoint, downloaded and verified
 
 `inspect`, `diff` and `export` read what is on a disk; for an object store they read the local copy
-(a file, or a sharded folder with its commit marker), which holds exactly the committed bytes.
+(a file, or a sharded folder with its commit marker), which holds exactly the committed bytes. A
+store's prefix is copied as a local store folder holding its newest checkpoint whose commit
+verifies, so it reads as `--resume PREFIX` does: that checkpoint, each newer one passed over named.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ def s3_kind(target: S3Location) -> str:
     if target.key and objects.size(target) is not None:
         return "file"
     names = objects.list(target)
-    if any(name in SHARDED_NAMES or name.endswith(".distcp") for name in names):
+    # Only the prefix's own objects, as is_sharded_folder looks in the folder itself: a store's prefix
+    # may hold the sharded resume folder `resume.dcp/` beside its checkpoints.
+    if any(name in SHARDED_NAMES or name.endswith(".distcp") for name in names if "/" not in name):
         return "sharded"
     return "folder" if names else "missing"
 
@@ -59,6 +63,23 @@ def local_copy(target: S3Location) -> Iterator[Path]:
             fetch_committed(objects, target, commit, local)
             yield local
         elif kind == "folder":
-            raise CheckpointError(f"{target} is a prefix of checkpoints, not one checkpoint: name one object")
+            yield newest_copy(objects, target, folder)
         else:
             raise CheckpointError(f"{target}: no such object or prefix on the object store")
+
+
+def newest_copy(objects: ObjectStore, prefix: S3Location, folder: Path) -> Path:
+    """A local store folder in `folder` holding the newest checkpoint under `prefix` whose objects verify
+    against its commit (each newer one passed over is named on stderr, as a resume names it)."""
+    from exactresume.store.folder import CheckpointStore
+
+    store = CheckpointStore(prefix, keep=None)
+    local = folder / "checkpoints"  # beside the downloads, never one of their names
+    local.mkdir()
+    for checkpoint in reversed(store.checkpoints()):
+        try:
+            fetch_file(objects, checkpoint.path, folder).rename(local / checkpoint.path.name)
+            return local
+        except CheckpointError as error:
+            store.notify(f"skipping damaged checkpoint {error}")  # as a resume from the prefix says it
+    raise CheckpointError(f"{prefix} holds no checkpoint that verifies (step-*.pth)")

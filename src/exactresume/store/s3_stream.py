@@ -19,7 +19,7 @@ from typing import Any
 
 import xxhash
 
-from exactresume.errors import CheckpointError, StorageError
+from exactresume.errors import CheckpointError
 from exactresume.store.locations import S3Location
 from exactresume.store.onepass import NOT_READ, load_verified
 from exactresume.store.s3 import READ_PIECE, ObjectInfo, ObjectStore
@@ -86,8 +86,7 @@ class StreamedObject:
         try:
             return self.body.readinto(view)
         except Exception as error:  # urllib3's and the socket's many types
-            endpoint, reason = self.objects.endpoint, type(error).__name__
-            raise StorageError(f"the object store at {endpoint} broke off GET {self.source} ({reason})") from None
+            raise self.objects.broke_off(self.source, error) from None
 
     def _elsewhere(self, count: int) -> bytes:
         if self.position >= self.tail_start:

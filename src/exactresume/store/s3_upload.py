@@ -85,11 +85,15 @@ class PartsUpload:
         self._wait_for_room()
         self.sent.append(self.pool.submit(self._send, len(self.sent) + 1, data))
 
+    def check(self) -> None:
+        """Raise the error of the first part known to have failed."""
+        for part in self.sent:
+            if part.done() and part.exception() is not None:
+                raise part.exception()
+
     def _wait_for_room(self) -> None:
         while True:
-            for part in self.sent:
-                if part.done() and part.exception() is not None:
-                    raise part.exception()
+            self.check()
             in_flight = [part for part in self.sent if not part.done()]
             if len(in_flight) < UPLOAD_THREADS:
                 return
@@ -111,30 +115,49 @@ class PartsUpload:
         return answer, composite
 
     def abort(self) -> None:
-        """Drop the parts sent (else the next run's start aborts the upload: see ObjectStore.abort_uploads)."""
+        """Drop the parts sent (else the next run's start aborts the upload: see ObjectStore.abort_uploads);
+        a store that stopped answering is not asked, so the run stops within its bound."""
         self.pool.shutdown(cancel_futures=True)
-        with contextlib.suppress(Exception):
-            self.objects.client.abort_multipart_upload(**self.ids)
+        if self.objects.unreachable is None:
+            with contextlib.suppress(Exception):
+                self.objects.client.abort_multipart_upload(**self.ids)
 
 
 class SealedUpload:
     """A file open for writing, as torch.save sees it (`write`, `flush`, `tell`), whose bytes go to
     `target` as they come; `finish` seals them and completes the object, calling `before_replace` just
-    before the object at `target` is replaced (the old commit is deleted there, not earlier)."""
+    before the object at `target` is replaced (the old commit is deleted there, not earlier).
+
+    torch.save turns an error raised by `write` into a RuntimeError about zip positions; `save` raises
+    the first such error instead, so a store that stops answering is reported as what it is."""
 
     def __init__(self, objects: ObjectStore, target: S3Location, before_replace: Callable[[], Any]):
         self.objects, self.target, self.before_replace = objects, target, before_replace
         self.pending, self.position = bytearray(), 0
         self.sent_digest = xxhash.xxh3_128()  # of every byte sent so far
         self.parts: PartsUpload | None = None  # made when the first part is full: a small object is one PUT
+        self.error: Exception | None = None  # the first error `write` raised
+
+    def save(self, write: Callable[[Any], None]) -> None:
+        """`write(self)` (torch.save's), raising the first error of ours it met rather than torch's."""
+        try:
+            write(self)
+        except Exception:
+            if self.error is not None:
+                raise self.error from None
+            raise
 
     def write(self, data: bytes | memoryview) -> int:
-        # torch.save lends its own buffer for the call only: the bytes are copied.
-        self.pending += data
-        count = memoryview(data).nbytes
-        self.position += count
-        while len(self.pending) >= (part_bytes := self._next_part_bytes()) + HELD_BACK:
-            self._send(part_bytes)
+        try:
+            # torch.save lends its own buffer for the call only: the bytes are copied.
+            self.pending += data
+            count = memoryview(data).nbytes
+            self.position += count
+            while len(self.pending) >= (part_bytes := self._next_part_bytes()) + HELD_BACK:
+                self._send(part_bytes)
+        except Exception as error:
+            self.error = self.error or error
+            raise
         return count
 
     def _next_part_bytes(self) -> int:
@@ -169,6 +192,8 @@ class SealedUpload:
         self.pending += ending
         last = bytes(self.pending)
         info = ObjectInfo(self.position - HELD_BACK + len(ending), self.sent_digest.hexdigest())
+        if self.parts is not None:
+            self.parts.check()  # a store that stopped answering is not asked to delete the old commit
         self.before_replace()
         if self.parts is None:
             put_whole(self.objects, self.target, last)
