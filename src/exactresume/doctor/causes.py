@@ -22,6 +22,7 @@ class Context:
     straight: dict
     resumed: dict
     diff: list[str]
+    ahead: int | None = None  # the first step where only a sampler's or an RNG's state differed
 
     @property
     def step(self) -> int:
@@ -60,7 +61,8 @@ class Context:
 
 
 def cause_of(c: Context) -> tuple[str, str, list[str]]:
-    rules = (accumulation_window, weights, weights_only, batch_randomness, data_position, schedule, rng)
+    rules = (accumulation_window, weights, weights_only, batch_randomness, generator_behind, rng_batches)
+    rules += (data_position, schedule, rng)
     for rule in (*rules, optimizer, scaler):
         found = rule(c)
         if found:
@@ -186,6 +188,45 @@ def data_position(c: Context):
     source = f"; the order comes from {sources[0]}" if sources else ""
     lost = "; its generator state is not in the checkpoint" if gens else ""
     return "data_position_lost", f"{later(c)}the data position was lost{source}{lost}", evidence
+
+
+def generator_behind(c: Context):
+    """A StatefulDataLoader given generator=: its sampler's iterator saves the generator's state before it
+    draws the epoch's order, and the DataLoader then draws its workers' base seed from the same generator.
+    The resume restores that state and redraws the order but not the base seed's draw: its generator is one
+    draw behind, which shows as the next epoch begins."""
+    if "batch" not in c.diff or c.ahead is None:
+        return None
+    loaders = [
+        s for f in c.runs.files for s in f.get("loaders") or [] if s.endswith("(its position is in its state_dict())")
+    ]
+    shared = any(e["event"] == "iter" and e.get("generator") for e in c.runs.straight.first.events)
+    if not loaders or not shared:
+        return None
+    name = loaders[0].split(" > ")[0]
+    headline = (
+        f"{later(c)}the data position was lost: {name}'s state_dict() restores its generator= as its sampler "
+        "began the epoch, but the DataLoader then drew its workers' base seed from the same generator, a draw the "
+        "resume does not replay: the generator is one draw behind, and the next epoch draws another order"
+    )
+    evidence = [f"the {name}'s generator state differs from step {c.ahead}, the batches still equal"]
+    return "generator_behind", headline, evidence + position_evidence(c)
+
+
+def rng_batches(c: Context):
+    """No DataLoader draws the batches, and the global torch RNG differs as the batch does: the script draws
+    them from that RNG itself (nanoGPT's get_batch: random offsets from torch.randint)."""
+    if not {"batch", "rng_torch"} <= set(c.diff) or any(f.get("loaders") for f in c.runs.files):
+        return None
+    if any(e["event"] == "iter" for e in c.runs.straight.first.events):
+        return None
+    saved = c.live("global_rng")
+    state = "was not saved" if not saved or c.unsaved("global_rng") else "was restored at another moment"
+    headline = (
+        f"{later(c)}the batches are drawn from the global torch RNG by the script itself (no DataLoader draws "
+        f"them), and its state {state}: the resumed run draws other batches"
+    )
+    return "rng_batches", headline, [*position_evidence(c), f"the torch RNG state differs at step {c.step}"]
 
 
 def schedule(c: Context):

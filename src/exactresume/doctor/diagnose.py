@@ -22,6 +22,7 @@ from exactresume.doctor.ranks import diagnose_ranks
 FIELDS = ("batch", "lr", "hparams", "params", "grads", "optim", "scaler", "data")
 RNG_FIELDS = ("rng_torch", "rng_cuda", "rng_numpy", "rng_python")
 DECISIVE = ("batch", "lr", "hparams", "params", "grads", "optim")
+AHEAD = {"data", *RNG_FIELDS}  # states that change a step only through what it draws: the batch, a dropout
 NAMES = {
     "batch": "batch",
     "lr": "lr",
@@ -103,6 +104,11 @@ def diagnose_one(runs: Runs) -> Diagnosis:
     diagnosis.lost = lost
     framework = next((f["framework"] for f in runs.files if f.get("framework")), None)
     diagnosis.missing = missing_state(runs, framework)
+    if diagnosis.verdict == "exact":  # the resume needed none of it in the steps compared: no fix to make
+        diagnosis.notes += [
+            f"not in the checkpoint, not needed in the steps compared: {r['name']}" for r in diagnosis.missing
+        ]
+        diagnosis.missing = []
     said = {row["fix"] for row in diagnosis.missing}
     fixes = [framework_fix(c, framework) or (None if said else fix_for(c, None)) for c in diagnosis.causes]
     diagnosis.fixes = [fix for fix in dict.fromkeys(fixes) if fix and fix not in said]
@@ -119,10 +125,20 @@ def first_difference(runs: Runs, fields: tuple, notes: list[str]) -> Diagnosis |
         diff = differing(a, b, DECISIVE)
         if diff:
             return not_deterministic(index + 1, diff, k, notes)
+    ahead, early = None, []  # the first step where only a sampler's or an RNG's state differs, and which
     for index, (a, b) in enumerate(zip(straight[k:], runs.resumed.steps)):
         diff = differing(a, b, fields)
+        if diff and set(diff) <= AHEAD:  # a state that shows in a later batch or forward, if at all
+            ahead, early = ahead or k + index + 1, early + [f for f in diff if f not in early]
+            continue
         if diff:
-            return resume_difference(Context(runs, index, a, b, diff), notes)
+            return resume_difference(Context(runs, index, a, b, diff, ahead), notes)
+    if ahead:
+        said = " and ".join(f"the {NAMES[f]}" for f in early) + (" differs" if len(early) == 1 else " differ")
+        notes.append(
+            f"{said} from step {ahead}, though every step compared is bit-identical: a later step that draws "
+            "from it would part"
+        )
     return None
 
 

@@ -123,11 +123,7 @@ def check_resumed(run: TracedRun, interrupted: TracedRun, plan: Plan) -> None:
 
 
 def read_files(run: TracedRun, step: int) -> list[dict]:
-    """What each file saved at the resume step holds, read back with weights_only=True."""
-    import torch
-
-    from exactresume.doctor.tracer.fingerprint import summary, top_keys
-
+    """What each file saved at the resume step holds, read back as the resume reads it."""
     rows = []
     for process, save in ((p, s) for p in run.processes for s in p.saves):
         if save["step"] != step or not save["path"]:
@@ -137,9 +133,22 @@ def read_files(run: TracedRun, step: int) -> list[dict]:
         }
         row["rank"] = process.rank
         try:
-            state = torch.load(save["path"], map_location="cpu", weights_only=True)
-            row |= {"keys": top_keys(state), "tensors": summary(state), "read": "weights_only=True"}
+            row |= read_back(save["path"])
         except Exception as error:  # a file weights_only refuses: keep what torch.save was given
             row |= {"keys": save["keys"], "tensors": save["tensors"], "read": f"as saved ({type(error).__name__})"}
         rows.append(row)
     return rows
+
+
+def read_back(path: str) -> dict:
+    """A file's top-level keys and tensors, read with weights_only=True; a DCP folder's entries, from its
+    metadata."""
+    import torch
+
+    from exactresume.doctor.tracer.dcp import parts
+    from exactresume.doctor.tracer.fingerprint import summary, top_keys
+
+    if Path(path).is_dir():
+        return parts(path) | {"read": ".metadata"}
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return {"keys": top_keys(state), "tensors": summary(state), "read": "weights_only=True"}

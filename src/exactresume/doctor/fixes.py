@@ -30,6 +30,16 @@ FIXES: dict[tuple[str, str | None], str] = {
         "save the sampler's state (its generator's get_state() at the epoch's start, or its epoch) with the "
         "checkpoint and restore it before iterating, then skip the batches already seen"
     ),
+    ("generator_behind", None): (
+        "give the sampler a generator of its own, apart from the DataLoader's: StatefulDataLoader(data, "
+        "sampler=torchdata.stateful_dataloader.sampler.RandomSampler(data, generator=torch.Generator()"
+        ".manual_seed(SEED)), generator=torch.Generator().manual_seed(SEED + 1))"
+    ),
+    ("rng_batches", None): (
+        "save torch.get_rng_state() as it stands before the coming batch is drawn (before a prefetch draws it) and "
+        "set it back before the resumed run draws its first batch; or draw the batches from a torch.Generator of "
+        "their own and save its get_state()"
+    ),
     ("epoch_lost", None): "save the epoch and call sampler.set_epoch(epoch) before iterating on resume",
     ("rng_after_iterator", None): (
         "give the DataLoader its own generator, DataLoader(..., generator=torch.Generator().manual_seed(SEED)): "

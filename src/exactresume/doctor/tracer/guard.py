@@ -17,6 +17,7 @@ EVERY = ("batch", "lr", "hparams", "params", "grads", "optim", "scaler", "data",
 # What a hook looks at -> the step fingerprints that are blind without it.
 SIGHT: dict[str, tuple[str, ...]] = {
     "the steps": EVERY,
+    "the steps that train nothing": (),  # such a step is then counted, as before the check
     "the batch": ("batch",),
     "the loss": (),
     "the gradients": ("grads",),

@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-from . import CRASH, CUT
+from . import CRASH, CUT, dcp
 from . import fingerprint as fp
 from .files import Files
 from .guard import Guard
@@ -60,6 +60,7 @@ class Tracer(Guard):
         self.fetched = 0  # batches fetched since the last step
         self.record: dict = {}
         self.forwarded = False  # the step's batch and gradients are in its record
+        self.idle = False  # the optimizer step under way trains nothing (idle_step): not counted
         self.armed = False
         self.has_params: dict[int, bool] = {}
         self.described = ""
@@ -128,6 +129,9 @@ class Tracer(Guard):
             self.primary = optimizer
         if optimizer is not self.primary:
             return None
+        self.idle = bool(self.attempt("the steps that train nothing", idle_step, optimizer, args, kwargs, self.micro))
+        if self.idle:
+            return None
         if self.armed or (self.crash_from is not None and self.marked()):
             self.end(CRASH)
         if self.step >= self.limit:
@@ -174,6 +178,9 @@ class Tracer(Guard):
             self.primary = optimizer
         if optimizer is not self.primary:
             return
+        if self.idle:
+            self.idle = False
+            return
         record = self.record or {"event": "step", "step": self.step + 1}  # {}: its before_step failed
         try:
             if self.record and not self.forwarded:  # a closure the optimizer never called
@@ -196,9 +203,13 @@ class Tracer(Guard):
 
     # -- checkpoint files ---------------------------------------------------------------------
 
-    def on_save(self, obj, path: str | None) -> None:
+    def on_save(self, obj, path: str | None, folder: dict | None = None) -> None:
+        """`folder`: what a DCP folder's metadata says it holds (dcp.parts), for what `obj` does not show."""
         record = {"event": "save", "path": path, "step": self.step, "pending_micro": len(self.micro)}
-        self.write(record | self.attempt("what the checkpoints hold", self.contents, obj, default=UNSEEN))
+        found = self.attempt("what the checkpoints hold", self.contents, obj, default=UNSEEN)
+        if folder:
+            found = found | folder | {"live": dcp.covered(found["live"], folder["keys"], self.live)}
+        self.write(record | found)
         if self.crash_from is not None and self.step >= self.crash_from:
             self.armed = True
             with self.files_busy(), open(self.marker, "w") as marker:
@@ -238,6 +249,17 @@ class Tracer(Guard):
 
     def on_rename(self, source, target) -> None:
         self.write({"event": "rename", "source": os.path.abspath(source), "target": os.path.abspath(target)})
+
+
+def idle_step(optimizer, args, kwargs, forwards=()) -> bool:
+    """A step that trains nothing: no forward since the last step (`forwards`), no closure to run one, and
+    every gradient None or zero. DCP's load initialises an empty optimizer state that way (torch's
+    _init_optim_state: one step at lr 0 with zero gradients); counting it would shift every later step."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if forwards or callable(closure):
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return all(p.grad is None or not bool(p.grad.any()) for p in params)
 
 
 def framework() -> str | None:
@@ -296,7 +318,9 @@ def scalers(tracer: Tracer, optimizer, params) -> dict:
 
 
 def rngs(tracer: Tracer, optimizer, params) -> dict:
-    return fp.rng_digests()
+    found = fp.rng_digests()
+    tracer.live.rng_seen.append(found["rng_torch"])
+    return found
 
 
 BEFORE_STEP = (

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from . import dcp
 from . import fingerprint as fp
 from .files import wrap_writes
 from .hooks import Tracer, file_path
@@ -93,13 +94,17 @@ def install(tracer: Tracer) -> Callable[[], None]:
 
 def module_call(tracer: Tracer, original):
     def call(module, *args, **kwargs):
-        if tracer.depth == 0:
+        outer = tracer.depth == 0
+        if outer:
             tracer.attempt("the batch", tracer.on_forward, module, args, kwargs)
         tracer.depth += 1
         try:
-            return original(module, *args, **kwargs)
+            result = original(module, *args, **kwargs)
         finally:
             tracer.depth -= 1
+        if outer and torch.is_grad_enabled():  # the RNG as a dropout left it: a script may keep that state
+            tracer.attempt("the RNG states", tracer.live.saw_rng)
+        return result
 
     return call
 
@@ -116,33 +121,38 @@ def rng_state() -> str:
     return fp.digest(torch.get_rng_state())
 
 
+def drew(tracer: Tracer, before: str | None, where: str) -> bool:
+    """Whether the global torch RNG moved since `before` (None: it could not be read then)."""
+    found = before is not None and rng_state() != before
+    if found:
+        tracer.on_draw(where)
+    return found
+
+
+def iterating(tracer: Tracer, original):
+    """A loader's __iter__: each iterator it makes (an epoch begins), and whether that drew from the torch RNG."""
+
+    def traced(loader):
+        before = tracer.attempt("what drew from the torch RNG", rng_state)
+        began = tracer.attempt("the DataLoaders", tracer.live.states, loader)
+        tracer.attempt("the DataLoaders", tracer.live.note_seeds, loader)
+        iterator = original(loader)
+        moved = tracer.attempt("what drew from the torch RNG", drew, tracer, before, "iterator", default=False)
+        tracer.attempt("the DataLoaders", tracer.on_iterator, loader, iterator, moved, began)
+        return iterator
+
+    return traced
+
+
 def wrap_data(tracer: Tracer, patches: Patches) -> None:
     """DataLoader iterators (each epoch's, and each batch they yield) and torch.set_rng_state."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
-
-    def drew(before: str | None, where: str) -> bool:
-        """Whether the global torch RNG moved since `before` (None: it could not be read then)."""
-        found = before is not None and rng_state() != before
-        if found:
-            tracer.on_draw(where)
-        return found
-
-    def iterating(original):
-        def traced(loader):
-            before = tracer.attempt("what drew from the torch RNG", rng_state)
-            began = tracer.attempt("the DataLoaders", tracer.live.states, loader)
-            iterator = original(loader)
-            moved = tracer.attempt("what drew from the torch RNG", drew, before, "iterator", default=False)
-            tracer.attempt("the DataLoaders", tracer.on_iterator, loader, iterator, moved, began)
-            return iterator
-
-        return traced
 
     def fetching(original):
         def traced(iterator):
             before = tracer.attempt("what drew from the torch RNG", rng_state)
             batch = original(iterator)
-            tracer.attempt("what drew from the torch RNG", drew, before, "fetch")
+            tracer.attempt("what drew from the torch RNG", drew, tracer, before, "fetch")
             tracer.attempt("the DataLoaders", tracer.on_fetch, iterator)
             return batch
 
@@ -156,10 +166,18 @@ def wrap_data(tracer: Tracer, patches: Patches) -> None:
 
         return traced
 
-    patches.replace(torch.utils.data.DataLoader, "__iter__", iterating)
+    patches.replace(torch.utils.data.DataLoader, "__iter__", lambda original: iterating(tracer, original))
     patches.replace(_BaseDataLoaderIter, "__next__", fetching)
     for owner in (torch, torch.random):
         patches.replace(owner, "set_rng_state", setting)
+    # torchdata's StatefulDataLoader makes itself and its iterators without DataLoader's __init__ and __iter__
+    module = "torchdata.stateful_dataloader.stateful_dataloader"
+    after_import(tracer, patches, module, lambda found: wrap_stateful(tracer, patches, found.StatefulDataLoader))
+
+
+def wrap_stateful(tracer: Tracer, patches: Patches, cls) -> None:
+    patches.replace(cls, "__init__", lambda original: tracer.live.tracking_loader(original, tracer.attempt))
+    patches.replace(cls, "__iter__", lambda original: iterating(tracer, original))
 
 
 def saving(tracer: Tracer, original):
@@ -264,7 +282,8 @@ def wrap_dcp(tracer: Tracer, patches: Patches, module) -> None:
             tracer.attempt("the files it writes", tracer.files.before_write, where)
             with tracer.within():
                 result = original(state_dict, *args, **kwargs)
-            tracer.attempt("the checkpoints saved", tracer.on_save, state_dict, where)
+            folder = tracer.attempt("what the checkpoints hold", dcp.parts, where) if where else None
+            tracer.attempt("the checkpoints saved", tracer.on_save, state_dict, where, folder)
             return result
 
         return traced

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections import deque
 
 import torch
 
@@ -31,7 +32,14 @@ class Live:
         self.iterated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> states at each epoch start
         self.began: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> states before each iterator
         self.of_iterator: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # iterator -> its loader
+        self.seeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> fresh_seed per epoch
         self.current = None  # a weak reference to the loader whose iterator yielded last
+        # the torch RNG's states at the moments the tracer sees (each step, each training forward's end): a
+        # file holding one of them holds the RNG as the script kept it (before a prefetch drew, say)
+        self.rng_seen: deque[str] = deque(maxlen=32)
+
+    def saw_rng(self) -> None:
+        self.rng_seen.append(digest(torch.get_rng_state()))
 
     def install(self, replace, guard) -> None:
         """Wrap the constructors through `replace(owner, name, make_wrapper)` (install.Patches); what they
@@ -66,6 +74,10 @@ class Live:
         self.began.setdefault(loader, []).extend(began or [])
         self.of_iterator[iterator] = loader
 
+    def note_seeds(self, loader) -> None:
+        """As an epoch's iterator is about to be made: which of its generators were just seeded, and with what."""
+        self.seeds.setdefault(loader, []).append([fresh_seed(g) for _, g in order.generators(loader)])
+
     def on_fetch(self, iterator) -> None:
         loader = self.of_iterator.get(iterator)
         if loader is not None:
@@ -89,6 +101,19 @@ class Live:
         """The drawing sampler of the loader that yielded last: its kind, epoch and generator states."""
         drawing = self.drawing()[:1] or list(self.loaders)
         return [order.state(loader) for loader in drawing]
+
+
+def fresh_seed(gen: torch.Generator) -> int | None:
+    """The seed a generator was just set to (its state is manual_seed(initial_seed())'s), else None."""
+    seed = gen.initial_seed()
+    return seed if torch.equal(torch.Generator().manual_seed(seed).get_state(), gen.get_state()) else None
+
+
+def reseeded(loader, live: Live, index: int) -> bool:
+    """The loader's generator `index` was set to a new seed as each epoch began (the seed and the epoch
+    rebuild its state: a script that saves them need not save the state)."""
+    seeds = [epoch[index] if index < len(epoch) else None for epoch in live.seeds.get(loader, [])]
+    return len(seeds) > 1 and None not in seeds and len(set(seeds)) == len(seeds)
 
 
 def tracking(original, registry: weakref.WeakSet, guard):
@@ -116,10 +141,11 @@ def coverage(saved, live: Live) -> list[dict]:
     for scaler in [s for s in list(live.scalers) if s.is_enabled()]:
         found = any("_growth_tracker" in d and "scale" in d for d in dicts)
         rows.append(row("grad_scaler", scaler, found, "" if found else "its state_dict() is not in the file"))
+    kept = any(TORCHDATA_KEYS & set(d) for d in dicts)  # a StatefulDataLoader's state_dict() is in the file
     for loader in live.drawing():
-        rows.extend(loader_rows(loader, live, held))
+        rows.extend(loader_rows(loader, live, held, kept))
     if live.dropout():
-        found = digest(torch.get_rng_state()) in held
+        found = digest(torch.get_rng_state()) in held or any(state in held for state in live.rng_seen)
         rows.append(
             {"kind": "global_rng", "name": "torch RNG (dropout)", "saved": found, "detail": "" if found else NO_RNG}
         )
@@ -144,14 +170,25 @@ def model_row(model, held: set, halves: set) -> dict:
     return row("model", model, False, f"{len(missing)} of {len(state)} tensors not in the file")
 
 
-def loader_rows(loader, live: Live, held: set) -> list[dict]:
+# The keys of torchdata's StatefulDataLoader state_dict(), with its workers and without
+TORCHDATA_KEYS = {"_snapshot", "_sampler_iter_state", "_index_sampler_state"}
+
+
+def loader_rows(loader, live: Live, held: set, kept: bool = False) -> list[dict]:
     """A loader's generators count as saved when the file holds the bytes of their state now or at the
     start of an epoch, before or after its iterator was made (a script may rightly keep the state an
-    epoch began with)."""
+    epoch began with); a torchdata sampler's, when the file holds its StatefulDataLoader's state_dict()
+    (`kept`): its iterator saves the generator as it began, which with workers is after a first draw; and
+    a generator reseeded with a new seed as each epoch began (`reseeded`)."""
     rows = []
     starts = [state for epoch in live.iterated.get(loader, []) for state in epoch] + live.began.get(loader, [])
-    for where, gen in order.generators(loader):
-        found = digest(gen.get_state()) in held or any(state in held for state in starts)
+    sampler = order.drawer(loader)
+    for index, (where, gen) in enumerate(order.generators(loader)):
+        own = (
+            kept and order.stateful(loader) and not order.unkept(sampler) and gen is getattr(sampler, "generator", None)
+        )
+        found = own or reseeded(loader, live, index) or digest(gen.get_state()) in held
+        found = found or any(state in held for state in starts)
         detail = "" if found else f"the {where} state (get_state()) is not in the file"
         rows.append({"kind": "generator", "name": where, "saved": found, "detail": detail})
     return rows

@@ -88,11 +88,18 @@ def state(loader) -> list:
 def draws_from(loader) -> str:
     """What the drawing sampler's order is a function of, in words."""
     sampler = drawer(loader)
-    kind = type(sampler).__name__
     if iterable(loader):
         return f"an IterableDataset ({type(loader.dataset).__name__}) that yields its own order"
-    if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
-        return f"a {type(loader).__name__} over a {kind} (its position is in its state_dict())"
+    if stateful(loader) and not unkept(sampler):
+        return f"a {type(loader).__name__} over a {type(sampler).__name__} (its position is in its state_dict())"
+    words = sampler_words(sampler)
+    if stateful(loader):  # its state_dict() counts the batches yielded; this sampler's draws are not in it
+        return f"{words}; its order is not in {type(loader).__name__}'s state_dict(), only the batches yielded"
+    return words
+
+
+def sampler_words(sampler) -> str:
+    kind = type(sampler).__name__
     if seeded(sampler):
         return f"a {kind} (order from its seed and set_epoch's epoch)"
     if isinstance(getattr(sampler, "generator", None), torch.Generator):
@@ -102,11 +109,26 @@ def draws_from(loader) -> str:
     return f"a {kind}"
 
 
+def unkept(sampler) -> bool:
+    """A random sampler whose draws a StatefulDataLoader's state_dict() does not hold: neither torchdata's
+    own (their iterators save the generator) nor one with a state_dict() of its own."""
+    if type(sampler).__module__.startswith("torchdata.") or hasattr(sampler, "state_dict"):
+        return False
+    random = torch.utils.data.RandomSampler | torch.utils.data.SubsetRandomSampler
+    return isinstance(sampler, random) or isinstance(getattr(sampler, "generator", None), torch.Generator)
+
+
 def describe(loader, wrapper: str | None) -> str:
     """The whole way down, e.g. "Accelerate's DataLoaderShard > DataLoader > BatchSampler > a RandomSampler ..."."""
     names = [] if iterable(loader) else [type(node).__name__ for node in chain(loader)[:-1]]
     outer = [wrapper] if wrapper else []
-    return " > ".join([*outer, "DataLoader", *names, draws_from(loader)])
+    own = type(loader).__name__ if stateful(loader) else "DataLoader"
+    return " > ".join([*outer, own, *names, draws_from(loader)])
+
+
+def stateful(loader) -> bool:
+    """torchdata's StatefulDataLoader: a DataLoader whose state_dict() holds its position."""
+    return type(loader).__module__.startswith("torchdata.") and hasattr(loader, "state_dict")
 
 
 def iterable(loader) -> bool:

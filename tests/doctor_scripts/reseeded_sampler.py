@@ -1,0 +1,54 @@
+"""Correct: a RandomSampler whose generator is reseeded from the seed and the epoch as each epoch begins
+(the order is a function of both, as DistributedSampler's is), resumed mid-epoch by reseeding it the same
+way and skipping the batches already seen. The checkpoint holds the step, not the generator's state: it
+rebuilds that state from saved values."""
+
+import argparse
+import os
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", default="ckpt")
+parser.add_argument("--steps", type=int, default=8)
+parser.add_argument("--save-every", type=int, default=2)
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--record", help="write each step's batch and the final weights here (to check by hand)")
+args = parser.parse_args()
+torch.set_num_threads(1)
+torch.manual_seed(0)
+seed, generator = 1, torch.Generator()
+data = TensorDataset(torch.randn(24, 8), torch.randn(24, 1))
+loader = DataLoader(data, batch_size=8, sampler=RandomSampler(data, generator=generator))
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+step, batches = 0, []
+if args.resume:  # the newest of the checkpoints kept, one a save: OUT/step-N.pt
+    newest = max(os.listdir(args.out), key=lambda name: int(name.removeprefix("step-").removesuffix(".pt")))
+    state = torch.load(os.path.join(args.out, newest), weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    step = state["step"]
+
+while step < args.steps:
+    epoch, skip = divmod(step, len(loader))
+    generator.manual_seed(seed + epoch)
+    for x, y in loader:
+        if skip:
+            skip -= 1
+            continue
+        batches.append(x.clone())
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if step % args.save_every == 0:
+            os.makedirs(args.out, exist_ok=True)
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            torch.save(state, os.path.join(args.out, f"step-{step}.pt"))
+        if step == args.steps:
+            break
+if args.record:
+    torch.save({"batches": batches, "weights": model.state_dict()}, args.record)
