@@ -107,3 +107,9 @@ def test_help_of_one_command_and_version():
 def test_a_bad_config_value_is_one_line():
     finished = call_cli("train", "--out", "x", "--grad-clip", "0")
     assert finished.returncode == 2 and len(finished.stderr.splitlines()) == 1 and "--grad-clip" in finished.stderr
+
+
+def test_resume_auto_help_names_where_it_reads():
+    finished = call_cli("help", "train")
+    text = " ".join(finished.stdout.split())  # argparse wraps the help at any space
+    assert "the newest valid checkpoint in --checkpoints (default OUT/checkpoints)" in text, text

@@ -107,6 +107,14 @@ def test_two_processes_train_as_one_does(runs):
     assert max_abs_difference(runs / "reference" / "final.pth", runs / "straight2" / "final.pth") < CROSS_N_ATOL
 
 
+def test_the_weights_file_keeps_the_tie_as_one_process_does(runs):
+    weights = torch.load(runs / "straight2" / "final.pth", weights_only=True)
+    head, embedding = weights["lm_head.weight"], weights["model.embed_tokens.weight"]
+    assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+    sizes = [(runs / name / "final.pth").stat().st_size for name in ("reference", "straight2")]
+    assert abs(sizes[0] - sizes[1]) < 0.01 * sizes[0], sizes
+
+
 def test_stopped_on_two_nodes_resumed_on_one_node_is_bit_identical(runs, tmp_path, kjv_folder):
     out = resumed(runs, tmp_path, kjv_folder, "nodes", 2)
     assert_weights_equal(runs / "straight2" / "final.pth", out / "final.pth")

@@ -116,3 +116,17 @@ def test_the_continue_command_drops_the_stop_however_it_was_spelled():
 def test_the_continue_command_keeps_the_sharding_mode():
     typed = ["train", "--shard", "fsdp", "--stop-at", "3", "--shard=fsdp"]
     assert continue_command(typed, Path("r")) == "exactresume train --shard fsdp --shard=fsdp --resume r"
+
+
+def test_a_stopped_torchrun_rank_continues_under_torchrun_on_as_many_processes(stopped, kjv_folder, monkeypatch):
+    from exactresume.config import TrainConfig
+    from exactresume.summaries import train_summary
+    from exactresume.training.job import TrainJob
+
+    out, _ = stopped
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    job = TrainJob(TrainConfig(steps=8, batch=2, seq_len=16), kjv_folder, out, stop_at=4)
+    words = shlex.split(train_summary(job, ["train", "--out", str(out), "--stop-at", "4"])["continue"])
+    assert words[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"], words
+    assert words[4:] == ["-m", "exactresume.cli", "train", "--out", str(out), "--resume", str(out / "resume.pth")]

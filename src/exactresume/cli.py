@@ -113,8 +113,8 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
         "--resume",
         type=resume_source,
         metavar="FILE|FOLDER|auto",
-        help="continue from a resume file, the newest valid checkpoint in a folder, or with 'auto' "
-        "from the newest valid one in OUT/checkpoints (a fresh start when there is none)",
+        help="continue from a resume file, the newest valid checkpoint in a folder, or with 'auto' from "
+        "the newest valid checkpoint in --checkpoints (default OUT/checkpoints), else a fresh start",
     )
     checkpoints.add_argument(
         "--save-every", type=int, metavar="N", help="also write OUT/checkpoints/step-N.pth every N steps and at the end"

@@ -17,7 +17,7 @@ from pathlib import Path
 from exactresume import summaries
 from exactresume.errors import UserError
 from exactresume.flags import config_from_args
-from exactresume.guards import check_plan, lock_out
+from exactresume.guards import check_plan, lock_out, remove_made_folder
 from exactresume.progress import ByteProgress, mode_from_args
 
 
@@ -127,6 +127,19 @@ def train_job(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from exactresume.world import World
+
+    # The ranks of a torchrun launch share the folder its rank 0 (or the launching process) cleans up.
+    made, code = not args.out.exists() and World.from_env().is_main, 1
+    try:
+        code = train_command(args)
+    finally:
+        if made and code != 0:
+            remove_made_folder(args.out)
+    return code
+
+
+def train_command(args: argparse.Namespace) -> int:
     from exactresume.world import World, launched_by_torchrun
 
     argv = getattr(args, "argv", sys.argv[1:])  # main sets it; a caller of its own may not

@@ -2,6 +2,7 @@
 
 lock_out(args, rank)   the lock on --out for the process that writes it (rank 0), or --wait-lock
 check_plan(config, args) a train run's plan; one whose memory or disk estimate does not fit is refused
+remove_made_folder(out)  after a refused run: the --out folder it made, while nothing was written there
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ def check_plan(config, args: argparse.Namespace):
     if args.dry_run:
         _remove_if_empty(args.out, made)
     return plan
+
+
+def remove_made_folder(out) -> None:
+    """Remove `out` and the empty folders under it (checkpoints/), as long as no file is there: a run
+    refused before its first step leaves nothing behind. Only for a folder the command itself made."""
+    for folder in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        _remove_if_empty(folder, True)
+    _remove_if_empty(out, True)
 
 
 def _remove_if_empty(folder, made: bool) -> None:

@@ -9,6 +9,7 @@ must not pay for torch again.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -82,6 +83,19 @@ def names(token: str, flag: str) -> bool:
     return len(name) > 2 and flag.startswith(name)
 
 
+def launcher() -> list[str]:
+    """How this process was started, for the command that continues it: a rank that torchrun started
+    continues under torchrun on as many processes (a run of many nodes also needs its rendezvous flags)."""
+    from exactresume.world import launched_by_torchrun
+
+    if not launched_by_torchrun():
+        return ["exactresume"]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    nodes = max(1, int(os.environ["WORLD_SIZE"]) // local)
+    where = ["--standalone"] if nodes == 1 else ["--nnodes", str(nodes)]
+    return ["torchrun", *where, "--nproc-per-node", str(local), "-m", "exactresume.cli"]
+
+
 def continue_command(argv: list[str], resume: Path) -> str:
     """The user's own command without its stop (and --sharded, which only writes a stop), resuming from `resume`."""
     kept, skip_value = [], False
@@ -92,7 +106,7 @@ def continue_command(argv: list[str], resume: Path) -> str:
             skip_value = "=" not in token
         elif not names(token, "--sharded") or token.split("=", 1)[0] == "--shard":  # argparse: an exact name wins
             kept.append(token)
-    return shlex.join(["exactresume", *kept, "--resume", str(resume)])
+    return shlex.join([*launcher(), *kept, "--resume", str(resume)])
 
 
 def log_rows(path: Path) -> list[list[str]]:

@@ -76,7 +76,21 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's whole state dict as plain CPU tensors; every rank must call it (it gathers)."""
-    return FullModel(model).state_dict() if is_sharded(model) else model.state_dict()
+    if not is_sharded(model):
+        return model.state_dict()
+    return _tied_as_in(model, FullModel(model).state_dict())
+
+
+def _tied_as_in(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with the names of one shared parameter (lm_head and the embedding) holding one tensor,
+    as an unsharded model's state dict does: the gather copies each name apart, and the weights file
+    would store the tied matrix twice."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), name)
+        if owner != name and owner in state and name in state:
+            state[name] = state[owner]
+    return state
 
 
 class FullModel:

@@ -3,7 +3,7 @@
     outcome = JobRun(TrainJob(config, data, out, stop_at=30), world, progress).run()   # job_run.py
 
 A job loads the prepared data, builds the run, optionally restores it (from a resume file, a
-checkpoint folder, or with `--resume auto` from the newest valid checkpoint in OUT/checkpoints),
+checkpoint folder, or with `--resume auto` from the newest valid checkpoint in --checkpoints),
 trains to `--stop-at` or `--steps` while appending each step's log rows, saves a checkpoint every
 `--save-every` steps and when preempted, and writes the resume file or the weights file at the end.
 The job is checked when it is made, before torch is imported, so that a mistake is refused before
@@ -19,7 +19,8 @@ from exactresume.config import TrainConfig, check_stop_at
 from exactresume.errors import UserError
 from exactresume.store.locations import Location, S3Location
 
-# --resume auto (store.access.AUTO): the newest valid checkpoint in OUT/checkpoints, or a fresh start
+# --resume auto (store.access.AUTO): the newest valid checkpoint in --checkpoints (default OUT/checkpoints),
+# or a fresh start
 AUTO_RESUME = "auto"
 # --allow-change names -> the run-identity fields they let a resume change. Model shape and seed are
 # not here: a different shape cannot load, and the seed only matters before step 1.
