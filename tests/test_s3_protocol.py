@@ -86,7 +86,8 @@ def test_locations_parse_and_refuse():
 def test_save_commits_last_and_keep_deletes_only_older(s3):
     checkpoints = saved(store(), 1, 2, 3)
     names = sorted(entry["Key"] for entry in s3.list_objects_v2(Bucket=BUCKET)["Contents"])
-    assert names == [f"run/step-0000000{n}.pth{end}" for n in (2, 3) for end in ("", ".commit")]
+    lease = ["run/.exactresume.lease"]  # held while the store writes (s3_lease.py)
+    assert names == lease + [f"run/step-0000000{n}.pth{end}" for n in (2, 3) for end in ("", ".commit")]
     assert loaded(checkpoints) == (3, 3.0)
     with local_folder() as folder:  # the object is a plain torch file: the lab's dict with nothing of ours
         state = torch.load(fetch_file(checkpoints.objects, checkpoints.path_for(3), folder), weights_only=True)

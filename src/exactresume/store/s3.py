@@ -293,6 +293,10 @@ class ObjectStore:
             markers = {"KeyMarker": page.get("NextKeyMarker"), "UploadIdMarker": page.get("NextUploadIdMarker")}
 
 
+class WriteRaced(UserError):
+    """A conditional PUT (If-None-Match, If-Match) the object store refused: another writer came first."""
+
+
 def not_s3(endpoint: str, what: str, answer: str) -> UserError:
     """An endpoint that answers HTTP but not as S3 does: most likely another port of the server."""
     return UserError(
@@ -305,6 +309,8 @@ def _refusal(what: str, code: str, error: Exception) -> Exception:
     """A store's refusal as one line: a missing object is a checkpoint's problem, the rest the user's."""
     if code in ("NoSuchKey", "404", "NotFound"):
         return MissingObject(f"{what}: no such object")
+    if code in ("PreconditionFailed", "ConditionalRequestConflict"):  # a conditional PUT lost its race
+        return WriteRaced(f"{what}: another writer's PUT came first")
     if code == "InvalidRange":
         return CheckpointError(f"{what}: the object is shorter than its commit says: truncated or replaced")
     if code == "NoSuchBucket":

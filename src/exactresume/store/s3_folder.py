@@ -13,7 +13,9 @@ Keep-K deletes older checkpoints (their commit first) only after the new commit 
 newest checkpoint is found by one listing of the prefix (all its pages), not a request per step;
 a checkpoint without its commit object is not listed. At the start of a run (`remove_leftovers`)
 the multipart uploads a killed save abandoned are aborted and its uncommitted objects deleted.
-There is no lock on a prefix: one run writes one prefix (its local OUT is locked).
+One run writes a prefix: a writer takes its lease (s3_lease.py) before it cleans or commits, and
+checks it before each commit and before keep-K deletes, so a second run is refused naming the holder
+and a run whose lease was taken stops before it overwrites or deletes anything.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from exactresume.store.resume import print_to_stderr
 from exactresume.store.s3 import ObjectStore
 from exactresume.store.s3_commit import COMMIT_SUFFIX, commit_of
 from exactresume.store.s3_files import load_committed, publish_sealed
+from exactresume.store.s3_lease import S3Lease
 
 
 class S3CheckpointStore(NumberedStore):
@@ -41,17 +44,24 @@ class S3CheckpointStore(NumberedStore):
         notify: Callable[[str], None] = print_to_stderr,
         lock: FolderLock | None = None,
         config: S3Config | None = None,
+        wait_lock: float = 0.0,
     ):
         self.folder, self.keep, self.notify = location(folder, config), check_keep(keep), notify
         self.faults = FaultPoints.from_environment()
         self.objects = ObjectStore(self.folder.config)
         self.objects.before_part = lambda number: self.faults.reached("upload")
+        self.wait_lock, self.lease = wait_lock, None
 
     def hold_lock(self) -> None:
-        """No lock on a prefix (an object store has none to take): the run's OUT is locked."""
+        """Take the prefix's lease for this store's writes (waiting up to `wait_lock` s), else UserError."""
+        if self.lease is None:
+            self.lease = S3Lease.acquire(self.objects, self.folder, self.wait_lock, self.notify)
 
     def close(self) -> None:
-        pass
+        """Release the lease: another run may write the prefix."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     def path_for(self, step: int) -> S3Location:
         return self.folder / f"step-{step:08d}.pth"
@@ -82,6 +92,7 @@ class S3CheckpointStore(NumberedStore):
 
     def remove_leftovers(self) -> list[S3Location]:
         """Abort the uploads a killed save abandoned and delete its uncommitted objects: what was deleted."""
+        self.hold_lock()
         aborted = self.objects.abort_uploads(self.folder)
         removed = self.leftovers()
         self.objects.delete(removed)
@@ -93,7 +104,17 @@ class S3CheckpointStore(NumberedStore):
         """The stages after the snapshot: write, upload (verified), commit, retention; `before_publish()`
         runs before the object is completed (folder.py says why)."""
         target = self.path_for(step)
-        publish_sealed(self.objects, target, state, self.faults.reached, before_publish)
+        self.hold_lock()
+        lease = self.lease
+        lease.check()  # before the object is written over: another run may have committed this step
+
+        def publish() -> None:
+            lease.check()
+            if before_publish is not None:
+                before_publish()
+
+        publish_sealed(self.objects, target, state, self.faults.reached, publish)
+        lease.check()
         self._retain(step)
         return target
 

@@ -63,14 +63,14 @@ class JobRun:
     def run(self) -> JobOutcome:
         with self._lock() as lock, process_group(self.world):
             self._check_outputs()  # every rank, once rank 0 holds OUT and the ranks have met
-            store = CheckpointStore(self.job.checkpoint_folder, keep=self.job.keep, notify=self.notify, lock=lock)
-            if self.world.is_main:
-                self._remove_leftovers(store)
-            self.world.barrier()  # no rank reads the store while rank 0 clears it
-            self.run_state = self.prepare(self.job.skip_parts)
-            self.divergence = self._divergence_log()
-            with RunLogs(self.job.log_file, self.job.samples, self.run_state.step.value, self.world) as self.logs:
-                outcome = self._train(store)
+            with self._store(lock) as store:  # its close releases an s3:// prefix's lease
+                if self.world.is_main:
+                    self._remove_leftovers(store)
+                self.world.barrier()  # no rank reads the store while rank 0 clears it
+                self.run_state = self.prepare(self.job.skip_parts)
+                self.divergence = self._divergence_log()
+                with RunLogs(self.job.log_file, self.job.samples, self.run_state.step.value, self.world) as self.logs:
+                    outcome = self._train(store)
         if self.divergence is not None and outcome.preempted is None:
             self.divergence.write()
         return outcome
@@ -79,6 +79,11 @@ class JobRun:
         if not self.world.is_main:  # rank 0 writes OUT; the other ranks only take part
             return contextlib.nullcontext()
         return FolderLock.acquire(self.job.out, wait=self.job.wait_lock, notify=warn)
+
+    def _store(self, lock: FolderLock | None) -> CheckpointStore:
+        """The job's checkpoints; an s3:// prefix's lease is waited for as OUT's lock is (--wait-lock)."""
+        wait = {"wait_lock": self.job.wait_lock} if is_s3(self.job.checkpoint_folder) else {}
+        return CheckpointStore(self.job.checkpoint_folder, keep=self.job.keep, notify=self.notify, lock=lock, **wait)
 
     def _check_outputs(self) -> None:
         job = self.job
