@@ -37,6 +37,7 @@ from exactresume.store.resume import (
     save_resume,
     saved_step,
     saved_world_size,
+    started_fresh,
 )
 from exactresume.world import World
 
@@ -75,7 +76,7 @@ class Resumed:
 
             parts = sharded_parts(parts)
         for name in restore(self.state, parts, skip=skip, fresh=fresh, source=self.path):
-            print_to_stderr(f"{self.path} holds no part {name}: it starts fresh (fresh=)")
+            print_to_stderr(started_fresh(self.path, name))
         return self.step
 
     def world_change(self, world: World) -> str | None:

@@ -41,7 +41,6 @@ write ends takes the state of its own step.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -54,6 +53,7 @@ from exactresume.errors import FieldError, StorageError
 from exactresume.store.copy_guard import CopyGuard
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.numbered import NumberedStore, snapshot
+from exactresume.store.resume import rebuilt
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -103,23 +103,6 @@ class StagingMemory:
         else:
             self.pool.append(storage)
         return storage
-
-
-def rebuilt(value: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`value` with its dicts, lists and tuples remade, each tensor replaced by `tensor(it)`, and every
-    other value deep-copied (numbers, strings, numpy RNG arrays: small)."""
-    if isinstance(value, torch.Tensor):
-        return tensor(value)
-    if isinstance(value, dict):
-        copied = copy.copy(value)  # keeps the type and attributes (a state dict's _metadata)
-        for key, item in value.items():
-            copied[key] = rebuilt(item, tensor)
-        return copied
-    if isinstance(value, list):
-        return [rebuilt(item, tensor) for item in value]
-    if type(value) is tuple:
-        return tuple(rebuilt(item, tensor) for item in value)
-    return copy.deepcopy(value)
 
 
 class BackgroundSaver:

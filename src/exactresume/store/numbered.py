@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from exactresume.errors import CheckpointError, FieldError, StorageError
 from exactresume.store.locations import Location
-from exactresume.store.resume import STEP_KEY, capture, check_parts, check_resume_state, check_step, restore
+from exactresume.store.resume import (
+    STEP_KEY,
+    capture,
+    check_parts,
+    check_resume_state,
+    check_step,
+    restore,
+    started_fresh,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -179,7 +187,7 @@ class NumberedStore:
             raise
         self.refused, self.blocked, self.known = None, None, checkpoint.step
         for name in starting:
-            self.notify(f"{checkpoint.path} holds no part {name}: it starts fresh (fresh=)")
+            self.notify(started_fresh(checkpoint.path, name))
         return checkpoint.step
 
     def skipped(self, checkpoint: Checkpoint, error: CheckpointError, damaged: bool) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import operator
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,16 +141,28 @@ def own_state(part: Stateful) -> Any:
 
 def detached_copy(value: Any) -> Any:
     """`value` with every tensor copied (to the CPU where it is a plain tensor): what a rollback loads."""
+    return rebuilt(value, _copied)
+
+
+def _copied(tensor: torch.Tensor) -> torch.Tensor:
+    plain = type(tensor) in (torch.Tensor, torch.nn.Parameter)  # a DTensor stays where its shards are
+    return tensor.detach().to("cpu", copy=True) if plain else tensor.detach().clone()
+
+
+def rebuilt(value: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` with its dicts, lists and tuples remade, each tensor replaced by `tensor(it)`, and every
+    other value deep-copied (numbers, strings, numpy RNG arrays: small)."""
     if isinstance(value, torch.Tensor):
-        plain = type(value) in (torch.Tensor, torch.nn.Parameter)
-        return value.detach().to("cpu", copy=True) if plain else value.detach().clone()
+        return tensor(value)
     if isinstance(value, dict):
-        copied = copy.copy(value)  # keeps the type and attributes (a module state dict's _metadata)
+        copied = copy.copy(value)  # keeps the type and attributes (a state dict's _metadata)
         for key, item in value.items():
-            copied[key] = detached_copy(item)
+            copied[key] = rebuilt(item, tensor)
         return copied
-    if isinstance(value, (list, tuple)):
-        return type(value)(detached_copy(item) for item in value)
+    if isinstance(value, list):
+        return [rebuilt(item, tensor) for item in value]
+    if type(value) is tuple:
+        return tuple(rebuilt(item, tensor) for item in value)
     return copy.deepcopy(value)
 
 
@@ -173,6 +185,11 @@ def _one_line(error: BaseException) -> str:
 
 def print_to_stderr(message: str) -> None:
     print(f"exactresume: {message}", file=sys.stderr)
+
+
+def started_fresh(source: object, name: str) -> str:
+    """The line that says a part given but not in `source` kept its own state (`fresh=`)."""
+    return f"{source} holds no part {name}: it starts fresh (fresh=)"
 
 
 def saved_step(state: Mapping) -> int | None:
@@ -199,7 +216,7 @@ def load_resume(
     `restore`); the step it was saved at."""
     state = read_resume(path)
     for name in restore(state, parts, skip, fresh, source=path):
-        print_to_stderr(f"{path} holds no part {name}: it starts fresh (fresh=)")
+        print_to_stderr(started_fresh(path, name))
     return saved_step(state)
 
 
