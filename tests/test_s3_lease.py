@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+from datetime import UTC
 
 import pytest
 import torch
@@ -72,9 +73,10 @@ def test_an_expired_lease_is_taken_over(s3, monkeypatch):
     first = store()
     first.commit(1, state(1))
     first.lease.stopped.set()  # its holder died: nothing renews it
-    time.sleep(0.5)
-    second = store()
-    second.remove_leftovers()
+    second = store(wait_lock=30.0)
+    started = time.monotonic()
+    second.remove_leftovers()  # moto sends no Date: the waiter's own clock sees it unrenewed for 0.3 s
+    assert time.monotonic() - started >= 0.3
     assert (
         json.loads(s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read())["token"] == second.lease.token
     )
@@ -118,33 +120,12 @@ def test_seaweedfs_refuses_a_second_writer_and_hands_over_an_expired_lease(s3_se
     with pytest.raises(UserError, match=f"is being written by pid {os.getpid()}"):
         CheckpointStore(s3_prefix, keep=1, config=config).commit(2, state(2))
     first.lease.stopped.set()  # its holder died: nothing renews it
-    time.sleep(0.8)
-    second = CheckpointStore(s3_prefix, keep=1, config=config)
+    second = CheckpointStore(s3_prefix, keep=1, config=config, wait_lock=30.0)
     second.commit(2, state(2))
     with pytest.raises(UserError, match="lost its lease"):
         first.commit(3, state(3))
     assert [c.step for c in second.checkpoints()] == [2]
     second.close()
-
-
-def test_two_trains_on_one_prefix_one_trains_the_other_is_refused(tmp_path, kjv_folder, s3_server, s3_prefix):
-    from conftest import spawn_cli
-
-    flags = ["--steps", "300", "--batch", "2", "--seq-len", "16", "--save-every", "100"]
-    reach = ["--s3-endpoint", s3_server.endpoint, "--checkpoints", f"{s3_prefix}/shared"]
-    runs = []
-    for name in ("a", "b"):
-        runs.append(spawn_cli("train", "--out", tmp_path / name, "--data", kjv_folder, *flags, *reach))
-        time.sleep(0.5)
-    ended = [(run.wait(), run.output()[1]) for run in runs]
-    codes = sorted(code for code, _ in ended)
-    assert codes == [0, 2], ended
-    refused = next(stderr for code, stderr in ended if code == 2).strip()
-    assert "\n" not in refused and "is being written by pid" in refused, refused
-    bucket, key = f"{s3_prefix}/shared".removeprefix("s3://").split("/", 1)
-    client = s3_server.client()
-    names = {item["Key"].rsplit("/", 1)[1] for item in client.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]}
-    assert "step-00000300.pth.commit" in names and LEASE_NAME not in names  # released at the end
 
 
 def test_a_killed_holder_on_this_host_is_taken_over_at_once(s3):
@@ -161,3 +142,104 @@ def test_a_killed_holder_on_this_host_is_taken_over_at_once(s3):
             json.loads(s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read())["token"]
             == taker.lease.token
         )
+
+
+# ---- the clocks: a lease's time is measured by the server's clock, or by the waiter's own ----
+
+
+def plant(client, **holder) -> None:
+    """A lease of another run, on another host (alive as far as this host can tell)."""
+    lease = {"pid": 4242, "host": "elsewhere", "since": time.time(), "token": "theirs", "seconds": 60} | holder
+    client.put_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}", Body=json.dumps(lease).encode())
+
+
+def test_a_lease_from_a_clock_an_hour_behind_is_still_honoured(s3):
+    plant(s3, since=time.time() - 7200, expires=time.time() - 3600)  # its writer's wall clock: long expired
+    with pytest.raises(UserError, match="pid 4242 on host elsewhere"):
+        store().remove_leftovers()
+    assert "theirs" in s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read().decode()
+
+
+def test_a_lease_from_a_clock_an_hour_ahead_expires_after_its_own_time(s3):
+    plant(s3, seconds=0.3, expires=time.time() + 3600)  # its writer's wall clock: valid for an hour
+    started = time.monotonic()
+    with store(wait_lock=30.0) as taker:
+        taker.remove_leftovers()
+        assert time.monotonic() - started >= 0.3
+        assert json.loads(s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read())["token"] == (
+            taker.lease.token
+        )
+
+
+def test_the_servers_date_against_last_modified_decides_at_first_sight():
+    import io
+    from datetime import datetime, timedelta
+    from email.utils import format_datetime
+
+    from exactresume.store.s3_lease import S3Lease, _seen
+
+    modified = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+    lease = S3Lease(objects=None, folder=None, seconds=60)
+    holder = {"pid": 4242, "host": "elsewhere", "token": "theirs", "seconds": 3, "expires": 0}
+    for after, expired in ((5, True), (3.5, False), (1, False)):  # a second's slack: HTTP dates are whole seconds
+        date = format_datetime(modified + timedelta(seconds=after), usegmt=True)
+        answer = {"Body": io.BytesIO(json.dumps(holder).encode()), "LastModified": modified, "ETag": '"e"'}
+        seen = _seen(answer | {"ResponseMetadata": {"HTTPHeaders": {"date": date}}})
+        assert seen.age == int(after) and lease._expired(seen) is expired, after
+        lease.watched = None
+
+
+def test_seaweedfs_sends_the_date_the_lease_is_judged_by(s3_server, s3_prefix):
+    from exactresume.store.locations import S3Config, location
+    from exactresume.store.s3 import ObjectStore
+    from exactresume.store.s3_lease import S3Lease
+
+    folder = location(s3_prefix, S3Config(s3_server.endpoint))
+    lease = S3Lease.acquire(ObjectStore(folder.config), folder)
+    seen = lease._read()
+    lease.release()
+    assert seen.holder["token"] == lease.token and seen.age is not None and -1 <= seen.age <= 2
+
+
+# ---- every writer to a prefix: the resume file of --stop-at and a sharded folder check the same lease ----
+
+
+def parts() -> dict:
+    torch.manual_seed(0)
+    return {"model": torch.nn.Linear(4, 4)}
+
+
+def versions(client) -> dict[str, str]:
+    return {key: client.head_object(Bucket=BUCKET, Key=key)["ETag"] for key in keys(client)}
+
+
+@pytest.mark.parametrize("name, sharded", [("resume.pth", False), ("resume.dcp", True)])
+def test_the_resume_state_is_written_under_the_runs_lease(s3, name, sharded):
+    from exactresume.store.access import make_saver
+
+    saver = make_saver(f"s3://{BUCKET}/run/{name}", sharded=sharded)
+    with store() as run:
+        run.commit(1, state(1))
+        saver.save(1, parts())  # the run's own lease: no second one is taken
+        assert json.loads(s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read())["token"] == (
+            run.lease.token
+        )
+        plant(s3)  # another run took the prefix
+        before = versions(s3)
+        with pytest.raises(UserError, match="lost its lease: s3://leases/run is being written by pid 4242"):
+            saver.save(2, parts())
+        assert versions(s3) == before  # the old resume state and its commit are as they were
+
+
+@pytest.mark.parametrize("name, sharded", [("resume.pth", False), ("resume.dcp", True)])
+def test_a_resume_state_written_alone_takes_the_prefixs_lease(s3, name, sharded):
+    from exactresume.store.access import make_saver
+
+    plant(s3)
+    saver = make_saver(f"s3://{BUCKET}/run/{name}", sharded=sharded)
+    with pytest.raises(UserError, match="is being written by pid 4242 on host elsewhere"):
+        saver.save(1, parts())
+    assert keys(s3) == {f"run/{LEASE_NAME}"}
+    s3.delete_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")
+    saver.save(1, parts())
+    assert f"run/{LEASE_NAME}" not in keys(s3) and any(key.startswith(f"run/{name}") for key in keys(s3))

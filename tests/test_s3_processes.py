@@ -4,15 +4,17 @@ own shard objects, rank 0 commits once every rank has, and a resume from the sto
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_weights_equal, max_abs_difference, run_cli
+from conftest import assert_weights_equal, run_cli, spawn_cli
 from exactresume.store.locations import S3Config, location
 from exactresume.store.s3_kinds import local_copy
+from exactresume.store.s3_lease import LEASE_NAME
 from exactresume.store.sharded import verify_sharded
-from exactresume.store.steplog import read_samples
 
 FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16"]  # a batch of 4 splits over 1 and 2 processes
 STOP = 3
@@ -57,20 +59,23 @@ def test_two_processes_each_upload_a_shard_then_resume_bit_identical(
     train(out, kjv_folder, endpoint, *flags, "--resume", f"{s3_prefix}/resume.dcp")
     assert_weights_equal(straight_two / "final.pth", out / "final.pth")
     assert (out / "log.csv").read_bytes() == (straight_two / "log.csv").read_bytes()
+    _a_run_that_lost_the_prefix_leaves_its_sharded_state_alone(tmp_path, kjv_folder, s3_server, s3_prefix)
 
 
-def test_fsdp_stopped_on_two_resumed_on_one_from_the_store(tmp_path, kjv_folder, s3_server, s3_prefix, straight_one):
-    """On one process the reduction order differs (tests/test_fsdp.py); from the store it is the same
-    run, to the bit, as from the same bytes on a disk."""
-    endpoint, stopped = s3_server.endpoint, tmp_path / "stopped"
-    train(stopped, kjv_folder, endpoint, "--nproc", 2, "--shard", "fsdp", "--checkpoints", s3_prefix, "--stop-at", STOP)
-    state = f"{s3_prefix}/resume.dcp"
-    assert committed_shards(endpoint, state)["processes"] == 2
-    from_store, from_disk = tmp_path / "from-store", tmp_path / "from-disk"
-    train(from_store, kjv_folder, endpoint, "--shard", "fsdp", "--resume", state)
-    with local_copy(location(state, S3Config(endpoint))) as local:
-        train(from_disk, kjv_folder, endpoint, "--shard", "fsdp", "--resume", local)
-    assert_weights_equal(from_disk / "final.pth", from_store / "final.pth")
-    reference = read_samples(straight_one / "samples.csv")
-    assert read_samples(from_store / "samples.csv") == {step: reference[step] for step in range(STOP + 1, 9)}
-    assert max_abs_difference(straight_one / "final.pth", from_store / "final.pth") < CROSS_N_ATOL
+def _a_run_that_lost_the_prefix_leaves_its_sharded_state_alone(tmp_path, data, s3_server, prefix):
+    """Rank 0 checks the run's lease before the sharded save deletes the old commit: taken by another
+    run meanwhile, the save stops, on every rank, in rank 0's one line, with the old resume.dcp as it was."""
+    client, bucket, key = s3_server.client(), *prefix.removeprefix("s3://").split("/", 1)
+    flags = ["--steps", "40", "--batch", "4", "--seq-len", "16", "--stop-at", "30", "--sharded", "--nproc", 2]
+    reach = ["--checkpoints", prefix, "--s3-endpoint", s3_server.endpoint]
+    run = spawn_cli("train", "--out", tmp_path / "late", "--data", data, *flags, *reach, env={"OMP_NUM_THREADS": "1"})
+    lease = f"{key}/{LEASE_NAME}"
+    while run.poll() is None and not client.list_objects_v2(Bucket=bucket, Prefix=lease).get("KeyCount"):
+        time.sleep(0.02)  # until the run holds the prefix
+    thief = {"pid": 4242, "host": "elsewhere", "since": time.time(), "token": "theirs", "seconds": 60}
+    client.put_object(Bucket=bucket, Key=lease, Body=json.dumps(thief).encode())
+    before = {item["Key"]: item["ETag"] for item in client.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]}
+    code, stderr = run.wait(), run.output()[1].strip()
+    assert code == 2 and "\n" not in stderr and "lost its lease: " in stderr and "pid 4242" in stderr, (code, stderr)
+    after = {item["Key"]: item["ETag"] for item in client.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]}
+    assert after == before and f"{key}/resume.dcp/commit.pth" in after

@@ -22,7 +22,8 @@ def add_writer_flags(group, plan: bool = False) -> None:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="if another process is writing --out, wait up to this long for it to finish (default: refuse at once)",
+        help="if another process is writing --out (or train's s3:// --checkpoints prefix: a killed writer's lease "
+        "lasts 60 s), wait up to this long for it to finish (default: refuse at once)",
     )
     if plan:
         group.add_argument(

@@ -204,9 +204,9 @@ class ResumeFileSaver(_SavesAtOnce):
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Location:
         if isinstance(self.path, S3Location):
             from exactresume.store.s3 import ObjectStore
-            from exactresume.store.s3_files import publish_sealed
+            from exactresume.store.s3_files import publish_leased
 
-            publish_sealed(ObjectStore(self.path.config), self.path, capture(parts, step))
+            publish_leased(ObjectStore(self.path.config), self.path, capture(parts, step))
             return self.path
         return save_resume(self.path, parts, step)
 

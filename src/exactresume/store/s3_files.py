@@ -1,6 +1,7 @@
 """Single sealed torch files on an object store: a resume file, a store's checkpoint, read and written.
 
     publish_sealed(objects, location("s3://b/run/resume.pth"), state)   # object, verified, then commit
+    publish_leased(objects, location("s3://b/run/resume.pth"), state)   # the same, under s3://b/run's lease
     state = load_committed(objects, location("s3://b/run/resume.pth"))  # commit, object, seal: verified
 
 The object's bytes are exactly the file save_sealed writes on a disk, so `torch.load` of a downloaded
@@ -34,6 +35,7 @@ from exactresume.store.s3_commit import (
     read_commit,
     write_commit,
 )
+from exactresume.store.s3_lease import lease_for
 from exactresume.store.s3_upload import SealedUpload
 from exactresume.store.sealed import load_sealed, save_unsealed
 
@@ -113,6 +115,19 @@ def publish_sealed(
         raise
     stage("commit")
     write_commit(objects, commit, commit_state({target.name: info}))
+
+
+def publish_leased(objects: ObjectStore, target: S3Location, state: Any) -> None:
+    """publish_sealed under the lease of `target`'s prefix (s3_lease.py), the one its run's checkpoints
+    hold: checked before the old commit is deleted and again before the new one is written, so a run
+    that lost the prefix to another stops before it changes anything there."""
+    with lease_for(objects, target.parent) as lease:
+
+        def stage(name: str) -> None:
+            if name == "commit":
+                lease.check()
+
+        publish_sealed(objects, target, state, stage, lease.check)
 
 
 def fetch_file(objects: ObjectStore, source: S3Location, folder: Path) -> Path:

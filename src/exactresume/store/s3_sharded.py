@@ -6,14 +6,17 @@ Every rank has DCP write its shard into a private local folder, uploads those fi
 them (the server's checksum and size); the ranks then hand rank 0 each object's size and xxh3, and
 rank 0 writes the commit object last (`commit.pth`, sharded.py's marker with the sizes added), once
 every rank has finished: the barrier, then the commit, as a local sharded folder is renamed into
-place. The previous commit is deleted before any shard is replaced, so a save killed on any rank
-leaves a prefix no reader trusts; objects that the new commit does not name (an earlier run's extra
-ranks) are deleted after it. A reader downloads the committed objects, each checked against the
-commit as it is written, and reads the local copy as sharded.py reads a folder (every check again).
+place. Rank 0 writes under the prefix's lease (s3_lease.py: the one its run's checkpoints hold),
+checked before the old commit is deleted and before the new one is written. The previous commit is
+deleted before any shard is replaced, so a save killed on any rank leaves a prefix no reader trusts;
+objects that the new commit does not name (an earlier run's extra ranks) are deleted after it. A
+reader downloads the committed objects, each checked against the commit as it is written, and reads
+the local copy as sharded.py reads a folder (every check again).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
@@ -21,13 +24,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from exactresume.errors import CheckpointError, StorageError
+from exactresume.errors import CheckpointError, StorageError, UserError
 from exactresume.store.dcp_index import parse_index
 from exactresume.store.locations import S3Location
 from exactresume.store.resume import capture
 from exactresume.store.s3 import ObjectStore, file_info
 from exactresume.store.s3_commit import commit_state, fetch_committed, read_commit, write_commit
 from exactresume.store.s3_files import local_folder, state_bytes
+from exactresume.store.s3_lease import S3Lease, lease_for
 from exactresume.store.s3_ranges import RANGES_KEY, item_ranges, ranged_reader
 from exactresume.store.s3_upload import upload_file
 from exactresume.store.sharded import (
@@ -44,32 +48,50 @@ from exactresume.world import World
 
 
 def save_sharded_s3(target: S3Location, parts: Mapping[str, Stateful], world: World, step: int | None = None) -> None:
-    """Every rank writes and uploads its shard (saved at `step`); rank 0 commits once all have."""
+    """Every rank writes and uploads its shard (saved at `step`); rank 0 commits once all have, under
+    the lease of the folder's prefix (s3_lease.py), checked before the old commit goes and the new one is written."""
     import torch.distributed.checkpoint as dcp
 
     objects = ObjectStore(target.config)
     state = capture(sharded_parts(parts), step)
-    if world.is_main:
-        objects.delete([target / COMMIT])  # from here until the new commit, the prefix is not trusted
+    with contextlib.ExitStack() as held:
+        lease = _unpublish(objects, target, world, held)  # from here until the new commit, the prefix is not trusted
+        with local_folder(state_bytes(state) // world.size) as staging:
+            with quiet_single_process(), first_failure():
+                dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=False), no_dist=world.size == 1)
+            index = world.gather((staging / ".metadata").read_bytes() if world.is_main else None)[0]  # rank 0's
+            uploaded, failure = _upload_own(objects, target, staging, parse_index(index, f"{target}/.metadata"))
+        everyone = world.gather(uploaded)
+        if failure is not None:
+            raise failure
+        if None in everyone:
+            raise StorageError(f"another rank could not upload its shard of {target}; it is not committed")
+        if world.is_main:
+            lease.check()
+            objects_of_all = {name: info for mine, _ in everyone for name, info in mine.items()}
+            ranges = {name: items for _, theirs in everyone for name, items in theirs.items()}
+            header = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": world.size}
+            write_commit(objects, target / COMMIT, commit_state(objects_of_all, header) | {RANGES_KEY: ranges})
+            stale = set(objects.list(target)) - set(objects_of_all) - {COMMIT}
+            objects.delete([target / name for name in sorted(stale)])
     world.barrier()
-    with local_folder(state_bytes(state) // world.size) as staging:
-        with quiet_single_process(), first_failure():
-            dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=False), no_dist=world.size == 1)
-        index = world.gather((staging / ".metadata").read_bytes() if world.is_main else None)[0]  # rank 0's
-        uploaded, failure = _upload_own(objects, target, staging, parse_index(index, f"{target}/.metadata"))
-    everyone = world.gather(uploaded)
-    if failure is not None:
-        raise failure
-    if None in everyone:
-        raise StorageError(f"another rank could not upload its shard of {target}; it is not committed")
+
+
+def _unpublish(objects: ObjectStore, target: S3Location, world: World, held: contextlib.ExitStack) -> S3Lease | None:
+    """Rank 0 takes (or finds) the prefix's lease, checks it and deletes the folder's commit; every rank
+    learns whether it could, so that none uploads over a prefix this run may not write, nor waits for it."""
+    lease, refused = None, None
     if world.is_main:
-        objects_of_all = {name: info for mine, _ in everyone for name, info in mine.items()}
-        ranges = {name: items for _, theirs in everyone for name, items in theirs.items()}
-        header = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": world.size}
-        write_commit(objects, target / COMMIT, commit_state(objects_of_all, header) | {RANGES_KEY: ranges})
-        stale = set(objects.list(target)) - set(objects_of_all) - {COMMIT}
-        objects.delete([target / name for name in sorted(stale)])
-    world.barrier()
+        try:
+            lease = held.enter_context(lease_for(objects, target.parent))
+            lease.check()
+            objects.delete([target / COMMIT])
+        except (UserError, StorageError) as error:
+            refused = error
+    told = world.gather(None if refused is None else (isinstance(refused, StorageError), str(refused)))[0]
+    if told is not None:  # every rank stops with rank 0's line (and its exit code)
+        raise refused or (StorageError if told[0] else UserError)(told[1])
+    return lease
 
 
 def _upload_own(
