@@ -48,6 +48,8 @@ PUBLIC = {
     "StepCounter": "exactresume.training.parts",
     "GeneratorPart": "exactresume.training.parts",
     "RunIdentity": "exactresume.training.parts",
+    "ResumableLoader": "exactresume.loaders.resumable",
+    "ResumableStream": "exactresume.loaders.hf_stream",
     "Run": "exactresume.training.loop",
     "build_run": "exactresume.training.loop",
     "train": "exactresume.training.loop",

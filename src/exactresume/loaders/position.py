@@ -1,0 +1,103 @@
+"""What a `ResumableLoader` saves: where the loop is in the data, and what the loader must still be.
+
+Every value is a tensor or a plain Python type, so `torch.load(weights_only=True)` reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from exactresume.errors import CheckpointError
+
+from .caveats import loader_name
+from .sources import SourceStates, generators_of
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class LoaderShape:
+    """What decides which sample is at which position: a loader that differs here reads other data."""
+
+    dataset_length: int | None  # None for a dataset without len() (an IterableDataset)
+    batch_size: int | None  # None without batching (batch_size=None), or a custom batch sampler's own
+    drop_last: bool
+    sampler: str  # the sampler's class, and the batch sampler's: 'RandomSampler', 'BatchSampler'
+    replicas: int | None  # a DistributedSampler's num_replicas: the world size it splits for
+    generators: int  # how many torch.Generators the order draws from (sources.generators_of)
+
+    @classmethod
+    def of(cls, loader) -> LoaderShape:
+        batch_sampler = loader.batch_sampler
+        kinds = [type(loader.sampler).__name__] + ([type(batch_sampler).__name__] if batch_sampler is not None else [])
+        return cls(
+            dataset_length=length_or_none(loader.dataset),
+            batch_size=getattr(batch_sampler, "batch_size", None),
+            drop_last=bool(getattr(batch_sampler, "drop_last", False)),
+            sampler=" in ".join(kinds),
+            replicas=getattr(loader.sampler, "num_replicas", None),
+            generators=len(generators_of(loader)),
+        )
+
+    def changes(self, saved: LoaderShape) -> list[str]:
+        """Each field that differs, as 'its dataset_length is 24, 26 when saved'."""
+        now = asdict(self)
+        return [
+            f"its {name} is {now[name]!r}, {value!r} when saved"
+            for name, value in asdict(saved).items()
+            if now[name] != value
+        ]
+
+
+@dataclass
+class LoaderPosition:
+    """The epoch, the batches the loop took in it, and the random state its order was drawn from."""
+
+    epoch: int = 0  # the epoch of the current iteration, or of the next when none has started
+    consumed: int = 0  # batches handed to the loop in this epoch (never what workers prefetched)
+    epoch_start: SourceStates | None = None  # just before the epoch's iter(): the workers' base seed
+    sampler_start: SourceStates | None = None  # just before the sampler drew the epoch's order
+    sampler_epoch: int | None = None  # a DistributedSampler's set_epoch value during this epoch
+
+    def next_epoch(self) -> None:
+        """The epoch is over: the next one starts from the sources as they are then, nothing to restore."""
+        self.epoch, self.consumed = self.epoch + 1, 0
+        self.epoch_start = self.sampler_start = self.sampler_epoch = None
+
+    def to_state(self, shape: LoaderShape) -> dict:
+        return {
+            "version": VERSION,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "epoch_start": None if self.epoch_start is None else self.epoch_start.to_state(),
+            "sampler_start": None if self.sampler_start is None else self.sampler_start.to_state(),
+            "sampler_epoch": self.sampler_epoch,
+            "shape": asdict(shape),
+        }
+
+    @classmethod
+    def from_state(cls, state: object, loader) -> tuple[LoaderPosition, LoaderShape]:
+        """The saved position and shape; a CheckpointError naming the loader for a state not ours."""
+        keys = {"version", "epoch", "consumed", "epoch_start", "sampler_start", "sampler_epoch", "shape"}
+        if not isinstance(state, dict) or not keys <= set(state):
+            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(f"the saved state for the {loader_name(loader)} is not a ResumableLoader's: {found}")
+        if state["version"] != VERSION:
+            raise CheckpointError(
+                f"the {loader_name(loader)} was saved as version {state['version']}, this reads {VERSION}"
+            )
+        position = cls(
+            epoch=int(state["epoch"]),
+            consumed=int(state["consumed"]),
+            epoch_start=SourceStates.from_state(state["epoch_start"]),
+            sampler_start=SourceStates.from_state(state["sampler_start"]),
+            sampler_epoch=state["sampler_epoch"],
+        )
+        return position, LoaderShape(**state["shape"])
+
+
+def length_or_none(dataset) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:  # an IterableDataset without __len__
+        return None

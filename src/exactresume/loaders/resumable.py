@@ -1,0 +1,155 @@
+"""A user's own `DataLoader` (or torchdata `StatefulDataLoader`) as a part whose resume is exact.
+
+    loader = ResumableLoader(DataLoader(dataset, batch_size=32, shuffle=True, num_workers=2))
+    parts = {"model": model, "optimizer": optimizer, "rng": GlobalRng(), "loader": loader}
+    step = store.load(parts) or 0
+    while loader.epoch < epochs:
+        for batch in loader:
+            ...
+            step += 1
+            store.save(step, parts)
+
+The state is the epoch, the batches the loop took in it (counted as they are handed to the loop,
+never what workers prefetched), and the states of the random sources the epoch's order and its
+workers' base seed were drawn from, read just before they were drawn. A load changes nothing at
+once: the next iteration sets those sources back, lets the sampler draw the same order, leaves out
+the index lists of the batches already taken (reading none of their data), and puts the global RNG
+back as the other parts left it, so a `GlobalRng` part loaded after this one is not disturbed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from exactresume.errors import CheckpointError, FieldError
+
+from .caveats import caveat, loader_name, say
+from .position import LoaderPosition, LoaderShape
+from .skipping import SkippingSampler
+from .sources import RandomSources, SourceStates, generators_of
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """How the epoch being started differs from a fresh one: nothing, unless it resumes a loaded one."""
+
+    skip: int = 0  # index lists the sampler leaves out (batches the loop took before the save)
+    sampler_start: SourceStates | None = None  # set just before the sampler draws, when resuming
+    put_back: torch.Tensor | None = None  # the global RNG as the loaded parts left it, set once skipped
+
+
+class ResumableLoader:
+    """Iterate it as the loader it wraps; save and load it as a part (`per_rank`: each rank's own)."""
+
+    per_rank = True  # each rank of a DistributedSampler run has its own position and global RNG
+
+    def __init__(self, loader: DataLoader):
+        if not isinstance(loader, DataLoader):
+            raise FieldError(f"ResumableLoader takes a torch DataLoader, got a {type(loader).__name__}", "loader")
+        self.loader = loader  # the user's, left as it is
+        self.iterable = isinstance(loader.dataset, IterableDataset)
+        self.sources = RandomSources(generators_of(loader))
+        self.position = LoaderPosition()
+        self.plan = EpochPlan()
+        self.resuming = False  # a loaded position waits for the next iteration
+        self.cautioned = False
+        self._iterated = _with_index_sampler(loader, self._first_draw, self._skipped)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being iterated, or the next one: `while loader.epoch < epochs: for batch in loader:`."""
+        return self.position.epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        position, resuming = self.position, self.resuming
+        self.resuming = False
+        if resuming:  # even an epoch saved after its last batch: its generators end where its draws left them
+            self.plan = EpochPlan(position.consumed, position.sampler_start, torch.get_rng_state())
+            _set_sampler_epoch(self.loader, position.sampler_epoch)
+            self.sources.set(position.epoch_start)  # the workers' base seed is drawn from it at iter()
+        else:
+            self.plan = EpochPlan()
+            position.consumed, position.sampler_start = 0, None
+            position.epoch_start, position.sampler_epoch = self.sources.states(), _sampler_epoch(self.loader)
+        batches = iter(self._iterated)
+        if self.iterable and resuming:
+            self._replay(batches, position.consumed)
+        for batch in batches:
+            position.consumed += 1  # before the loop gets it: a save inside the loop body counts it
+            yield batch
+        position.next_epoch()
+
+    def _first_draw(self) -> int:
+        """At the sampler's first draw of an epoch: its sources as they were then; how many to skip."""
+        if self.plan.sampler_start is not None:
+            self.sources.set(self.plan.sampler_start)
+        self.position.sampler_start = self.sources.states()
+        return 0 if self.iterable else self.plan.skip
+
+    def _skipped(self) -> None:
+        if self.plan.put_back is not None and not self.iterable:
+            self.sources.set_global(self.plan.put_back)
+
+    def _replay(self, batches: Iterator, count: int) -> None:
+        """An IterableDataset has no index to skip to: read the batches the loop took, and drop them."""
+        for _ in range(count):
+            next(batches, None)
+        self.sources.set_global(self.plan.put_back)
+
+    def state_dict(self) -> dict:
+        self._caution()
+        return self.position.to_state(LoaderShape.of(self.loader))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Check the loader against the saved one (CheckpointError, nothing changed); restored at next iter()."""
+        position, saved = LoaderPosition.from_state(state, self.loader)
+        changes = LoaderShape.of(self.loader).changes(saved)
+        if changes:
+            raise CheckpointError(f"the {loader_name(self.loader)} is not the one saved: {'; '.join(changes)}")
+        self.position, self.resuming = position, position.epoch_start is not None
+        self._caution()
+
+    def _caution(self) -> None:
+        """Say once, in one line, when this loader's order cannot be restored exactly."""
+        if not self.cautioned:
+            self.cautioned = True
+            message = caveat(self.loader)
+            if message is not None:
+                say(message)
+
+
+def _with_index_sampler(loader: DataLoader, first_draw, skipped) -> DataLoader:
+    """A shallow copy of `loader` whose index sampler is a SkippingSampler around its own."""
+    iterated = copy.copy(loader)
+    iterated._iterator = None  # persistent workers of the user's loader stay the user's
+    # DataLoader.__setattr__ refuses `batch_sampler` and `sampler` after __init__: set past it, on the copy.
+    attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+    object.__setattr__(iterated, attribute, SkippingSampler(getattr(loader, attribute), first_draw, skipped))
+    return iterated
+
+
+def _epoch_holder(loader: DataLoader):
+    """The sampler with `set_epoch` (a DistributedSampler), directly or inside a batch sampler, or None."""
+    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)):
+            return sampler
+    return None
+
+
+def _sampler_epoch(loader: DataLoader) -> int | None:
+    holder = _epoch_holder(loader)
+    return None if holder is None else int(getattr(holder, "epoch", 0))
+
+
+def _set_sampler_epoch(loader: DataLoader, epoch: int | None) -> None:
+    holder = _epoch_holder(loader)
+    if holder is not None and epoch is not None:
+        holder.set_epoch(epoch)

@@ -1,0 +1,223 @@
+"""A user's own DataLoader or StatefulDataLoader, wrapped in a ResumableLoader part, resumes exactly.
+
+Each kind of loader runs tests/loader_programs/loader_run.py: three epochs of 13 batches, a tiny model
+with dropout and AdamW. A straight run is compared with one stopped mid-epoch (step 7), after an
+epoch's last batch (13) and after the next epoch's first batch (14), each stop resumed in a new
+process from a CheckpointStore: every step's samples and the final weights are torch.equal.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from conftest import run_python
+from exactresume import CheckpointError, CheckpointStore, ResumableLoader, UserError
+
+PROGRAM = Path(__file__).parent / "loader_programs" / "loader_run.py"
+STOPS = (7, 13, 14)  # mid-epoch, an epoch's last batch, the next epoch's first: resumed three times
+KINDS = {
+    "shuffle": "shuffle=True, the global RNG",
+    "generator": "shuffle=True, generator=, drop_last",
+    "workers": "shuffle=True, num_workers=2",
+    "persistent": "generator=, num_workers=2, persistent_workers",
+    "distributed": "a DistributedSampler and its set_epoch",
+    "per-sample": "batch_size=None",
+    "stateful": "StatefulDataLoader, generator=, num_workers=2",
+    "stateful-main": "StatefulDataLoader, generator=, num_workers=0",
+    "stateful-global": "StatefulDataLoader, the global RNG",
+    "iterable": "an IterableDataset, replayed",
+}
+
+
+def finished_run(folder: Path, kind: str, stops: tuple[int, ...] = (), *options: object) -> dict:
+    """Run the program with `options`, stopped at each of `stops` in turn, then to its end: what it wrote."""
+    for stop in [*stops, None]:
+        finished = run_python(PROGRAM, folder, kind, *options, *(["--stop", stop] if stop else []))
+        assert finished.returncode == 0, finished.stdout
+    return torch.load(folder / "out.pt")
+
+
+def first_difference(straight: dict, resumed: dict) -> str | None:
+    """'step 8' for the first step whose samples differ, 'the weights' when only they do, else None."""
+    assert len(straight["steps"]) == len(resumed["steps"]) == 39
+    for step, (a, b) in enumerate(zip(straight["steps"], resumed["steps"]), start=1):
+        if not torch.equal(a, b):
+            return f"step {step}"
+    same = all(torch.equal(straight["weights"][name], resumed["weights"][name]) for name in straight["weights"])
+    return None if same else "the weights"
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """Each kind's straight run, made once for the module when first asked for."""
+    made: dict[tuple[str, bool], dict] = {}
+
+    def straight(kind: str, bare: bool = False) -> dict:
+        if (kind, bare) not in made:
+            folder = tmp_path_factory.mktemp(f"straight-{kind}")
+            made[kind, bare] = finished_run(folder, kind, (), *(["--bare"] if bare else []))
+        return made[kind, bare]
+
+    return straight
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_resumed_at_each_stop_equals_straight(kind, straight_runs, tmp_path):
+    resumed = finished_run(tmp_path, kind, STOPS)
+    assert first_difference(straight_runs(kind), resumed) is None, KINDS[kind]
+
+
+def test_killed_at_random_moments_with_saves_every_step(straight_runs, tmp_path):
+    """SIGKILL at random moments (during saves too), each run resuming the last; then a run to the end."""
+    moments = random.Random(37).sample([0.05 * tenth for tenth in range(1, 12)], 6)
+    codes = [run_python(PROGRAM, tmp_path, "shuffle", "--every-step", "--kill-after", seconds) for seconds in moments]
+    assert all(ended.returncode in (0, -9) for ended in codes), [ended.stdout for ended in codes]
+    assert sum(ended.returncode == -9 for ended in codes) >= 3, "too few runs were killed to test anything"
+    resumed = finished_run(tmp_path, "shuffle", (), "--every-step")
+    assert first_difference(straight_runs("shuffle"), resumed) is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "stop", "parts_at"),
+    [
+        ("generator", 7, "step 8"),  # GeneratorPart(g) over a DataLoader: the epoch's start, not the position
+        ("stateful-main", 7, "step 14"),  # StatefulDataLoader(generator=g) as a part: right to the next epoch
+        ("stateful-global", 7, "the weights"),  # without generator=: the batches, not the global RNG after them
+    ],
+)
+def test_bare_loaders_part_where_the_docs_say(kind, stop, parts_at, straight_runs, tmp_path):
+    """Why the wrapper exists: the same loaders saved as users save them without it are not exact."""
+    resumed = finished_run(tmp_path, kind, (stop,), "--bare")
+    assert first_difference(straight_runs(kind, bare=True), resumed) == parts_at
+
+
+@pytest.mark.parametrize("kind", ["generator", "stateful-main", "stateful-global"])
+def test_wrapping_changes_no_batch(kind, straight_runs):
+    """A loop that starts using ResumableLoader draws the batches it drew before, and trains alike."""
+    assert first_difference(straight_runs(kind, bare=True), straight_runs(kind)) is None
+
+
+class Numbered(torch.utils.data.Dataset):
+    def __init__(self, length: int):
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        return torch.tensor([index], dtype=torch.float32)
+
+
+def saved_after_three(loader: ResumableLoader) -> dict:
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("now", "changed"),
+    [
+        (DataLoader(Numbered(24), batch_size=2, shuffle=True), "its dataset_length is 24, 26 when saved"),
+        (DataLoader(Numbered(26), batch_size=2, shuffle=False), "its sampler is 'SequentialSampler in BatchSampler'"),
+        (DataLoader(Numbered(26), batch_size=3, shuffle=True), "its batch_size is 3, 2 when saved"),
+    ],
+)
+def test_a_changed_loader_is_refused_and_nothing_is_loaded(now, changed, tmp_path):
+    model = torch.nn.Linear(1, 1)
+    store = CheckpointStore(tmp_path, keep=1)
+    store.save(1, {"model": model, "loader": ResumableLoader(DataLoader(Numbered(26), batch_size=2, shuffle=True))})
+    store.close()
+    other = torch.nn.Linear(1, 1)
+    weights = {name: tensor.clone() for name, tensor in other.state_dict().items()}
+    with pytest.raises(CheckpointError) as refused:
+        CheckpointStore(tmp_path, keep=1).load({"model": other, "loader": ResumableLoader(now)})
+    assert changed in str(refused.value) and "\n" not in str(refused.value)
+    assert "DataLoader over Numbered" in str(refused.value)
+    assert all(torch.equal(weights[name], tensor) for name, tensor in other.state_dict().items())
+
+
+def test_a_state_not_a_resumable_loaders_is_refused():
+    with pytest.raises(CheckpointError, match="is not a ResumableLoader's"):
+        ResumableLoader(DataLoader(Numbered(4))).load_state_dict({"_num_yielded": 3})
+
+
+def test_only_a_data_loader_is_wrapped():
+    with pytest.raises(UserError, match="takes a torch DataLoader, got a list"):
+        ResumableLoader([1, 2, 3])
+
+
+class CursorSampler(Sampler):
+    """A sampler of a user's own whose order comes from python's random: nothing the part restores."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        return iter(random.sample(range(self.length), self.length))
+
+
+class Counting(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return (torch.tensor([index]) for index in range(6))
+
+
+@pytest.mark.parametrize(
+    ("loader", "said"),
+    [
+        (DataLoader(Numbered(6), batch_size=2, sampler=CursorSampler(6)), "draws its order from CursorSampler"),
+        (DataLoader(Counting(), batch_size=2), "reads an IterableDataset"),
+    ],
+)
+def test_a_loader_that_cannot_resume_exactly_says_so_once(loader, said, capsys):
+    part = ResumableLoader(loader)
+    for _ in range(3):
+        state = saved_after_three(part) if said.startswith("draws") else part.state_dict()
+    ResumableLoader(loader).load_state_dict(state)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("exactresume: the DataLoader over") for line in lines), lines
+    assert said in lines[0]
+
+
+def test_a_torch_sampler_says_nothing(capsys):
+    part = ResumableLoader(DataLoader(Numbered(26), batch_size=2, shuffle=True))
+    part.load_state_dict(saved_after_three(part))
+    assert capsys.readouterr().err == ""
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Sample i plus a random draw made in the worker that reads it (random augmentation)."""
+
+    def __len__(self) -> int:
+        return 26
+
+    def __getitem__(self, index: int):
+        return torch.tensor([float(index)]) + torch.rand(1)
+
+
+def test_augmentation_in_workers_repeats_from_an_epoch_start_only():
+    """What docs/loaders.md says of random draws inside workers: the same after a resume at an epoch's
+    start (the workers get the same seeds), not mid-epoch (a worker's RNG has moved with what it read)."""
+    make = lambda: ResumableLoader(DataLoader(Augmented(), batch_size=2, shuffle=True, num_workers=2))
+    torch.manual_seed(0)
+    straight, seen, saved = make(), [], {}
+    while straight.epoch < 2:
+        for batch in straight:
+            seen.append(batch)
+            if len(seen) in (7, 13):
+                saved[len(seen)] = straight.state_dict(), torch.get_rng_state()
+    for stop, repeats in ((7, False), (13, True)):
+        resumed = make()
+        resumed.load_state_dict(saved[stop][0])
+        torch.set_rng_state(saved[stop][1])
+        again = [batch for _ in range(2 - resumed.epoch) for batch in resumed]
+        assert all(torch.equal(a.floor(), b.floor()) for a, b in zip(seen[stop:], again, strict=True))  # the order
+        assert all(torch.equal(a, b) for a, b in zip(seen[stop:], again)) is repeats
