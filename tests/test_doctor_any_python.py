@@ -9,6 +9,7 @@ over an IterableDataset. The doctor's cases run side by side (it mostly waits on
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -174,7 +175,7 @@ def test_a_verdict_says_what_the_doctor_lost_sight_of(cases):
     diagnosis = case["facts"]["diagnosis"]
     assert case["code"] == 0 and diagnosis["cause"] == "exact" and diagnosis["missing"] == []
     assert diagnosis["headline"].endswith(
-        "it lost sight of the batch, lr, optimizer hyperparameters and 9 more from step 6"
+        "it lost sight of the batch, lr, optimizer hyperparameters and 11 more from step 6"
     )
     lost = {(row["run"], row["what"]) for row in diagnosis["lost"]}
     assert ("straight", "the batch") in lost and all(row["step"] >= 6 for row in diagnosis["lost"])
@@ -214,3 +215,13 @@ def test_the_standard_library_hash_sees_what_xxh3_sees():
         assert len({fp.digest(a), fp.digest(a.half()), fp.digest(a.reshape(2, 3)), fp.digest(a + 1)}) == 4
     finally:
         fp.new_hasher, fp.HASH = saved
+
+
+def test_the_standard_library_hash_can_be_forced_where_xxhash_is_installed():
+    pytest.importorskip("xxhash")
+    ask = [sys.executable, "-c", "from exactresume.doctor.tracer import fingerprint as f; print(f.HASH)"]
+    hashes = [
+        subprocess.run(ask, env=os.environ | extra, capture_output=True, text=True, check=True).stdout.strip()
+        for extra in ({"EXACTRESUME_TRACE_HASH": "blake2b"}, {"EXACTRESUME_TRACE_HASH": ""})
+    ]
+    assert hashes == ["blake2b-64", "xxh3_64"]

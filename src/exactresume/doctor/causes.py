@@ -7,62 +7,18 @@ the files the resumed run loaded. The first rule that applies names the cause.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-from exactresume.doctor.examine import Runs
+from exactresume.doctor.context import Context, later, listed, position_evidence
+from exactresume.doctor.forward import buffers_only, forward_state, optimizer_order
+from exactresume.doctor.streaming import stream
 
 HALF = ("torch.float16", "torch.bfloat16")
 
 
-@dataclass
-class Context:
-    runs: Runs
-    index: int  # 0 at the first resumed step
-    straight: dict
-    resumed: dict
-    diff: list[str]
-    ahead: int | None = None  # the first step where only a sampler's or an RNG's state differed
-
-    @property
-    def step(self) -> int:
-        return self.runs.resume_step + self.index + 1
-
-    def loaded(self) -> list[dict]:
-        paths = {load["path"] for load in self.runs.resumed.loads}
-        return [f for f in self.runs.files if f["path"] in paths]
-
-    def unsaved(self, kind: str) -> list[dict]:
-        """The live objects of `kind` that none of the files saved at the resume step holds."""
-        rows = self.live(kind)
-        saved = {r["name"] for r in rows if r["saved"]}
-        return [r for r in rows if r["name"] not in saved]
-
-    def live(self, kind: str) -> list[dict]:
-        return [r for f in self.runs.files for r in f["live"] or [] if r["kind"] == kind]
-
-    def draws(self) -> bool:
-        """Whether the model draws random numbers in its forward (a dropout), as the checkpoint was saved."""
-        return any(f.get("dropout") for f in self.runs.files)
-
-    def resumed_events(self, kind: str) -> list[dict]:
-        """The resumed run's `kind` events before its first step, in order (iterators made, RNG states set)."""
-        return [e for e in self.runs.resumed.first.events if e["event"] == kind and e["step"] == 0]
-
-    def rng_then_iterator(self) -> bool:
-        """The resumed run set the torch RNG, then a DataLoader drew from it as its iterator was made."""
-        events = [e for e in self.runs.resumed.first.events if e["step"] == 0]
-        sets = [i for i, e in enumerate(events) if e["event"] == "rng_set"]
-        return bool(sets) and any(e["event"] == "iter" and e["drew"] for e in events[sets[0] :])
-
-    def straight_step_with(self, name: str, value) -> int | None:
-        """The first straight step whose fingerprint `name` equals `value`."""
-        return next((s["step"] for s in self.runs.straight.steps if s.get(name) == value), None)
-
-
 def cause_of(c: Context) -> tuple[str, str, list[str]]:
-    rules = (accumulation_window, weights, weights_only, batch_randomness, generator_behind, rng_batches)
-    rules += (data_position, schedule, rng)
+    rules = (accumulation_window, optimizer_order, weights, weights_only, batch_randomness, generator_behind)
+    rules += (rng_batches, stream, data_position, schedule, rng, forward_state, buffers_only)
     for rule in (*rules, optimizer, scaler):
         found = rule(c)
         if found:
@@ -72,19 +28,10 @@ def cause_of(c: Context) -> tuple[str, str, list[str]]:
 
 def also(c: Context, first: str) -> tuple[str, str, list[str]] | None:
     """A second cause that parts at the same step: the forward's randomness, once the data is named."""
-    if first not in ("data_position_lost", "epoch_lost", "weights_only") or not c.draws():
+    data = ("data_position_lost", "epoch_lost", "weights_only", "stream_position_lost", "shuffle_buffer_lost")
+    if first not in (*data, "stream_rng_lost") or not c.draws():
         return None
     return rng(c, data_too=True)
-
-
-def later(c: Context) -> str:
-    """How a cause found after the first resumed step begins: where the runs were still equal."""
-    if c.index == 0:
-        return ""
-    steps = c.runs.straight.steps
-    epochs = [s.get("sampler_epochs") for s in steps[c.step - 2 : c.step]]
-    boundary = " (an epoch boundary)" if len(epochs) == 2 and epochs[0] != epochs[1] else ""
-    return f"equal through step {c.step - 1}, then at step {c.step}{boundary}: "
 
 
 def accumulation_window(c: Context):
@@ -151,24 +98,9 @@ def weights_only(c: Context):
 NAMES_LOST = {"batch": "the data position", "lr": "the lr schedule", "optim": "the optimizer state"}
 
 
-def listed(items: list[str]) -> str:
-    """'a', 'a and b', 'a, b and c'."""
-    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 2 else items)
-
-
 def flat_state(f: dict) -> bool:
     """A bare model.state_dict(): every top-level key is a tensor."""
     return bool(f["keys"]) and {t["key"] for t in f["tensors"]} == set(f["keys"])
-
-
-def position_evidence(c: Context) -> list[str]:
-    found = c.straight_step_with("batch", c.resumed["batch"])
-    if found == 1:
-        return [f"restarted from the first batch: the resumed step {c.step} drew step 1's batch"]
-    if found:
-        gap = f"{c.step - found} steps back" if found < c.step else f"{found - c.step} steps ahead"
-        return [f"the resumed step {c.step} drew the batch of step {found} ({gap})"]
-    return [f"the resumed step {c.step} drew a batch the straight run never drew: the order was reshuffled"]
 
 
 def data_position(c: Context):

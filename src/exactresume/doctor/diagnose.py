@@ -19,10 +19,12 @@ from exactresume.doctor.examine import Runs
 from exactresume.doctor.fixes import fix_for, framework_fix
 from exactresume.doctor.ranks import diagnose_ranks
 
-FIELDS = ("batch", "lr", "hparams", "params", "grads", "optim", "scaler", "data")
+FIELDS = ("batch", "lr", "hparams", "params", "grads", "optim", "scaler", "data", "layout", "buffers")
 RNG_FIELDS = ("rng_torch", "rng_cuda", "rng_numpy", "rng_python")
 DECISIVE = ("batch", "lr", "hparams", "params", "grads", "optim")
-AHEAD = {"data", *RNG_FIELDS}  # states that change a step only through what it draws: the batch, a dropout
+# states that change a step only through what it draws or reads (the batch, a dropout, a running statistic),
+# and the optimizer's order of the same parameters, which changes a step only through where its state lands
+AHEAD = {"data", "layout", "buffers", *RNG_FIELDS}
 NAMES = {
     "batch": "batch",
     "lr": "lr",
@@ -32,6 +34,8 @@ NAMES = {
     "optim": "optimizer state after the step",
     "scaler": "GradScaler state",
     "data": "DataLoader sampler state",
+    "layout": "optimizer's parameter order",
+    "buffers": "model's buffers",
     "rng_torch": "torch RNG",
     "rng_cuda": "CUDA RNG",
     "rng_numpy": "numpy RNG",
@@ -133,6 +137,9 @@ def first_difference(runs: Runs, fields: tuple, notes: list[str]) -> Diagnosis |
             continue
         if diff:
             return resume_difference(Context(runs, index, a, b, diff, ahead), notes)
+    if "buffers" in early:  # the resumed model holds other buffers, whatever the steps compared show
+        index = ahead - runs.resume_step - 1
+        return resume_difference(Context(runs, index, straight[ahead - 1], runs.resumed.steps[index], early), notes)
     if ahead:
         said = " and ".join(f"the {NAMES[f]}" for f in early) + (" differs" if len(early) == 1 else " differ")
         notes.append(
@@ -243,11 +250,14 @@ FIXES = {
     "grad_scaler": "save scaler.state_dict() and call scaler.load_state_dict() on resume",
     "generator": "save the generator's get_state() at the epoch's start and set_state() it before iterating",
     "global_rng": "save torch.get_rng_state() (and the numpy, python, CUDA states) and set them on resume",
+    "stream": fix_for("stream_position_lost", None),
+    "stream_rng": "save the generator's get_state() with the stream's position and set_state() it on resume",
 }
 STORE_FIX = "or make it a part of exactresume's CheckpointStore"
 
 
 KIND_CAUSES = {"global_rng": "rng_lost", "lr_scheduler": "scheduler_lost", "generator": "data_position_lost"}
+KIND_CAUSES |= {"stream": "stream_position_lost", "stream_rng": "stream_rng_lost"}
 
 
 def missing_state(runs: Runs, framework: str | None = None) -> list[dict]:
@@ -257,7 +267,7 @@ def missing_state(runs: Runs, framework: str | None = None) -> list[dict]:
     for file in runs.files:
         for row in file["live"] or []:
             key = (row["kind"], row["name"])
-            if row["saved"]:
+            if row["saved"] or row["kind"] == "forward_module":  # named by the cause only where the forward part
                 saved.add(key)
                 continue
             fix = framework_fix(KIND_CAUSES.get(row["kind"], ""), framework)

@@ -29,16 +29,50 @@ FIXES: dict[tuple[str, str | None], str] = {
     ("data_position_lost", None): (
         "save the sampler's state (its generator's get_state() at the epoch's start, or its epoch) with the "
         "checkpoint and restore it before iterating, then skip the batches already seen"
+        "; or, in a loop of your own, wrap the DataLoader in exactresume.ResumableLoader and save it as a part "
+        "(docs/loaders.md)"
     ),
     ("generator_behind", None): (
         "give the sampler a generator of its own, apart from the DataLoader's: StatefulDataLoader(data, "
         "sampler=torchdata.stateful_dataloader.sampler.RandomSampler(data, generator=torch.Generator()"
         ".manual_seed(SEED)), generator=torch.Generator().manual_seed(SEED + 1))"
+        "; or, in a loop of your own, wrap the loader in exactresume.ResumableLoader and save it as a part "
+        "(docs/loaders.md)"
     ),
     ("rng_batches", None): (
         "save torch.get_rng_state() as it stands before the coming batch is drawn (before a prefetch draws it) and "
         "set it back before the resumed run draws its first batch; or draw the batches from a torch.Generator of "
         "their own and save its get_state()"
+    ),
+    ("stream_position_lost", None): (
+        "save ds.state_dict() in the checkpoint and call ds.load_state_dict() on resume, before iterating (with "
+        "num_workers > 0, through torchdata's StatefulDataLoader, whose state_dict() holds it); it keeps the "
+        "stream's position but not a .shuffle(buffer_size=) buffer's content: for an exact resume, shuffle the "
+        "map-style Dataset before to_iterable_dataset() instead"
+        "; or save exactresume.ResumableStream(ds) as a part, which resumes a shuffle buffer exactly (docs/loaders.md)"
+    ),
+    ("shuffle_buffer_lost", None): (
+        "datasets does not save a shuffle buffer's content: for an exact resume, drop .shuffle(buffer_size=) on the "
+        "stream and shuffle the map-style Dataset before to_iterable_dataset() (Dataset.shuffle(seed=) permutes its "
+        "indices, which ds.state_dict() then resumes exactly)"
+        "; or save exactresume.ResumableStream(ds) as a part, which resumes a shuffle buffer exactly (docs/loaders.md)"
+    ),
+    ("stream_rng_lost", None): (
+        "save the stream's shuffle generator's get_state() with its position, and set_state() it on resume "
+        "before the stream draws"
+    ),
+    ("forward_module_lost", None): (
+        "save that module's state_dict() in the checkpoint and load_state_dict() it on resume (an EMA or averaged "
+        "copy: never rebuild it from the resumed weights)"
+    ),
+    ("buffers_lost", None): (
+        "save model.state_dict(), which holds the buffers too, not only its parameters, and load it back with "
+        "model.load_state_dict()"
+    ),
+    ("forward_state", None): "save and restore every module and value the forward reads, not only the trained weights",
+    ("optimizer_misplaced", None): (
+        "build the optimizer's param groups from the parameters in the same order on resume as when it was saved "
+        "(sorted by name, say): optimizer.load_state_dict() matches them by position"
     ),
     ("epoch_lost", None): "save the epoch and call sampler.set_epoch(epoch) before iterating on resume",
     ("rng_after_iterator", None): (

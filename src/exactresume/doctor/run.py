@@ -219,7 +219,7 @@ def sort_event(process: Process, event: dict) -> None:
         process.loads.append(event)
     elif kind == "end":
         process.end = event["code"]
-    elif kind in ("iter", "rng_set", "loader"):
+    elif kind in ("iter", "rng_set", "loader", "layout"):
         process.events.append(event)
     elif kind == "lost":
         process.lost.append(event)

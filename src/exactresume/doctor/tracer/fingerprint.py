@@ -2,13 +2,15 @@
 
 The tracer runs in the user's Python, which may have torch and nothing else: the hash is xxh3 where
 xxhash is importable, BLAKE2b (the standard library) otherwise, chosen once as the tracer starts (so
-in every run of one doctor, which share a Python); numpy is used only once the script has loaded it.
+in every run of one doctor, which share a Python and environment; EXACTRESUME_TRACE_HASH=blake2b, a
+variable the warm fork server keeps, forces BLAKE2b); numpy is used only once the script has loaded it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import random
 import sys
 from collections.abc import Iterable, Iterator
@@ -27,14 +29,20 @@ def stdlib_hasher():
     return hashlib.blake2b(digest_size=8)
 
 
-# The hash every fingerprint of this process uses, and its name (each trace's start event says it).
-new_hasher, HASH = (xxhash.xxh3_64, "xxh3_64") if xxhash is not None else (stdlib_hasher, "blake2b-64")
-
-
-def use_stdlib_hash() -> None:
-    """Hash with BLAKE2b even where xxhash is installed: what a Python without xxhash costs (the bench)."""
+def use_stdlib_hash(stdlib: bool = True) -> None:
+    """Hash with BLAKE2b even where xxhash is installed (what a Python without xxhash costs: the bench), or
+    with xxh3 again where it is (`stdlib=False`)."""
     global new_hasher, HASH
-    new_hasher, HASH = stdlib_hasher, "blake2b-64"
+    if stdlib or xxhash is None:
+        new_hasher, HASH = stdlib_hasher, "blake2b-64"
+    else:
+        new_hasher, HASH = xxhash.xxh3_64, "xxh3_64"
+
+
+# The hash every fingerprint of this process uses, and its name (each trace's start event says it);
+# EXACTRESUME_TRACE_HASH=blake2b forces the standard library's, as in a Python without xxhash.
+new_hasher, HASH = stdlib_hasher, "blake2b-64"
+use_stdlib_hash(os.environ.get("EXACTRESUME_TRACE_HASH") == "blake2b")
 
 
 HEADERS: dict[tuple, bytes] = {}  # (dtype, shape) -> its header, made once: a step hashes ~100 tensors

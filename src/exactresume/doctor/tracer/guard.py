@@ -12,7 +12,7 @@ attempted at or after that optimizer step, as a bug of the tracer's would.
 from __future__ import annotations
 
 RNG = ("rng_torch", "rng_cuda", "rng_numpy", "rng_python")
-EVERY = ("batch", "lr", "hparams", "params", "grads", "optim", "scaler", "data", *RNG)
+EVERY = ("batch", "lr", "hparams", "params", "grads", "optim", "scaler", "data", "layout", "buffers", *RNG)
 
 # What a hook looks at -> the step fingerprints that are blind without it.
 SIGHT: dict[str, tuple[str, ...]] = {
@@ -22,6 +22,8 @@ SIGHT: dict[str, tuple[str, ...]] = {
     "the loss": (),
     "the gradients": ("grads",),
     "the weights": ("params",),
+    "the parameters' order": ("layout", "params", "grads", "optim"),  # the optimizer's order instead
+    "the models' buffers": ("buffers",),
     "the lr and hyperparameters": ("lr", "hparams"),
     "the sampler's state": ("data",),
     "the DataLoaders": ("data",),

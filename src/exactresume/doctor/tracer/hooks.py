@@ -12,10 +12,12 @@ Environment (set by the doctor):
 
 A record per step holds the fingerprints of: the batch (the inputs of the outermost training
 forward calls of the step), each param group's lr and hyperparameters, the parameters before the
-step, the gradients, the optimizer state after it, the RNG states, the drawing sampler's state and
-the GradScalers' state; plus the loss passed to backward() and what drew from the global torch RNG
-since the last step. A closure-style step (`optimizer.step(closure)`, as Lightning and LBFGS do)
-gets the batch, loss and gradients of the forward and backward its closure runs first.
+step, the gradients, the optimizer state after it (these three in the models' order: prints.py), the
+RNG states, the drawing sampler's state, the GradScalers' state, the trained models' buffers after the
+forward and the optimizer's layout (its groups' parameter names); plus the loss passed to backward()
+and what drew from the global torch RNG since the last step. A closure-style step
+(`optimizer.step(closure)`, as Lightning and LBFGS do) gets the batch, loss and gradients of the
+forward and backward its closure runs first.
 
 Each fingerprint is computed on its own, through the guard (guard.py): one that fails is reported
 once, from its step on, and the others go on; the step is counted whatever failed.
@@ -35,6 +37,7 @@ from . import fingerprint as fp
 from .files import Files
 from .guard import Guard
 from .live import Live, coverage
+from .prints import BEFORE_STEP, Order, buffers, gradients, optimizer_state
 
 FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "pytorch_lightning": "lightning"}
 FRAMEWORKS |= {"lightning": "lightning", "lightning_fabric": "lightning"}
@@ -63,6 +66,7 @@ class Tracer(Guard):
         self.idle = False  # the optimizer step under way trains nothing (idle_step): not counted
         self.armed = False
         self.has_params: dict[int, bool] = {}
+        self.order, self.layouts = Order(), set()
         self.described = ""
         rank = {name.lower(): int(os.environ[name]) for name in ("RANK", "WORLD_SIZE") if name in os.environ}
         self.write({"event": "start", "pid": os.getpid(), "argv": sys.argv[:1], "hash": fp.HASH} | rank)
@@ -91,6 +95,8 @@ class Tracer(Guard):
         if self.has_params[key] and module.training and torch.is_grad_enabled():
             self.live.models.add(module)
             self.micro.append(fp.digest(args, kwargs))
+        elif self.has_params[key]:  # a frozen or averaged copy the loss reads, or an evaluation
+            self.live.read.add(module)
 
     def on_backward(self, tensor) -> None:
         if tensor.numel() == 1:
@@ -137,7 +143,8 @@ class Tracer(Guard):
         if self.step >= self.limit:
             self.end(CUT)
         self.record, self.forwarded = {"event": "step", "step": self.step + 1}, False
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = self.attempt("the parameters' order", self.order.of, optimizer, self.live.models, default=None)
+        params = params[0] if params else [p for g in optimizer.param_groups for p in g["params"]]
         for what, fingerprint in BEFORE_STEP:
             self.record |= self.attempt(what, fingerprint, self, optimizer, params, default={})
         # args holds the optimizer itself first, then step()'s own arguments
@@ -146,6 +153,16 @@ class Tracer(Guard):
             self.attempt("the batch", self.after_forward, params)
             return None
         return self.attempt("the closure's forward", self.with_closure, args, kwargs, self.closing(closure, params))
+
+    def laid_out(self, optimizer, record: dict) -> list:
+        """The optimizer's parameters in the models' order; `record` gets the groups' layout, and the trace
+        its names the first time it is seen. After the step's forward: a closure's runs inside step()."""
+        params, layout, names = self.order.of(optimizer, self.live.models)
+        record["layout"] = layout
+        if layout not in self.layouts:
+            self.layouts.add(layout)
+            self.write({"event": "layout", "step": self.step, "layout": layout, "groups": names})
+        return params
 
     def with_closure(self, args, kwargs, wrapped):
         if "closure" in kwargs:
@@ -172,6 +189,7 @@ class Tracer(Guard):
             "drew": sorted(set(self.drew)),
         }
         self.record |= self.attempt("the gradients", gradients, params, default={})
+        self.record |= self.attempt("the models' buffers", buffers, self.live, default={})
 
     def after_step(self, optimizer, args, kwargs) -> None:
         if self.primary is None:  # its before_step failed: the step still counts
@@ -183,10 +201,11 @@ class Tracer(Guard):
             return
         record = self.record or {"event": "step", "step": self.step + 1}  # {}: its before_step failed
         try:
+            params = self.attempt("the parameters' order", self.laid_out, optimizer, record, default=None)
+            params = params if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
             if self.record and not self.forwarded:  # a closure the optimizer never called
-                params = [p for group in optimizer.param_groups for p in group["params"]]
                 self.attempt("the batch", self.after_forward, params)
-            record |= self.attempt("the optimizer state", optimizer_state, optimizer, default={})
+            record |= self.attempt("the optimizer state", optimizer_state, optimizer, params, default={})
         finally:  # the step counts whatever failed: the cut and the crash go by the count
             self.step += 1
             self.record, self.forwarded, self.micro, self.losses, self.drew, self.fetched = {}, False, [], [], [], 0
@@ -282,61 +301,3 @@ def file_path(file) -> str | None:
             return os.path.abspath(name)
     path = getattr(file, "path", None)  # fsspec's local files
     return os.path.abspath(path) if isinstance(path, str) else None
-
-
-# -- the fingerprints of a step, each computed on its own: one that fails leaves the others ------------
-
-
-def settings(tracer: Tracer, optimizer, params) -> dict:
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {
-        "lr": [float(g.get("lr", 0.0)) for g in groups],
-        "hparams": fp.settings_digest([{k: v for k, v in g.items() if k != "lr"} for g in groups]),
-    }
-
-
-def weights(tracer: Tracer, optimizer, params) -> dict:
-    """The weights' fingerprint, and their sample appended to the weights file (`sample`: its length)."""
-    found, sample = fp.digest(params), fp.weight_sample(params)
-    if sample.numel():
-        tracer.weights.write(fp.raw(sample))
-    return {"params": found, "sample": sample.numel()}
-
-
-def data(tracer: Tracer, optimizer, params) -> dict:
-    rows = tracer.live.data_state()
-    return {
-        "data": fp.digest(rows),
-        "sampler_epochs": [row[1] for row in rows],
-        "generators": [state for row in rows for state in row[2]],
-    }
-
-
-def scalers(tracer: Tracer, optimizer, params) -> dict:
-    enabled = [s for s in list(tracer.live.scalers) if s.is_enabled()]
-    return {"scaler": fp.digest([s.state_dict() for s in enabled]), "scale": [float(s.get_scale()) for s in enabled]}
-
-
-def rngs(tracer: Tracer, optimizer, params) -> dict:
-    found = fp.rng_digests()
-    tracer.live.rng_seen.append(found["rng_torch"])
-    return found
-
-
-BEFORE_STEP = (
-    ("the lr and hyperparameters", settings),
-    ("the weights", weights),
-    ("the sampler's state", data),
-    ("the GradScalers' state", scalers),
-    ("the RNG states", rngs),
-)
-
-
-def gradients(params) -> dict:
-    return {"grads": fp.digest([p.grad for p in params])}
-
-
-def optimizer_state(optimizer) -> dict:
-    states = [optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state]
-    counters = [float(s["step"]) for s in states[:1] if "step" in s]
-    return {"optim": fp.digest(states), "optim_step": counters[0] if counters else None}

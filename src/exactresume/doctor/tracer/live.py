@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from . import order
+from . import order, streams
 from .fingerprint import HALF_DTYPES, dicts_in, digest, tensors_in
 
 
@@ -37,6 +37,33 @@ class Live:
         # the torch RNG's states at the moments the tracer sees (each step, each training forward's end): a
         # file holding one of them holds the RNG as the script kept it (before a prefetch drew, say)
         self.rng_seen: deque[str] = deque(maxlen=32)
+        self.read: weakref.WeakSet = weakref.WeakSet()  # modules with parameters run without training
+        self.modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its (prefix, module)s
+        self.outer: tuple[int, list] = (-1, [])  # the outermost models, as of that many models seen
+
+    def buffers(self) -> str:
+        """A digest of the saved buffers (not the non-persistent ones) of the outermost models that train,
+        by name: the same in every run, whatever order the set of models iterates in."""
+        if self.outer[0] != len(self.models):
+            self.outer = (len(self.models), outermost(list(self.models)))
+        digests = []
+        for model in self.outer[1]:
+            if model not in self.modules:  # its modules listed once
+                self.modules[model] = list(model.named_modules())
+            named = [
+                (f"{prefix}.{n}" if prefix else n, b)
+                for prefix, m in self.modules[model]
+                for n, b in m._buffers.items()
+                if b is not None and n not in m._non_persistent_buffers_set
+            ]
+            digests.append(digest(sorted(named, key=lambda nb: nb[0])))
+        return digest(sorted(digests))
+
+    def read_only(self) -> list:
+        """The outermost modules with parameters that ran forward without training and are no part of a model
+        that trains: a frozen or averaged copy of the model that the loss reads (or one only evaluated)."""
+        trained = {id(m) for model in list(self.models) for m in model.modules()}
+        return outermost([m for m in list(self.read) if id(m) not in trained])
 
     def saw_rng(self) -> None:
         self.rng_seen.append(digest(torch.get_rng_state()))
@@ -103,6 +130,12 @@ class Live:
         return [order.state(loader) for loader in drawing]
 
 
+def outermost(modules: list) -> list:
+    """The modules no other of `modules` holds."""
+    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    return [m for m in modules if id(m) not in inner]
+
+
 def fresh_seed(gen: torch.Generator) -> int | None:
     """The seed a generator was just set to (its state is manual_seed(initial_seed())'s), else None."""
     seed = gen.initial_seed()
@@ -130,6 +163,7 @@ def coverage(saved, live: Live) -> list[dict]:
     halves = {(tuple(t.shape)) for _, t in tensors_in(saved) if str(t.dtype) in HALF_DTYPES}
     dicts = list(dicts_in(saved))
     rows = [model_row(m, held, halves) for m in list(live.models)]
+    rows += [read_row(m, held) for m in live.read_only()]
     for opt in list(live.optimizers):
         found = any("state" in d and "param_groups" in d for d in dicts)
         tensors = [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
@@ -144,6 +178,8 @@ def coverage(saved, live: Live) -> list[dict]:
     kept = any(TORCHDATA_KEYS & set(d) for d in dicts)  # a StatefulDataLoader's state_dict() is in the file
     for loader in live.drawing():
         rows.extend(loader_rows(loader, live, held, kept))
+        if order.iterable(loader):
+            rows.extend(streams.rows(loader.dataset, saved, held))
     if live.dropout():
         found = digest(torch.get_rng_state()) in held or any(state in held for state in live.rng_seen)
         rows.append(
@@ -167,7 +203,27 @@ def model_row(model, held: set, halves: set) -> dict:
     rounded = [k for k in missing if tuple(state[k].shape) in halves]
     if rounded:
         return row("model", model, False, f"{len(rounded)} of {len(state)} tensors stored in half precision")
-    return row("model", model, False, f"{len(missing)} of {len(state)} tensors not in the file")
+    params = {name for name, _ in model.named_parameters()}
+    buffers = [k for k in missing if k not in params]
+    found = row("model", model, False, f"{len(missing)} of {len(state)} tensors not in the file")
+    if buffers and len(buffers) == len(missing):
+        found["detail"] = f"its buffers are not in the file: {', '.join(buffers[:4])}" + (" ..." * (len(buffers) > 4))
+    return found | {"buffers": buffers}
+
+
+def read_row(module, held: set) -> dict:
+    """A module the forward runs without training: saved when the file holds every tensor of its state."""
+    state = module.state_dict()
+    missing = [k for k, t in state.items() if digest(t) not in held]
+    name = f"{type(module).__name__} {main_name(module)}".rstrip()
+    detail = f"{len(missing)} of {len(state)} tensors not in the file" if missing else ""
+    return {"kind": "forward_module", "name": name, "saved": not missing, "detail": detail}
+
+
+def main_name(obj) -> str:
+    """The script's own name for `obj` (a global of __main__), in quotes, or ''."""
+    names = [k for k, v in vars(sys.modules.get("__main__", sys)).items() if v is obj and not k.startswith("_")]
+    return f"'{names[0]}'" if names else ""
 
 
 # The keys of torchdata's StatefulDataLoader state_dict(), with its workers and without

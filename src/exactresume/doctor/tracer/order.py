@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from . import streams
 from .fingerprint import digest
 
 SEEDED = ("seed", "initial_seed")  # samplers whose order is a function of a seed and set_epoch's epoch
@@ -89,7 +90,7 @@ def draws_from(loader) -> str:
     """What the drawing sampler's order is a function of, in words."""
     sampler = drawer(loader)
     if iterable(loader):
-        return f"an IterableDataset ({type(loader.dataset).__name__}) that yields its own order"
+        return streams.words(loader.dataset)
     if stateful(loader) and not unkept(sampler):
         return f"a {type(loader).__name__} over a {type(sampler).__name__} (its position is in its state_dict())"
     words = sampler_words(sampler)
