@@ -1,8 +1,8 @@
 """Resume-file figures: a sealed save and a verified load vs the disk and vs plain torch moving the same bytes.
 
-Save: `save_resume` (atomic: tmp file, fsync, rename, folder fsync; checksummed) vs one `write` of as
+Save: `save_resume_file` (atomic: tmp file, fsync, rename, folder fsync; checksummed) vs one `write` of as
 many bytes from a warm buffer plus `fsync`, and vs a plain `torch.save` + `fsync` of the same state;
-safetensors on the same tensors for comparison. Load: `read_resume` (checksum, then deserialize) vs
+safetensors on the same tensors for comparison. Load: `read_resume_file` (checksum, then deserialize) vs
 reading the file's bytes into newly allocated memory, and vs a plain `torch.load` of the plain
 `torch.save` file followed by the xxh3 of its bytes; all from the page cache (the files were just
 written). On this VM fresh memory costs about as much as the copy (MACHINE-NOTES), and torch.load's
@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from exactresume.atomic import fsync_path
 from exactresume.config import TrainConfig
 from exactresume.core.data import ensure_data, load_tokens
-from exactresume.store.resume import capture, read_resume, save_resume
+from exactresume.store.resume import capture, read_resume_file, save_resume_file
 from exactresume.training.loop import Run, build_run, train_step
 
 from .measure import Trial, interleave, load_average, ratio, timed
@@ -124,13 +124,13 @@ def removing(path: Path, action) -> Trial:
 
 def bench_save(run: Run, folder: Path, reps: int) -> dict:
     resume, state, preset = folder / "resume.pth", capture(run.parts()), run.config.preset
-    save_resume(resume, run.parts())
+    save_resume_file(resume, run.parts())
     size = resume.stat().st_size
     disk_buffer = torch.ones(size, dtype=torch.uint8)  # touched: warm memory, like the state's tensors
     flat = flat_tensors(state)
     paths = {name: folder / f"{name}.bin" for name in ("disk", "torch_save", "safetensors")}
     trials = {
-        "sealed": removing(resume, lambda: save_resume(resume, run.parts())),
+        "sealed": removing(resume, lambda: save_resume_file(resume, run.parts())),
         "disk": removing(paths["disk"], lambda: write_and_fsync(paths["disk"], memoryview(disk_buffer.numpy()))),
         "torch_save": removing(
             paths["torch_save"], lambda: (torch.save(state, paths["torch_save"]), fsync_path(paths["torch_save"]))
@@ -153,7 +153,7 @@ def bench_save(run: Run, folder: Path, reps: int) -> dict:
             "vs_torch_save": judged(ratio(times["sealed"], times["torch_save"]), "save", "torch_save", preset),
             "torch_save_vs_disk_ratio": ratio(times["torch_save"], times["disk"]),
             "safetensors_vs_disk_ratio": ratio(times["safetensors"], times["disk"]),
-            "what": "save_resume (atomic, fsynced, checksummed) / one write + fsync of as many bytes; "
+            "what": "save_resume_file (atomic, fsynced, checksummed) / one write + fsync of as many bytes; "
             "vs_torch_save: / a plain torch.save of the same state + fsync",
         },
     }
@@ -171,10 +171,10 @@ def torch_load_and_xxh3(path: Path) -> object:
 
 def bench_load(folder: Path, reps: int, preset: str) -> dict:
     resume, plain, tensors = folder / "resume.pth", folder / "plain.pth", folder / "load.safetensors"
-    save_file(flat_tensors(read_resume(resume)), tensors)
+    save_file(flat_tensors(read_resume_file(resume)), tensors)
     warm = torch.ones(resume.stat().st_size, dtype=torch.uint8)
     trials = {
-        "verified": lambda: timed(lambda: read_resume(resume)),
+        "verified": lambda: timed(lambda: read_resume_file(resume)),
         "disk": lambda: timed(lambda: read_into_fresh_memory(resume)),
         "disk_warm_memory": lambda: timed(lambda: read_into(resume, warm)),
         "torch_load": lambda: timed(lambda: torch.load(resume, weights_only=True, map_location="cpu")),
@@ -194,7 +194,7 @@ def bench_load(folder: Path, reps: int, preset: str) -> dict:
             "torch_load_vs_disk_ratio": ratio(times["torch_load"], times["disk"]),
             "safetensors_vs_disk_ratio": ratio(times["safetensors"], times["disk"]),
             "verified_vs_warm_memory_read_ratio": ratio(times["verified"], times["disk_warm_memory"]),
-            "what": "read_resume (checksum + weights_only deserialize) / reading the bytes into newly "
+            "what": "read_resume_file (checksum + weights_only deserialize) / reading the bytes into newly "
             "allocated memory (as any loader must); vs_torch_load_xxh3: / a plain torch.load of the plain "
             "torch.save file, then the xxh3 of its bytes; page cache warm. safetensors maps the file "
             "and copies nothing until a tensor is touched",

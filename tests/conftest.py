@@ -20,8 +20,8 @@ import torch
 
 from exactresume.cli import main
 from exactresume.core.data import PrepareConfig, prepare
-from exactresume.doctor.warm import Launcher
-from exactresume.lab import warm_start
+from exactresume.doctor.warm import TRACED_KIND
+from exactresume.forkserver import client as forkserver
 
 # Small runs keep the suite fast; exactness does not depend on size.
 SMALL = ["--steps", "8", "--batch", "2", "--seq-len", "16"]
@@ -52,22 +52,23 @@ def once_per_session(tmp_path_factory, name: str, compute: Callable[[Path], dict
 
 def run_cli(*args: object, check: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`exactresume ARGS` in a new process (exactness claims need one that never saw the run), with this
-    process's environment and `env`: forked from the warm server the lab uses (lab/warm_start.py), which
+    process's environment and `env`: forked from the server of `exactresume` runs (forkserver/), which
     imported torch once, so that a test pays for a process, not for torch's imports again."""
-    argv = list(map(str, args))
-    finished = warm_start.run_cli(argv, env=env, environ=True)
+    with stable_environ():
+        finished = forkserver.run_cli(list(args), env=env)
     if check and finished.returncode != 0:
-        raise AssertionError(f"exactresume {' '.join(argv)} exited {finished.returncode}:\n{finished.stderr}")
+        raise AssertionError(f"exactresume {' '.join(map(str, args))} exited {finished.returncode}:\n{finished.stderr}")
     return finished
 
 
-def spawn_cli(*args: object, env: dict[str, str] | None = None) -> warm_start.WarmProcess:
+def spawn_cli(*args: object, env: dict[str, str] | None = None) -> forkserver.Run:
     """`exactresume ARGS` started in a new process as run_cli starts it, not waited for: a handle like
     subprocess.Popen's (pid, send_signal, poll, wait, communicate), for a test that stops or kills it."""
-    return warm_start.WarmProcess(list(map(str, args)), env=env, environ=True)
+    with stable_environ():
+        return forkserver.spawn_cli(list(args), env=env)
 
 
-def printed(process: warm_start.WarmProcess, needle: str, timeout: float = 120) -> str:
+def printed(process: forkserver.Run, needle: str, timeout: float = 120) -> str:
     """Wait until `process` has written `needle` to its stderr (or ended, or `timeout` passed): its stderr."""
     deadline = time.monotonic() + timeout
     while needle not in (stderr := process.output()[1]) and process.poll() is None and time.monotonic() < deadline:
@@ -77,12 +78,13 @@ def printed(process: warm_start.WarmProcess, needle: str, timeout: float = 120) 
 
 def run_python(script: Path, *args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` in a new process, with this process's environment and `env`, forked from a
-    server of this Python that imported torch once (the doctor's --warm server, doctor/warm.py): its
-    exit code (negative: the signal that ended it), and what it printed to stdout and stderr together."""
+    server of this Python that imported torch and loaded the doctor's tracer once (which traces a run
+    whose environment asks for it, as the doctor's --warm runs are traced): its exit code (negative: the signal that ended
+    it), and what it printed to stdout and stderr together."""
     command = [sys.executable, str(script), *map(str, args)]
     log = Path(tempfile.mkdtemp(prefix="exactresume-python-")) / "output"
-    with stable_environ(), open(log, "wb") as sink:
-        code = Launcher(warm=True, logs=log.parent).start(command, os.environ | (env or {}), log, sink).wait()
+    with stable_environ():
+        code = forkserver.spawn(command, os.environ | (env or {}), log, TRACED_KIND).wait()
     output = log.read_text(errors="replace")
     shutil.rmtree(log.parent)
     return subprocess.CompletedProcess(command, code, output, output)

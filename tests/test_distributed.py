@@ -30,7 +30,7 @@ from exactresume.errors import CheckpointError, UserError
 from exactresume.lab.lab import LabConfig, _train_flags
 from exactresume.parallel.agent import agent_config
 from exactresume.parallel.launch import first_error
-from exactresume.store.resume import PerRank, read_resume
+from exactresume.store.resume import PerRank, read_resume_file
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.world import World
 
@@ -147,7 +147,7 @@ def test_sharded_checkpoint_round_trips(killed):
     assert all(
         (folder / f"__{rank}_0.distcp").stat().st_size > 1_000_000 for rank in (0, 1)
     )  # each rank wrote its share
-    sharded, single = load_sharded(folder), read_resume(killed / "step2.pth")
+    sharded, single = load_sharded(folder), read_resume_file(killed / "step2.pth")
     assert sharded["step"] == single["step"] == 2 and sharded["config"] == single["config"]
     assert all(torch.equal(sharded["model"][name], single["model"][name]) for name in single["model"])
     assert len(sharded["rng"]["per_rank"]) == 2

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import assert_one_line_error, call_cli, once_per_session, stable_environ
 from exactresume.cli import main
-from exactresume.doctor.warm import forkable
+from exactresume.forkserver.client import forkable
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 

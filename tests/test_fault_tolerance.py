@@ -33,7 +33,7 @@ from conftest import (
     run_python,
     spawn_cli,
 )
-from exactresume.lab.warm_start import WarmProcess
+from exactresume.forkserver.client import Run
 from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.numbered import checkpoint_name
@@ -149,11 +149,11 @@ def test_kills_inside_each_save_stage_then_auto_resume_is_bit_exact(tmp_path, kj
 # -- preemption and a kill at a random moment ---------------------------------------------------------
 
 
-def start_child(args) -> WarmProcess:
+def start_child(args) -> Run:
     return spawn_cli(*args, env={"OMP_NUM_THREADS": "1"})
 
 
-def wait_for_a_new_step(child: WarmProcess, folder: Path, after: int) -> None:
+def wait_for_a_new_step(child: Run, folder: Path, after: int) -> None:
     while logged_steps(folder) <= after and child.poll() is None:
         time.sleep(0.002)
 
@@ -199,7 +199,8 @@ def test_sigterm_saves_then_kill_at_random_then_auto_resume_is_bit_exact(tmp_pat
 
 
 def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
-    from exactresume.cli import build_parser, cmd_train
+    from exactresume.cli import build_parser
+    from exactresume.commands import train
     from exactresume.training.joblog import RunLogs
 
     logged = RunLogs.record
@@ -211,7 +212,7 @@ def test_sigint_finishes_the_step_and_saves(tmp_path, kjv_folder, monkeypatch):
 
     monkeypatch.setattr(RunLogs, "record", interrupted_at_step_3)
     args = build_parser().parse_args(list(map(str, train_flags(tmp_path, kjv_folder, "--resume", "auto"))))
-    assert cmd_train(args) == 75
+    assert train.run(args) == 75
     assert checkpoint_files(tmp_path) == ([3], []) and logged_steps(tmp_path) == 3
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
 

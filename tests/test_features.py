@@ -21,7 +21,7 @@ from conftest import SMALL, assert_one_line_error, call_cli, run_cli
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.errors import CheckpointError
-from exactresume.store.resume import read_resume, restore
+from exactresume.store.resume import read_resume_file, restore
 from exactresume.store.sealed import save_sealed
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.store.weights import read_weights
@@ -101,7 +101,7 @@ def test_resume_file_holds_the_loader_position_and_the_scaler(tmp_path, kjv_fold
         ).returncode
         == 0
     )
-    state = read_resume(tmp_path / "h" / "resume.pth")
+    state = read_resume_file(tmp_path / "h" / "resume.pth")
     assert state["scaler"]["scale"] == 65536.0 and state["scaler"]["_growth_tracker"] == 2  # 2 steps without overflow
     run = build_run(TrainConfig(steps=8, batch=2, seq_len=16, dtype="fp16"), load_tokens(kjv_folder))
     restore(state, run.parts())
@@ -170,16 +170,16 @@ def test_resuming_with_another_feature_setting_is_refused(tmp_path, kjv_folder):
 
 def test_a_resume_file_from_before_the_feature_fields_resumes_with_their_defaults(tmp_path, kjv_folder):
     assert call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--stop-at", 2).returncode == 0
-    state = read_resume(tmp_path / "resume.pth")
+    state = read_resume_file(tmp_path / "resume.pth")
     for name in ("grad_accum", "dropout", "dtype", "loader", "warmup", "device"):
         del state["config"]["train"][name]
     save_sealed(tmp_path / "old.pth", state)
     data = load_tokens(kjv_folder)
     run = build_run(TrainConfig(steps=8, batch=2, seq_len=16), data)
-    restore(read_resume(tmp_path / "old.pth"), run.parts())
+    restore(read_resume_file(tmp_path / "old.pth"), run.parts())
     assert run.step.value == 2
     with pytest.raises(CheckpointError, match="dropout"):
         restore(
-            read_resume(tmp_path / "old.pth"),
+            read_resume_file(tmp_path / "old.pth"),
             build_run(TrainConfig(steps=8, batch=2, seq_len=16, dropout=0.1), data).parts(),
         )

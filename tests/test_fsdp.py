@@ -30,7 +30,7 @@ from conftest import (
     run_cli,
     spawn_cli,
 )
-from exactresume.lab.warm_start import WarmProcess
+from exactresume.forkserver.client import Run
 from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.steplog import read_samples
 
@@ -200,7 +200,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def ranks_of(launcher: WarmProcess) -> list[int]:
+def ranks_of(launcher: Run) -> list[int]:
     """The training processes under `launcher`: the children of its one child, the agent."""
     tree = children()
     return [rank for agent in tree.get(launcher.pid, []) for rank in tree.get(agent, [])]

@@ -27,7 +27,7 @@ from conftest import (
     spawn_cli,
 )
 from exactresume.errors import UserError
-from exactresume.lab.warm_start import WarmProcess
+from exactresume.forkserver.client import Run
 from exactresume.store.faults import FAULT_ENV
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import HELD_ENV, LOCK_NAME, FolderLock, read_holder
@@ -43,11 +43,11 @@ def flags(folder: Path, data: Path, *extra: object) -> list[str]:
     ]
 
 
-def start(args: list[str], env: dict[str, str] | None = None) -> WarmProcess:
+def start(args: list[str], env: dict[str, str] | None = None) -> Run:
     return spawn_cli(*args, env=ONE_THREAD | (env or {}))
 
 
-def holding(folder: Path, process: WarmProcess) -> WarmProcess:
+def holding(folder: Path, process: Run) -> Run:
     """Wait until `process` holds the lock on `folder`, then freeze it there (SIGSTOP)."""
     deadline = time.monotonic() + 60
     while read_holder(folder / LOCK_NAME).get("pid") != process.pid:
@@ -96,7 +96,7 @@ def test_wait_lock_takes_over_when_the_first_writer_stops(tmp_path, kjv_folder, 
     assert_same_run(folder, reference)
 
 
-def frozen_after_its_second_checkpoint(folder: Path, data: Path) -> WarmProcess:
+def frozen_after_its_second_checkpoint(folder: Path, data: Path) -> Run:
     """A first writer that trained 4 steps, saved them (step-00000004.pth, durable and verified) and was
     frozen there (SIGSTOP from inside the save), still holding the lock."""
     first = start(flags(folder, data), env={FAULT_ENV: "retention@2:stop"})

@@ -10,7 +10,7 @@ import torch
 from conftest import assert_one_line_error, call_cli
 from exactresume.errors import CheckpointError
 from exactresume.store import onepass, sealed
-from exactresume.store.resume import read_resume
+from exactresume.store.resume import read_resume_file
 from exactresume.store.sealed import load_sealed, save_sealed
 
 STATE = {
@@ -61,6 +61,6 @@ def test_a_packed_file_of_version_2_is_refused_naming_the_release_that_reads_it(
     packed = {"format": "exactresume.resume", "version": 2, "layout": "packed", "structure": "{}", "storages": []}
     save_sealed(path, packed)
     with pytest.raises(CheckpointError, match=r"version 2 in the packed layout, which exactresume 0\.2\.0"):
-        read_resume(path)
+        read_resume_file(path)
     assert_one_line_error(call_cli("inspect", path), "packed layout", "0.2.0")
     assert path.read_bytes()  # nothing of the user's is touched

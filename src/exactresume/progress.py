@@ -12,7 +12,6 @@ then the last step. `none` (the CLI's `--quiet`) writes nothing.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import time
@@ -30,19 +29,6 @@ def resolve_mode(requested: str, stream: TextIO | None = None) -> str:
         return requested
     stream = stream or sys.stdout
     return "bar" if getattr(stream, "isatty", lambda: False)() else "lines"
-
-
-def add_progress_flags(parser: argparse.ArgumentParser) -> None:
-    """`--progress MODE` and its shorthand `--quiet`."""
-    parser.add_argument(
-        "--progress", choices=MODES, default="auto", help="auto: a bar on a terminal, plain periodic lines otherwise"
-    )
-    parser.add_argument("--quiet", action="store_true", help="print only errors: no progress, no summary")
-
-
-def mode_from_args(args: argparse.Namespace) -> str:
-    """`none` with --quiet, and with --json, whose stdout holds only the summary."""
-    return "none" if args.quiet or getattr(args, "json", False) else resolve_mode(args.progress)
 
 
 class Progress:

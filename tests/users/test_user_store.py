@@ -21,7 +21,6 @@ from exactresume import (
     GeneratorPart,
     GlobalRng,
     UserError,
-    make_saver,
     save_resume,
 )
 
@@ -279,7 +278,7 @@ def test_inspect_and_diff_read_a_sharded_folder_of_the_users_parts(tmp_path):
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
     parts = {"net": model, "opt": optimizer, "rng": GlobalRng()}
-    make_saver(tmp_path / "sharded", sharded=True).save(5, parts)
+    save_resume(tmp_path / "sharded", parts, 5, sharded=True)
     with CheckpointStore(tmp_path / "store") as store:
         store.save(5, parts)
     shown = call_cli("inspect", tmp_path / "sharded")

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from exactresume.doctor.tracer import CRASH, CUT
-from exactresume.doctor.warm import Launcher, WarmChild
+from exactresume.doctor.warm import Launcher
 from exactresume.errors import UserError
 
 TRACER_DIR = Path(__file__).resolve().parent / "tracer"
@@ -153,7 +153,7 @@ def run_traced(
             child.kill()
             child.wait()
             raise UserError(f"the {name} run took longer than --timeout {timeout:g}s; its output: {log}") from None
-    forked_from = child.server if isinstance(child, WarmChild) else None
+    forked_from = getattr(child, "server", None)  # a cold run's Popen has none
     run = TracedRun(name, command, rc, time.perf_counter() - started, log, forked_from)
     read_traces(run, trace)
     check_started(run)

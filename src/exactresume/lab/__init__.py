@@ -1,3 +1,3 @@
-"""The lab of the specification (lab), the ablation of every resume part (ablate) and the warm
-fork server that starts the lab's training processes. Imports report, training and below.
+"""The lab of the specification (lab) and the ablation of every resume part (ablate); their training
+runs are new processes forked from a warm server (forkserver/). Imports report, training and below.
 """

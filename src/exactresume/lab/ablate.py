@@ -34,7 +34,7 @@ from exactresume.core.data import TokenData, ensure_data, load_tokens
 from exactresume.core.epochs import TokenSamples
 from exactresume.errors import UserError
 from exactresume.report.tables import render_markdown
-from exactresume.store.resume import read_resume, restore, save_resume
+from exactresume.store.resume import read_resume_file, restore, save_resume_file
 from exactresume.store.steplog import read_samples
 from exactresume.training.loop import Run, StepRecord, build_run, train
 
@@ -167,7 +167,7 @@ def straight_run(config: TrainConfig, data: TokenData, stop_at: int, folder: Pat
     def on_step(record: StepRecord) -> None:
         records.append(record)
         if record.step == stop_at:
-            save_resume(folder / "resume.pth", run.parts())
+            save_resume_file(folder / "resume.pth", run.parts())
 
     train(run, config.steps, on_step)
     atomic_write_bytes(folder / "straight_samples.csv", samples_csv(records))
@@ -178,7 +178,7 @@ def resume_variant(
     config: TrainConfig, data: TokenData, variant: Variant, folder: Path, remaining: int
 ) -> tuple[Run, list[StepRecord]]:
     """Restore the setup's resume file as the variant says, then train `remaining` steps."""
-    state = variant.degrade(read_resume(folder / "resume.pth"))
+    state = variant.degrade(read_resume_file(folder / "resume.pth"))
     run, records = build_run(config, data), []
     restore(state, run.parts(), skip=variant.skip)
     # Counted from the restored step: without the `step` part the run starts again at 0.

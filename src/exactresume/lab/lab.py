@@ -21,12 +21,13 @@ from exactresume.core.compare import identical, largest, loss_differences, repea
 from exactresume.core.data import ensure_data
 from exactresume.errors import UserError
 from exactresume.flags import config_flags
-from exactresume.lab import warm_start
+from exactresume.forkserver.client import run_cli, start_cli_server
 from exactresume.lab.record import RUN_RECORD, run_record
+from exactresume.parallel.split import check_split
 from exactresume.progress import ByteProgress
 from exactresume.store.contents import resume_size_breakdown
 from exactresume.store.lock import held_lock_env
-from exactresume.store.resume import read_resume
+from exactresume.store.resume import read_resume_file
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.store.weights import read_weights, save_weights
 from exactresume.training.inference import convert, max_logit_difference
@@ -47,6 +48,7 @@ class LabConfig:
 
     def __post_init__(self) -> None:
         check_stop_at(self.stop_at, self.train.steps)
+        check_split(self.train.batch, self.nproc, self.train.grad_accum, self.train.micro_batch)
         if self.train.shard != "none":  # its runs resume from one resume.pth; FSDP2 writes a DCP folder
             raise UserError("the lab runs without --shard fsdp (exactresume train takes it)")
 
@@ -102,7 +104,7 @@ def run_training_process(
     The child's progress lines are passed on to our stdout when it ends; its stderr keeps the error line.
     """
     started = time.perf_counter()
-    finished = warm_start.run_cli(
+    finished = run_cli(
         [
             "train",
             "--out",
@@ -115,7 +117,7 @@ def run_training_process(
             label,
             "--no-summary",  # the lab ends with its own summary
         ],
-        env=held_lock_env(),  # the lab holds the lock on --out for its training processes (cli.cmd_lab)
+        env=held_lock_env(),  # the lab holds the lock on --out for its training processes (commands/lab.py)
     )
     if progress_mode != "none" and finished.stdout:
         print(finished.stdout, end="", flush=True)
@@ -144,7 +146,7 @@ def fp16_figures(config: LabConfig) -> dict:
 
 def optimizer_figures(resume_file: Path) -> dict:
     """Step 7: weight elements (lm_head.weight is the tied embedding) vs optimizer-state elements."""
-    state = read_resume(resume_file)
+    state = read_resume_file(resume_file)
     model_numel = sum(t.numel() for name, t in state["model"].items() if name != "lm_head.weight")
     optimizer_numel = sum(
         t.numel()
@@ -194,7 +196,7 @@ def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
     log = log if progress_mode != "none" else (lambda message: None)
     ensure_writable_folder(config.out / DETAILS)
     write_json(config.out / DETAILS / RUN_RECORD, run_record(config))
-    warm_start.start_server()
+    start_cli_server()
     torch.set_num_threads(config.train.threads)  # for the lab's own figures (fp16 logits) as for its runs
     started = time.perf_counter()
     ensure_data(config.data, log, ByteProgress("prepare: encode", progress_mode))

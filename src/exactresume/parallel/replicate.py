@@ -1,8 +1,8 @@
 """Which replica a rank runs: one process, DDP, FSDP2 (`--shard fsdp`) or the N-independent mode.
 
-`replicate(run, world)` checks first that the run's batches split over N as its mode needs (the
-launcher's check, again here, so a hand-started torchrun meets the same line), then swaps the
-run's one-process replica for the one its config asks for.
+`replicate(run, world)` swaps the run's one-process replica for the one its config asks for. That the
+run's batches split over N as its mode needs was checked when its job was made (training/job.py),
+for the launcher and a hand-started torchrun alike.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ from exactresume.core.epochs import EpochLoader
 from exactresume.errors import UserError
 from exactresume.parallel.exact import ExactReplicas
 from exactresume.parallel.replicas import Replicas
-from exactresume.parallel.split import check_process_count, check_split
+from exactresume.parallel.split import check_process_count
 from exactresume.world import World
 
 
 def replicate(run, world: World) -> None:
     """Make `run` this rank's replica: its share of each global batch (N-independent with --micro-batch)."""
     config = run.config
-    check_split(config.batch, world.size, config.grad_accum, config.micro_batch)
     if config.micro_batch:
         check_exact_epoch_end(run, world.size)
     if world.size == 1:

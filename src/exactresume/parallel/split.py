@@ -1,7 +1,7 @@
 """How a global batch is shared by N processes: the arithmetic every mode's split must satisfy.
 
-The launcher checks it before it starts N processes and every rank when it makes its replica
-(replicate.py), so a hand-started torchrun meets the same line. This file does not import torch.
+A train job checks it when it is made (training/job.py), on the launcher before it starts N processes
+and on every rank, so a hand-started torchrun meets the same line. This file does not import torch.
 """
 
 from __future__ import annotations
@@ -10,11 +10,7 @@ from exactresume.errors import UserError
 
 
 def check_batch_split(batch: int, nproc: int, grad_accum: int = 1) -> None:
-    """Refuse a global batch that N processes (and their micro-batches) cannot share evenly.
-
-    The launcher calls it before relaunching and every rank when it makes its replica
-    (replicate.replicate), so a hand-started torchrun meets the same line.
-    """
+    """Refuse a global batch that N processes (and their micro-batches) cannot share evenly."""
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
     if batch % nproc:
@@ -51,7 +47,7 @@ def _power_of_two(value: int) -> bool:
 
 
 def check_split(batch: int, nproc: int, grad_accum: int = 1, micro_batch: int = 0) -> None:
-    """The launcher's check before it starts N processes: the batch splits as the run's mode needs."""
+    """The batch splits over `nproc` processes as the run's mode needs (a job's check, training/job.py)."""
     if micro_batch:
         check_process_count(micro_batch, nproc, batch)
     else:

@@ -1,5 +1,8 @@
 """One way into the store and one way out, for the training job and for a loop of one's own.
 
+One file: `save_resume(path, parts, step)`, `load_resume(path, parts)` and `read_resume(path)` take a
+path or an `s3://` object alike (`sharded=True`: a DCP folder every rank writes its shard of).
+
 In: `open_resume(source)` takes a resume file, a checkpoint folder (any CheckpointStore's, whatever
 its parts), a sharded DCP folder or "auto" (the newest valid checkpoint in the run's own checkpoint
 folder), verifies it and returns its state and step; `Resumed.restore(parts)` loads it into the
@@ -32,9 +35,9 @@ from exactresume.store.resume import (
     capture,
     check_resume_state,
     print_to_stderr,
-    read_resume,
+    read_resume_file,
     restore,
-    save_resume,
+    save_resume_file,
     saved_step,
     saved_world_size,
     started_fresh,
@@ -46,9 +49,84 @@ if TYPE_CHECKING:  # DCP takes a second to import: only when a sharded folder is
 
     from exactresume.store.sharded import Destination
 
-__all__ = ["AUTO", "Resumed", "Saver", "is_sharded_folder", "make_saver", "open_resume"]
+__all__ = [
+    "AUTO",
+    "Resumed",
+    "Saver",
+    "is_sharded_folder",
+    "load_resume",
+    "make_saver",
+    "open_resume",
+    "read_resume",
+    "save_resume",
+]
 
 AUTO = "auto"  # the newest valid checkpoint in the run's checkpoint folder, or a fresh start
+
+
+# ---- one file ---------------------------------------------------------------------------------
+
+
+def save_resume(
+    path: Location | str,
+    parts: Mapping[str, Stateful],
+    step: int | None = None,
+    sharded: bool = False,
+    world: World | None = None,
+) -> Location:
+    """Write `parts` (saved at `step`) as one resume file, atomically, with its checksum; returns where.
+
+    `path` is a file, or an `s3://` object (committed whole: s3_files.py). With `sharded`, a
+    torch.distributed.checkpoint folder instead, of which every rank of `world` (default: torchrun's,
+    or this one process) writes its shard and calls this. A write the storage refuses is a
+    StorageError, and what was at `path` is left as it was."""
+    target = location(path)
+    if sharded:
+        _save_sharded(target, parts, step, world or World.from_env())
+    elif isinstance(target, S3Location):
+        from exactresume.store.s3 import ObjectStore  # boto3: only where an object store is used
+        from exactresume.store.s3_files import publish_leased  # under the prefix's lease
+
+        publish_leased(ObjectStore(target.config), target, capture(parts, step))
+    else:
+        save_resume_file(target, parts, step)
+    return target
+
+
+def _save_sharded(target: Location, parts: Mapping[str, Stateful], step: int | None, world: World) -> None:
+    if isinstance(target, S3Location):
+        from exactresume.store.s3_sharded import save_sharded_s3  # DCP takes a second to import: only when used
+
+        save_sharded_s3(target, parts, world, step)
+        return
+    from exactresume.store.sharded import save_sharded
+
+    try:
+        save_sharded(target, parts, world, step)
+    except OSError as error:
+        raise StorageError.from_os_error(str(target), error, "; what was there before is intact") from error
+
+
+def read_resume(path: Location | str, needs: Collection[str] = ()) -> dict:
+    """The verified state of a resume file or `s3://` object (checksum first, then weights_only=True),
+    restored nowhere; CheckpointError when it is not a complete resume state holding `needs`."""
+    target = location(path)
+    if isinstance(target, S3Location):
+        from exactresume.store.s3_kinds import read_s3_resume
+
+        return read_s3_resume(target, needs)
+    return read_resume_file(target, needs)
+
+
+def load_resume(
+    path: Location | str, parts: Mapping[str, Stateful], skip: Collection[str] = (), fresh: Collection[str] = ()
+) -> int | None:
+    """Verify the resume file (or `s3://` object) at `path` and load it into `parts`, all or nothing
+    (`skip` and `fresh` as in resume.restore); the step it was saved at."""
+    state = read_resume(path)
+    for name in restore(state, parts, skip, fresh, source=path):
+        print_to_stderr(started_fresh(path, name))
+    return saved_step(state)
 
 
 # ---- in ---------------------------------------------------------------------------------------
@@ -119,7 +197,7 @@ def open_resume(
     if kind == "sharded":
         state = _read_sharded(path, destination, needs)
         return Resumed(state, _step_of(path, state), path, "sharded")
-    state = _read_file(path, needs)  # a missing path, safetensors or any torch file: refused with its reason
+    state = read_resume(path, needs)  # a missing path, safetensors or any torch file: refused with its reason
     return Resumed(state, _step_of(path, state), path, "file")
 
 
@@ -139,14 +217,6 @@ def _read_sharded(path: Location, destination: Destination | None, needs: Collec
     from exactresume.store.sharded import load_sharded
 
     return load_sharded(path, destination, needs)
-
-
-def _read_file(path: Location, needs: Collection[str]) -> dict:
-    if isinstance(path, S3Location):
-        from exactresume.store.s3_kinds import read_s3_resume
-
-        return read_s3_resume(path, needs)
-    return read_resume(path, needs)
 
 
 def _step_of(path: Path, state: dict) -> int:
@@ -196,18 +266,12 @@ class _SavesAtOnce:
 
 
 class ResumeFileSaver(_SavesAtOnce):
-    """A sealed resume file at one path (or object, committed: s3_files.py), replaced by each save."""
+    """A sealed resume file at one path (or object), replaced by each save."""
 
     def __init__(self, path: Location | str):
         self.path = location(path)
 
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Location:
-        if isinstance(self.path, S3Location):
-            from exactresume.store.s3 import ObjectStore
-            from exactresume.store.s3_files import publish_leased
-
-            publish_leased(ObjectStore(self.path.config), self.path, capture(parts, step))
-            return self.path
         return save_resume(self.path, parts, step)
 
 
@@ -218,18 +282,7 @@ class ShardedSaver(_SavesAtOnce):
         self.path, self.world = location(folder), world
 
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Location:
-        if isinstance(self.path, S3Location):
-            from exactresume.store.s3_sharded import save_sharded_s3
-
-            save_sharded_s3(self.path, parts, self.world, step)
-            return self.path
-        from exactresume.store.sharded import save_sharded
-
-        try:
-            save_sharded(self.path, parts, self.world, step)
-        except OSError as error:
-            raise StorageError.from_os_error(str(self.path), error, "; what was there before is intact") from error
-        return self.path
+        return save_resume(self.path, parts, step, sharded=True, world=self.world)
 
 
 class MainRankSaver:

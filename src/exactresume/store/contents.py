@@ -33,7 +33,7 @@ from exactresume.errors import CheckpointError
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format, content_kind, path_kind
 from exactresume.store.listing import format_listing, list_checkpoints
 from exactresume.store.locations import Location, S3Location
-from exactresume.store.resume import RESERVED_NAMES, read_resume, saved_step
+from exactresume.store.resume import RESERVED_NAMES, read_resume_file, saved_step
 from exactresume.store.safetensors_weights import DIGEST_KEY, load_verified, tied_names
 from exactresume.store.sealed import load_sealed, read_seal
 
@@ -271,7 +271,7 @@ def _inspect_s3(target: S3Location) -> dict:
 
 def resume_size_breakdown(path: Path) -> dict:
     """A resume file's bytes split into fp32 weights, optimizer moments (tensors of 1+ dims) and the rest."""
-    state = read_resume(Path(path))
+    state = read_resume_file(Path(path))
     weights = summarize(state["model"])["bytes"]
     moments = summarize(state["optimizer"], min_dim=1)["bytes"]
     file_bytes = Path(path).stat().st_size

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
+from exactresume.config import check_keep
 from exactresume.errors import CheckpointError, FieldError, ReadBackError, UserError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.locations import S3Location, is_s3
@@ -48,7 +49,6 @@ from exactresume.store.numbered import (
     Checkpoint,
     NumberedStore,
     check_checkpoint,
-    check_keep,
     checkpoint_name,
 )
 from exactresume.store.resume import print_to_stderr

@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from exactresume.errors import CheckpointError, FieldError, StorageError
+from exactresume.errors import CheckpointError, StorageError
 from exactresume.store.locations import Location
 from exactresume.store.resume import (
     STEP_KEY,
@@ -60,15 +60,6 @@ def check_checkpoint(checkpoint: Checkpoint, state: Any) -> dict:
     if state.get(STEP_KEY) != checkpoint.step:
         raise CheckpointError(f"{checkpoint.path}: holds step {state.get(STEP_KEY)}, not the step its name says")
     return state
-
-
-def check_keep(keep: int | None) -> int | None:
-    """How many checkpoints a store keeps: None or 0 keeps every one (as --keep 0 does)."""
-    if keep is None or keep == 0:
-        return None
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-        raise FieldError(f"keep must be a number of checkpoints (0 or None keeps every one), got {keep!r}", "keep")
-    return keep
 
 
 class NumberedStore:
@@ -201,7 +192,6 @@ __all__ = [
     "Checkpoint",
     "NumberedStore",
     "check_checkpoint",
-    "check_keep",
     "UNREADABLE_SUFFIX",
     "checkpoint_name",
     "snapshot",

@@ -198,8 +198,8 @@ def saved_step(state: Mapping) -> int | None:
     return int(step) if isinstance(step, int) else None
 
 
-def save_resume(path: Path, parts: Mapping[str, Stateful], step: int | None = None) -> Path:
-    """Write `parts` (saved at `step`) as one resume file, atomically, with its checksum; returns `path`.
+def save_resume_file(path: Path, parts: Mapping[str, Stateful], step: int | None = None) -> Path:
+    """Write `parts` (saved at `step`) as one local resume file, atomically, with its checksum; returns `path`.
     A write the storage refuses is a StorageError, and what was at `path` is left as it was."""
     state = capture(parts, step)
     try:
@@ -207,17 +207,6 @@ def save_resume(path: Path, parts: Mapping[str, Stateful], step: int | None = No
     except OSError as error:
         raise StorageError.from_os_error(str(path), error, "; what was there before is intact") from error
     return Path(path)
-
-
-def load_resume(
-    path: Path, parts: Mapping[str, Stateful], skip: Collection[str] = (), fresh: Collection[str] = ()
-) -> int | None:
-    """Verify the resume file at `path` and load it into `parts`, all or nothing (`skip` and `fresh` as in
-    `restore`); the step it was saved at."""
-    state = read_resume(path)
-    for name in restore(state, parts, skip, fresh, source=path):
-        print_to_stderr(started_fresh(path, name))
-    return saved_step(state)
 
 
 def check_resume_state(path: Path, state: object, needs: Collection[str] = ()) -> dict:
@@ -239,8 +228,8 @@ def generator_saved_once(state: dict) -> dict:
     return state
 
 
-def read_resume(path: Path, needs: Collection[str] = ()) -> dict:
-    """The verified state of a resume file (checksum first, then weights_only=True), restored nowhere."""
+def read_resume_file(path: Path, needs: Collection[str] = ()) -> dict:
+    """The verified state of a local resume file (checksum first, then weights_only=True), restored nowhere."""
     return check_resume_state(path, load_sealed(Path(path)), needs)
 
 

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from exactresume.config import check_keep
 from exactresume.errors import CheckpointError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.locations import S3Config, S3Location, location
 from exactresume.store.lock import FolderLock
-from exactresume.store.numbered import CHECKPOINT_NAME, Checkpoint, NumberedStore, check_checkpoint, check_keep
+from exactresume.store.numbered import CHECKPOINT_NAME, Checkpoint, NumberedStore, check_checkpoint
 from exactresume.store.resume import print_to_stderr
 from exactresume.store.s3 import ObjectStore
 from exactresume.store.s3_commit import COMMIT_SUFFIX, commit_of

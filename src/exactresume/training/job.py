@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exactresume.config import TrainConfig, check_stop_at
+from exactresume.config import TrainConfig, check_keep, check_stop_at, check_wait_lock
 from exactresume.errors import UserError
+from exactresume.parallel.split import check_split
 from exactresume.store.locations import Location, S3Location
 
 # --resume auto (store.access.AUTO): the newest valid checkpoint in --checkpoints (default OUT/checkpoints),
@@ -47,13 +48,16 @@ class TrainJob:
     log: Path | None = None  # default out/log.csv
     samples: Path | None = None  # optional `step,starts` log of the windows each step trained on
     save_every: int | None = None  # also checkpoint to out/checkpoints every N steps and at the end
-    keep: int | None = 3  # newest checkpoints kept in out/checkpoints; None keeps all
+    keep: int | None = 3  # newest checkpoints kept in out/checkpoints; 0 or None keeps all (None once made)
     allow_change: frozenset[str] = field(default_factory=frozenset)  # keys of ALLOWED_CHANGES
     async_save: bool = False  # periodic checkpoints written by a background thread (background.py)
     sharded: bool = False  # write the resume state as a DCP folder, out/resume.dcp, each rank its shard
     divergence: Path | None = None  # step a fully restored twin alongside; log the distance (divergence.py)
     wait_lock: float = 0.0  # seconds to wait for another writer of OUT to finish
     checkpoints: Location | None = None  # where the periodic checkpoints go (default out/checkpoints)
+    processes: int = 1  # the processes the run trains on: --nproc, or under torchrun its world size
+    force: bool = False  # start even when the plan says the run will not fit its memory or disk
+    dry_run: bool = False  # print the plan and train nothing
 
     def __post_init__(self) -> None:
         if self.stop_at is not None:
@@ -64,8 +68,8 @@ class TrainJob:
             raise UserError(f"--save-every must be at least 1, got {self.save_every}")
         if self.async_save and self.save_every is None:
             raise UserError("--async-save needs --save-every N: it changes how the periodic checkpoints are written")
-        if self.keep is not None and self.keep < 1:
-            raise UserError(f"--keep must be at least 1 (0 keeps every checkpoint), got {self.keep}")
+        object.__setattr__(self, "keep", check_keep(self.keep))
+        check_split(self.config.batch, self.processes, self.config.grad_accum, self.config.micro_batch)
         unknown = sorted(set(self.allow_change) - set(ALLOWED_CHANGES))
         if unknown:
             raise UserError(f"--allow-change {unknown[0]}: only {', '.join(ALLOWED_CHANGES)} may change on resume")
@@ -81,8 +85,7 @@ class TrainJob:
             raise UserError("--divergence does not combine with --shard fsdp")
 
     def _check_waiting(self) -> None:
-        if self.wait_lock < 0:
-            raise UserError(f"--wait-lock must be at least 0 seconds, got {self.wait_lock:g}")
+        check_wait_lock(self.wait_lock)
         if self.wait_lock and self.resume != AUTO_RESUME:
             # Waiting is for a requeued job: it must continue from what the other left, not start over its log.
             raise UserError(

@@ -41,6 +41,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from exactresume.atomic import ensure_writable_folder
 from exactresume.config import ModelConfig, TrainConfig
 from exactresume.errors import UserError
 
@@ -301,3 +302,26 @@ def human(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" or size >= 10 else f"{size:.1f} {unit}"
         size /= 1000
     return f"{size:.0f} TB" if size >= 10 else f"{size:.1f} TB"
+
+
+def plan_job(job) -> RunPlan:
+    """The plan of a train job (printed with its `dry_run`); a run that cannot fit is refused before
+    torch is imported. A run that will write makes its OUT first, so that a folder that cannot be made
+    is named as that, not as a full disk."""
+    plan = plan_run(
+        job.config,
+        job.processes,
+        job.save_every,
+        job.keep,
+        job.async_save,
+        job.stop_at,
+        vocab_size=data_vocab_size(job.data),
+    )
+    report = print if job.dry_run else None
+    if report is not None:
+        report("\n".join(plan.lines()))
+    else:
+        ensure_writable_folder(job.out)
+    folder = job.out / "checkpoints" if job.save_every else job.out
+    preflight(plan, folder, force=job.force, retained=job.keep is not None, report=report)
+    return plan

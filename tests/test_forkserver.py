@@ -1,4 +1,6 @@
-"""The lab's warm-started processes: a run forked from the server ends exactly as a cold process does."""
+"""Runs forked from a fork server (forkserver/): one ends exactly as a cold process does, says a refusal in
+one line, runs beside others and takes signals; a script forked from the doctor's traced server sees
+its own argv, folder and environment."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import sys
 import torch
 
 from conftest import SMALL, assert_one_line_error
-from exactresume.lab import warm_start
+from exactresume.forkserver import client as forkserver
 from exactresume.store.weights import read_weights
 
 
@@ -30,7 +32,7 @@ def test_forked_run_equals_cold_process_run(tmp_path, kjv_folder):
             ]
         ]
 
-    warm = warm_start.run_cli(flags("warm"))
+    warm = forkserver.run_cli(flags("warm"))
     assert warm.returncode == 0, warm.stderr
     cold = subprocess.run([sys.executable, "-m", "exactresume.cli", *flags("cold")], capture_output=True, text=True)
     assert cold.returncode == 0, cold.stderr
@@ -43,7 +45,7 @@ def test_forked_run_equals_cold_process_run(tmp_path, kjv_folder):
 
 
 def test_forked_run_reports_a_refusal_in_one_line(tmp_path, kjv_folder):
-    finished = warm_start.run_cli(
+    finished = forkserver.run_cli(
         ["train", "--out", str(tmp_path), "--data", str(kjv_folder), *SMALL, "--stop-at", "99"]
     )
     assert_one_line_error(finished, "--stop-at")
@@ -51,7 +53,7 @@ def test_forked_run_reports_a_refusal_in_one_line(tmp_path, kjv_folder):
 
 def test_spawned_runs_run_side_by_side_and_signals_reach_each(tmp_path, kjv_folder):
     train = ["train", "--out", str(tmp_path / "killed"), "--data", str(kjv_folder), *SMALL]
-    killed, asked = warm_start.WarmProcess(train), warm_start.WarmProcess(["--help"])
+    killed, asked = forkserver.spawn_cli(train), forkserver.spawn_cli(["--help"])
     assert len({killed.pid, asked.pid, os.getpid()}) == 3 and killed.poll() is None
     killed.kill()
     assert killed.wait(timeout=60) == -signal.SIGKILL and killed.poll() == -signal.SIGKILL

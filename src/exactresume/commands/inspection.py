@@ -1,0 +1,26 @@
+"""`exactresume inspect`: what a checkpoint is (kind, step, config, parts, sizes), verified.
+
+exactresume inspect runs/a/resume.pth      exit 1 when a folder or prefix holds a damaged checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from exactresume.commands.output import emit
+from exactresume.commands.places import add_s3_flags, any_location, place
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", type=any_location, help="a resume or weights file, export or sharded folder (or s3://)")
+    add_s3_flags(parser)
+    parser.add_argument("--json", action="store_true", help="print the facts as JSON, for scripts")
+
+
+def run(args: argparse.Namespace) -> int:
+    from exactresume.store.contents import format_inspection, inspect_checkpoint
+
+    info = inspect_checkpoint(place(args.path, args))
+    emit(args, info, lambda info: [format_inspection(info)], gap=False)
+    # A folder or prefix listed with a damaged checkpoint in it: a script checking a store must not read "all well".
+    return 1 if info["kind"] == "store" and info["checksum"] != "verified" else 0

@@ -1,0 +1,73 @@
+"""Where a command reads and writes: --data, and `s3://` locations with the flags that reach them.
+
+An `s3://` value stays text while the flags are parsed (its --s3-endpoint may come later on the
+line); `place` makes it a location once every flag is known. Credentials come from the AWS chain.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_DATA = Path("data/kjv")
+
+
+def add_data_flag(group) -> None:
+    group.add_argument("--data", type=Path, default=DEFAULT_DATA, help="prepared data folder (exactresume prepare)")
+
+
+def add_s3_flags(group) -> None:
+    """--s3-endpoint, --s3-tries, --s3-timeout and --s3-part-mib: how an s3:// location is reached."""
+    from exactresume.store.locations import CONNECT_SECONDS, DEFAULT_TRIES, PART_BYTES, READ_SECONDS
+
+    group.add_argument(
+        "--s3-endpoint",
+        metavar="URL",
+        help="an S3-compatible server, http(s)://host:port (default AWS_ENDPOINT_URL, else AWS itself)",
+    )
+    group.add_argument(
+        "--s3-tries",
+        type=int,
+        default=DEFAULT_TRIES,
+        metavar="N",
+        help="tries of each S3 request, with backoff, before stopping",
+    )
+    group.add_argument(
+        "--s3-timeout",
+        type=float,
+        default=READ_SECONDS,
+        metavar="SECONDS",
+        help=f"how long one try waits for the server's answer (to connect: at most {CONNECT_SECONDS:g} s)",
+    )
+    group.add_argument(
+        "--s3-part-mib",
+        type=int,
+        default=PART_BYTES >> 20,
+        metavar="MIB",
+        help="larger files go up in parts this size (min 5)",
+    )
+
+
+def s3_config(args: argparse.Namespace):
+    """How the command reaches an object store: --s3-endpoint (else AWS_ENDPOINT_URL), --s3-tries, --s3-timeout."""
+    from exactresume.store.locations import CONNECT_SECONDS, S3Config
+
+    timeouts = {"read_timeout": args.s3_timeout, "connect_timeout": min(CONNECT_SECONDS, args.s3_timeout)}
+    return S3Config(endpoint=args.s3_endpoint, tries=args.s3_tries, part_bytes=args.s3_part_mib << 20, **timeouts)
+
+
+def place(value, args: argparse.Namespace):
+    """A flag's location: an `s3://` one reached as --s3-endpoint says, anything else a Path (or as it is)."""
+    from exactresume.store.locations import is_s3, location
+
+    return location(value, s3_config(args)) if is_s3(value) else value
+
+
+def resume_source(text: str) -> Path | str:
+    """--resume's value: 'auto', an `s3://` location (made with --s3-endpoint later), or a file or folder."""
+    return text if text == "auto" or text.startswith("s3://") else Path(text)
+
+
+def any_location(text: str) -> Path | str:
+    """A path, or an `s3://` location (kept as text until --s3-endpoint is known)."""
+    return text if text.startswith("s3://") else Path(text)

@@ -1,0 +1,204 @@
+"""`exactresume train`: its flags, the TrainJob they make, the run (here or on N processes), its summary.
+
+    exactresume train --out runs/a --stop-at 30
+    exactresume train --out runs/a --resume runs/a/resume.pth
+
+`job_from(args)` is the only reader of train's flags: every value is checked once, where the job
+defines it (training/job.py), and everything below takes the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+from pathlib import Path
+
+from exactresume import summaries
+from exactresume.commands.output import add_output_flags, emit, progress_mode
+from exactresume.commands.places import add_data_flag, add_s3_flags, place, resume_source
+from exactresume.commands.writer import add_writer_flags, remove_made_folder
+from exactresume.flags import (
+    ABLATION_GROUP,
+    CHECKPOINTS_GROUP,
+    OUTPUTS_GROUP,
+    PROCESSES_GROUP,
+    RUN_GROUP,
+    add_config_flags,
+    add_groups,
+    config_from_args,
+)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    groups = add_groups(parser)
+    add_data_flag(groups[RUN_GROUP])
+    add_config_flags(groups)
+    add_checkpoint_flags(groups[CHECKPOINTS_GROUP])
+    ablation = groups[ABLATION_GROUP]
+    ablation.add_argument("--no-optim", action="store_true", help="resume without the optimizer state")
+    ablation.add_argument("--no-skip", action="store_true", help="resume with the batch generator reseeded")
+    add_outputs(groups[OUTPUTS_GROUP])
+    processes = groups[PROCESSES_GROUP]
+    add_process_flag(processes)
+    processes.add_argument(
+        "--sharded",
+        action="store_true",
+        help="write the resume state as OUT/resume.dcp, a torch.distributed.checkpoint folder",
+    )
+
+
+def add_checkpoint_flags(checkpoints) -> None:
+    checkpoints.add_argument("--stop-at", type=int, help="stop after this step and write OUT/resume.pth")
+    add_writer_flags(checkpoints, plan=True)
+    checkpoints.add_argument(
+        "--resume",
+        type=resume_source,
+        metavar="FILE|FOLDER|auto",
+        help="continue from a resume file, the newest valid checkpoint in a folder, or with 'auto' from "
+        "the newest valid checkpoint in --checkpoints (default OUT/checkpoints), else a fresh start",
+    )
+    checkpoints.add_argument(
+        "--save-every", type=int, metavar="N", help="also write OUT/checkpoints/step-N.pth every N steps and at the end"
+    )
+    checkpoints.add_argument(
+        "--checkpoints",
+        metavar="FOLDER|s3://BUCKET/PREFIX",
+        help="where the periodic checkpoints go (default OUT/checkpoints); on s3:// the resume file goes there too",
+    )
+    add_s3_flags(checkpoints)
+    checkpoints.add_argument(
+        "--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (0: all; default 3)"
+    )
+    checkpoints.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write the periodic checkpoints in the background: training waits only for a copy of the state",
+    )
+    checkpoints.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="FIELD",
+        help="let a resume change steps, lr, batch, seq-len or data on purpose (repeatable)",
+    )
+
+
+def add_outputs(outputs) -> None:
+    outputs.add_argument("--out", type=Path, required=True, help="output folder")
+    outputs.add_argument("--weights", type=Path, help="weights file at the end (default OUT/final.pth)")
+    outputs.add_argument("--log", type=Path, help="loss log, step,train_loss (default OUT/log.csv)")
+    outputs.add_argument("--samples", type=Path, help="also log each step's window offsets, step,starts")
+    outputs.add_argument(
+        "--divergence",
+        type=Path,
+        help="with --resume: also step a fully restored twin and log the weight distance to it per step",
+    )
+    add_output_flags(outputs)
+    outputs.add_argument("--label", default="train", help="name shown on the progress line")
+    outputs.add_argument(
+        "--no-summary", action="store_true", help="end without the closing summary (the lab's own training runs)"
+    )
+
+
+def add_process_flag(group) -> None:
+    group.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes on this machine, started as torchrun would (DDP; the global batch stays --batch)",
+    )
+
+
+def job_from(args: argparse.Namespace, world):
+    """The job train's flags describe, checked as it is made (before torch is imported, before anything
+    is written). A torchrun rank's job trains on its world's processes."""
+    from exactresume.training.job import TrainJob
+    from exactresume.world import launched_by_torchrun
+
+    skip = frozenset(name for flag, name in ((args.no_optim, "optimizer"), (args.no_skip, "gen_state")) if flag)
+    return TrainJob(
+        config_from_args(args),
+        args.data,
+        args.out,
+        stop_at=args.stop_at,
+        resume=place(args.resume, args),
+        skip_parts=skip,
+        weights=args.weights,
+        log=args.log,
+        samples=args.samples,
+        save_every=args.save_every,
+        keep=args.keep,
+        allow_change=frozenset(args.allow_change),
+        async_save=args.async_save,
+        sharded=args.sharded,
+        divergence=args.divergence,
+        wait_lock=args.wait_lock,
+        checkpoints=place(args.checkpoints, args) if args.checkpoints else None,
+        processes=world.size if launched_by_torchrun() else args.nproc,
+        force=args.force,
+        dry_run=args.dry_run,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from exactresume.world import World
+
+    world = World.from_env()
+    # The ranks of a torchrun launch share the folder its rank 0 (or the launching process) cleans up.
+    made, code = not args.out.exists() and world.is_main, 1
+    try:
+        code = train(args, job_from(args, world), world)
+    finally:
+        if made and code != 0:
+            remove_made_folder(args.out)
+    return code
+
+
+def train(args: argparse.Namespace, job, world) -> int:
+    """The job here, or launched on its processes; then the summary (`args` only for what is printed)."""
+    from exactresume.training.plan import plan_job
+    from exactresume.world import launched_by_torchrun
+
+    argv = getattr(args, "argv", sys.argv[1:])  # main sets it; a caller of its own may not
+    # The plan before torch is imported: a run that cannot fit is refused at once. torchrun's ranks
+    # skip it, and the launch: their launching process checked the whole machine and started them.
+    plan = None if launched_by_torchrun() else plan_job(job)
+    if job.dry_run and plan is not None:
+        return 0
+    if plan is not None and job.processes > 1:  # the ranks are this process's children's children
+        code, who = launch_ranks(argv, job.processes), resource.RUSAGE_CHILDREN
+    else:
+        mode = progress_mode(args) if world.is_main else "none"
+        code, who = train_here(job, world, args.label, mode), resource.RUSAGE_SELF
+    if code == 0 and world.is_main:
+        summary = summaries.train_summary(job, argv, memory(plan, who))
+        emit(args, summary, summaries.render_train)
+    return code
+
+
+def memory(plan, who: int) -> dict | None:
+    """The peak resident memory of the largest process of the run (this one, or its ranks), and the plan's."""
+    if plan is None:
+        return None
+    return {"peak_bytes": resource.getrusage(who).ru_maxrss * 1024, "planned_bytes": plan.process_bytes}
+
+
+def launch_ranks(argv: list[str], processes: int) -> int:
+    """`train --nproc N`: the same command in N processes (parallel.launch); this one sums up after."""
+    from exactresume.parallel.launch import launch
+
+    return launch([*argv, "--no-summary"], processes)
+
+
+def train_here(job, world, label: str, mode: str) -> int:
+    """The run in this process (one rank of many under torchrun): the job's outcome as an exit code."""
+    from exactresume.progress import Progress
+    from exactresume.training.job_run import JobRun
+    from exactresume.training.preemption import PREEMPTED_EXIT
+
+    outcome = JobRun(job, world, Progress(job.until, label, mode)).run()
+    if outcome.preempted is not None:
+        print(f"exactresume train: {outcome.preempted}", file=sys.stderr)
+        return PREEMPTED_EXIT
+    return 0
