@@ -79,8 +79,8 @@ def printed(process: forkserver.Run, needle: str, timeout: float = 120) -> str:
 def run_python(script: Path, *args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` in a new process, with this process's environment and `env`, forked from a
     server of this Python that imported torch and loaded the doctor's tracer once (which traces a run
-    whose environment asks for it, as the doctor's --warm runs are traced): its exit code (negative: the signal that ended
-    it), and what it printed to stdout and stderr together."""
+    whose environment asks for it, as the doctor's --warm runs are traced): its exit code (negative:
+    the signal that ended it), and what it printed to stdout and stderr together."""
     command = [sys.executable, str(script), *map(str, args)]
     log = Path(tempfile.mkdtemp(prefix="exactresume-python-")) / "output"
     with stable_environ():

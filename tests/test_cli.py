@@ -12,8 +12,9 @@ import pytest
 from conftest import call_cli
 from exactresume import __version__
 from exactresume.cli import COMMANDS, build_parser
+from exactresume.commands.config_flags import GROUPS, config_from_args
 from exactresume.config import TrainConfig
-from exactresume.flags import GROUPS, config_flags, config_from_args, flag_name
+from exactresume.flags import config_flags, flag_name
 from exactresume.lab.lab import LabConfig, _train_flags
 
 RUN_COMMANDS = ("train", "lab", "ablate")

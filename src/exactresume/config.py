@@ -89,7 +89,7 @@ SHARDINGS = ("none", "fsdp")
 
 
 # The groups of a command's --help. TrainConfig's fields name theirs in their metadata, so the
-# flags made from them (exactresume.flags) and their --help cannot drift from the config.
+# flags made from them (commands/config_flags.py) and their --help cannot drift from the config.
 RUN_GROUP = "the run"
 FEATURES_GROUP = "training features"
 

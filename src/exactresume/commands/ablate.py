@@ -11,11 +11,7 @@ import json
 from pathlib import Path
 
 from exactresume import summaries
-from exactresume.commands.output import add_output_flags, emit
-from exactresume.commands.places import add_data_flag
-from exactresume.commands.writer import add_writer_flags, lock_out
-from exactresume.errors import UserError
-from exactresume.flags import (
+from exactresume.commands.config_flags import (
     ABLATION_GROUP,
     FEATURES_GROUP,
     OUTPUTS_GROUP,
@@ -24,6 +20,10 @@ from exactresume.flags import (
     add_groups,
     config_from_args,
 )
+from exactresume.commands.output import add_output_flags, emit
+from exactresume.commands.places import add_data_flag
+from exactresume.commands.writer import add_writer_flags, lock_out
+from exactresume.errors import UserError
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -15,10 +15,7 @@ import sys
 from pathlib import Path
 
 from exactresume import summaries
-from exactresume.commands.output import add_output_flags, emit, progress_mode
-from exactresume.commands.places import add_data_flag, add_s3_flags, place, resume_source
-from exactresume.commands.writer import add_writer_flags, remove_made_folder
-from exactresume.flags import (
+from exactresume.commands.config_flags import (
     ABLATION_GROUP,
     CHECKPOINTS_GROUP,
     OUTPUTS_GROUP,
@@ -28,6 +25,9 @@ from exactresume.flags import (
     add_groups,
     config_from_args,
 )
+from exactresume.commands.output import add_output_flags, emit, progress_mode
+from exactresume.commands.places import add_data_flag, add_s3_flags, place, resume_source
+from exactresume.commands.writer import add_writer_flags, remove_made_folder
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
