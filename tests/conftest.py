@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,15 +77,19 @@ def printed(process: forkserver.Run, needle: str, timeout: float = 120) -> str:
     return stderr
 
 
-def run_python(script: Path, *args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_python(
+    script: Path, *args: object, env: dict[str, str] | None = None, preload: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` in a new process, with this process's environment and `env`, forked from a
     server of this Python that imported torch and loaded the doctor's tracer once (which traces a run
     whose environment asks for it, as the doctor's --warm runs are traced): its exit code (negative:
-    the signal that ended it), and what it printed to stdout and stderr together."""
+    the signal that ended it), and what it printed to stdout and stderr together. `preload`: more
+    modules the server imports first (`datasets` costs each new process two seconds)."""
     command = [sys.executable, str(script), *map(str, args)]
     log = Path(tempfile.mkdtemp(prefix="exactresume-python-")) / "output"
     with stable_environ():
-        code = forkserver.spawn(command, os.environ | (env or {}), log, TRACED_KIND).wait()
+        kind = replace(TRACED_KIND, optional=TRACED_KIND.optional + preload)
+        code = forkserver.spawn(command, os.environ | (env or {}), log, kind).wait()
     output = log.read_text(errors="replace")
     shutil.rmtree(log.parent)
     return subprocess.CompletedProcess(command, code, output, output)

@@ -67,8 +67,8 @@ def straight(data, tmp_path_factory):
     ("kind", "stops"),
     [
         # A shuffle buffer, resumed by replay: stopped mid-epoch, at epoch 0's last batch (a full one: the
-        # epoch has not rolled over), after epoch 1's first batch, mid-epoch again; each time in a new process.
-        ("shuffled", [3, 6, 7, 15]),
+        # epoch has not rolled over), after epoch 1's first batch; each time in a new process.
+        ("shuffled", [3, 6, 7]),
         ("plain", [4, 9]),  # no shuffle buffer: resumed from the dataset's own state, twice (datasets #8308)
     ],
 )
@@ -76,7 +76,7 @@ def test_a_run_stopped_and_resumed_again_and_again_in_new_processes_ends_as_the_
     data, straight, tmp_path, kind, stops
 ):
     for stop in [*stops, 0]:
-        ran = run_python(PROGRAM, data, tmp_path, kind, stop)
+        ran = run_python(PROGRAM, data, tmp_path, kind, stop, preload=("datasets",))
         assert ran.returncode == 0, ran.stdout
     steps, weights = finished(tmp_path)
     straight_steps, straight_weights = straight(kind)

@@ -28,5 +28,5 @@ def test_a_recipe_runs_and_runs_again(recipe, tmp_path):
     # Its checkpoints folder is relative, as a user's: the script runs in a folder of its own.
     script.write_text(f"import os\nos.chdir({str(tmp_path)!r})\n" + recipe)
     for run in ("first", "again"):
-        finished = run_python(script)
+        finished = run_python(script, preload=("datasets",) if "datasets" in recipe else ())
         assert finished.returncode == 0, f"{run}: {finished.stdout}"
