@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, assert_one_line_error, call_cli
 from exactresume.config import TrainConfig
 from exactresume.lab.ablate import VARIANTS
 from exactresume.report.tables import readme_block, render_markdown
 from exactresume.store.steplog import read_samples
 from exactresume.summaries import number
+from helpers import SMALL, assert_one_line_error, call_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE, DOCS_JSON = ROOT / "docs" / "resume-file.md", ROOT / "docs" / "ablation.json"  # the page holding the table

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, call_cli
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.errors import CheckpointError, UserError
@@ -26,6 +25,7 @@ from exactresume.store.numbered import checkpoint_name
 from exactresume.store.weights import save_weights
 from exactresume.training.loop import build_run, train
 from exactresume.world import World
+from helpers import SMALL, call_cli
 
 CONFIG = TrainConfig(steps=8, batch=2, seq_len=16)  # the run SMALL's flags describe
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from conftest import SMALL, assert_one_line_error, call_cli
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.errors import CheckpointError, StorageError, UserError
@@ -24,6 +23,7 @@ from exactresume.store.faults import Fault, FaultPoints
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.numbered import snapshot
 from exactresume.training.loop import build_run, train
+from helpers import SMALL, assert_one_line_error, call_cli
 
 
 @pytest.fixture

@@ -8,15 +8,15 @@ import os
 import pytest
 import torch
 
-from conftest import SMALL, assert_one_line_error, call_cli, run_cli
+from helpers import SMALL, assert_one_line_error, call_cli, run_cli, train_cli
 
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, kjv_folder):
     """A small run stopped at step 3: a good resume file, and a weights file of the same run."""
     folder = tmp_path_factory.mktemp("stopped")
-    run_cli("train", "--out", folder, "--data", kjv_folder, *SMALL, "--stop-at", 3, check=True)
-    run_cli("train", "--out", folder, "--data", kjv_folder, *SMALL, check=True)
+    train_cli(folder, "--data", kjv_folder, *SMALL, "--stop-at", 3, check=True)
+    train_cli(folder, "--data", kjv_folder, *SMALL, check=True)
     return folder
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 import exactresume
-from conftest import stable_environ
 from exactresume import ResumeCheck, check_resume
 from exactresume.errors import MissingExtra, UserError
+from helpers import stable_environ
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).parent / "doctor_scripts"

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_python
 from exactresume import atomic
 from exactresume.errors import CheckpointError
 from exactresume.store.resume import capture, restore
 from exactresume.store.sealed import load_sealed, read_seal, save_sealed, write_sealed
 from exactresume.training.parts import GlobalRng, RunIdentity, StepCounter
+from helpers import run_python
 
 
 def test_interrupted_write_leaves_previous_file_intact(tmp_path, monkeypatch):

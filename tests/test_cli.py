@@ -9,13 +9,13 @@ from dataclasses import fields, replace
 
 import pytest
 
-from conftest import call_cli
 from exactresume import __version__
 from exactresume.cli import COMMANDS, build_parser
 from exactresume.commands.config_flags import GROUPS, config_from_args
 from exactresume.config import TrainConfig
 from exactresume.flags import config_flags, flag_name
 from exactresume.lab.lab import LabConfig, _train_flags
+from helpers import call_cli
 
 RUN_COMMANDS = ("train", "lab", "ablate")
 FLAG_LINE = re.compile(r"^  (-{1,2}[\w-]+)(?:, (--[\w-]+))?")

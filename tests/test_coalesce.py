@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from conftest import SMALL, run_cli
 from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP, BackgroundSaver
 from exactresume.store.folder import CheckpointStore
+from helpers import SMALL, train_cli
 
 
 @pytest.mark.parametrize("mode", [BEFORE_RETURN, DURING_NEXT_STEP])
@@ -34,7 +34,7 @@ def test_saves_asked_for_while_one_is_written_are_skipped_and_counted(tmp_path, 
 
 
 def test_every_step_with_async_save_ends_with_the_final_checkpoint(tmp_path, kjv_folder):
-    finished = run_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--save-every", 1, "--async-save")
+    finished = train_cli(tmp_path, "--data", kjv_folder, *SMALL, "--save-every", 1, "--async-save")
     assert finished.returncode == 0, finished.stderr
     steps = [checkpoint.step for checkpoint in CheckpointStore(tmp_path / "checkpoints").checkpoints()]
     assert steps[-1] == 8 and len(steps) <= 3  # the newest three of those written (--keep 3)

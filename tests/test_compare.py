@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import call_cli, run_cli
 from exactresume.config import ModelConfig, TrainConfig
 from exactresume.core.compare import identical, largest, tensor_diff, weight_distance
 from exactresume.core.model import MiniMindLM
 from exactresume.lab.lab import LabConfig, comparison_figures
 from exactresume.store.weights import read_weights, save_weights
+from helpers import call_cli, run_cli
 
 NAN, INF = float("nan"), float("inf")
 DOCS_LAB = Path(__file__).resolve().parents[1] / "docs" / "lab"

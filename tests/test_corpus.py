@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, call_cli
 from exactresume.core import tokenizer as tokenizer_module
 from exactresume.core.data import (
     MANIFEST_FILE,
@@ -24,6 +23,7 @@ from exactresume.core.data import (
 )
 from exactresume.errors import UserError
 from exactresume.progress import ByteProgress
+from helpers import assert_one_line_error, call_cli
 
 OUTPUT_FILES = (TOKENIZER_FILE, TRAIN_FILE, VAL_FILE, MANIFEST_FILE)
 VOCAB = 300

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, assert_one_line_error, call_cli
+from helpers import SMALL, assert_one_line_error, call_cli
 
 KINDS = ("flip", "zero", "truncate", "append")
 TARGETS = ("resume.pth", "resume.dcp/__0_0.distcp", "resume.dcp/.metadata", "resume.dcp/commit.pth")

@@ -16,16 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (
-    SMALL,
-    assert_lab_dict,
-    assert_one_line_error,
-    assert_same_run,
-    assert_weights_equal,
-    call_cli,
-    max_abs_difference,
-    run_cli,
-)
 from exactresume.errors import CheckpointError, UserError
 from exactresume.lab.lab import LabConfig, _train_flags
 from exactresume.parallel.agent import agent_config
@@ -33,6 +23,16 @@ from exactresume.parallel.launch import first_error
 from exactresume.store.resume import PerRank, read_resume_file
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.world import World
+from helpers import (
+    SMALL,
+    assert_lab_dict,
+    assert_one_line_error,
+    assert_same_run,
+    assert_weights_equal,
+    call_cli,
+    max_abs_difference,
+    train_cli,
+)
 
 # The issue's bound for a resume on another number of processes: only the reduction order differs.
 CROSS_N_ATOL = 1e-5
@@ -40,7 +40,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def train(out, data, *flags):
-    return run_cli("train", "--out", out, "--data", data, *SMALL, *flags, check=True)
+    return train_cli(out, "--data", data, *SMALL, *flags, check=True)
 
 
 @pytest.fixture(scope="module")

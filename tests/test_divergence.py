@@ -11,7 +11,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import assert_one_line_error, call_cli
 from exactresume.config import PRESETS, TrainConfig
 from exactresume.core.compare import weight_distance
 from exactresume.progress import Progress
@@ -20,6 +19,7 @@ from exactresume.store.weights import read_weights
 from exactresume.training.job import TrainJob
 from exactresume.training.job_run import JobRun
 from exactresume.world import World
+from helpers import assert_one_line_error, call_cli
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, call_cli, once_per_session, stable_environ
 from exactresume.cli import main
 from exactresume.forkserver.client import forkable
+from helpers import assert_one_line_error, call_cli, once_per_session, stable_environ
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 

@@ -23,11 +23,11 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from conftest import assert_one_line_error, call_cli, run_python, stable_environ
 from exactresume.cli import main
 from exactresume.doctor.command import one_hash
 from exactresume.doctor.tracer.guard import SIGHT
 from exactresume.errors import UserError
+from helpers import assert_one_line_error, call_cli, run_python, stable_environ
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 FLAGS = ["--steps", "8", "--stop-after", "4", "--resume-args=--resume"]

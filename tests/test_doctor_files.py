@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import stable_environ
 from exactresume.cli import main
 from exactresume.doctor.files import originals, roots
 from exactresume.doctor.run import Process, TracedRun
 from exactresume.doctor.tracer.files import Files
+from helpers import stable_environ
 
 SCRIPT = Path(__file__).parent / "doctor_scripts" / "system_files.py"
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_one_line_error, call_cli, once_per_session, stable_environ
 from exactresume.cli import main
 from exactresume.doctor.warm import Launcher
+from helpers import assert_one_line_error, call_cli, once_per_session, stable_environ
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]

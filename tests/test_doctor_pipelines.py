@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import once_per_session, stable_environ
 from exactresume.cli import main
 from exactresume.doctor.tracer.hooks import idle_step
+from helpers import once_per_session, stable_environ
 from test_doctor_frameworks import Case, by_hand, doctor_args
 
 pytest.importorskip("torchdata", reason="the test extra's torchdata (StatefulDataLoader)")

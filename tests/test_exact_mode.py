@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_one_line_error, call_cli, run_cli
 from exactresume.config import TrainConfig
 from exactresume.errors import UserError
 from exactresume.parallel.exact import TreeSum, micro_batch_seed
 from exactresume.parallel.split import allowed_process_counts
 from exactresume.store.weights import read_weights
+from helpers import assert_one_line_error, call_cli, run_cli, train_cli
 
 RANDOM = ["--steps", "6", "--batch", "4", "--seq-len", "16", "--micro-batch", "1", "--dropout", "0.1"]
 # The tiny corpus at --seq-len 17 has 14 samples: epochs of 4, 4, 4 and 2 sequences, 8 steps cross two.
@@ -47,7 +47,7 @@ def assert_same_bits(a: Path, b: Path) -> None:
 
 
 def train(out: Path, data: Path, flags: list[str], nproc: int, *extra) -> Path:
-    run_cli("train", "--out", out, "--data", data, *flags, "--nproc", nproc, "--progress", "none", *extra, check=True)
+    train_cli(out, "--data", data, *flags, "--nproc", nproc, "--progress", "none", *extra, check=True)
     return out
 
 

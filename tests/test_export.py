@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import SMALL, assert_one_line_error, call_cli
 from exactresume.store.weights import read_weights, save_weights
 from exactresume.training.inference import load_model
+from helpers import SMALL, assert_one_line_error, call_cli
 
 
 @pytest.fixture(scope="module")

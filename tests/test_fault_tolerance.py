@@ -23,22 +23,23 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import (
-    SMALL,
-    assert_one_line_error,
-    assert_same_run,
-    call_cli,
-    one_torch_thread,
-    run_cli,
-    run_python,
-    spawn_cli,
-)
 from exactresume.forkserver.client import Run
 from exactresume.store.faults import FAULT_ENV, STAGES
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.numbered import checkpoint_name
 from exactresume.store.sealed import save_sealed, verify
 from exactresume.store.weights import read_weights
+from helpers import (
+    SMALL,
+    assert_one_line_error,
+    assert_same_run,
+    call_cli,
+    one_torch_thread,
+    reference_run,
+    run_cli,
+    run_python,
+    spawn_cli,
+)
 
 # One thread per process: the runs compared are made alike, and far faster on a shared 2-core machine.
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -67,11 +68,7 @@ def run_child(args, fault: str | None = None) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, kjv_folder) -> Path:
     """The uninterrupted run, checkpointing as the interrupted ones do (in this process, on one thread)."""
-    folder = tmp_path_factory.mktemp("reference")
-    with one_torch_thread():
-        finished = call_cli(*chaos_flags(folder, kjv_folder))
-    assert finished.returncode == 0, finished.stderr
-    return folder
+    return reference_run(tmp_path_factory, lambda out: chaos_flags(out, kjv_folder))
 
 
 def checkpoint_files(folder: Path) -> tuple[list[int], list[str]]:

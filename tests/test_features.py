@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SMALL, assert_one_line_error, call_cli, run_cli
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.errors import CheckpointError
@@ -26,6 +25,7 @@ from exactresume.store.sealed import save_sealed
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.store.weights import read_weights
 from exactresume.training.loop import build_run, lr_at, train
+from helpers import SMALL, assert_one_line_error, call_cli, run_cli
 
 EPOCH = ["--loader", "epoch", "--batch", "4"]
 

@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from conftest import SMALL, assert_one_line_error
 from exactresume.forkserver import client as forkserver
 from exactresume.store.weights import read_weights
+from helpers import SMALL, assert_one_line_error
 
 
 def test_forked_run_equals_cold_process_run(tmp_path, kjv_folder):

@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (
+from exactresume.forkserver.client import Run
+from exactresume.store.faults import FAULT_ENV, STAGES
+from exactresume.store.steplog import read_samples
+from helpers import (
     assert_lab_dict,
     assert_one_line_error,
     assert_weights_equal,
@@ -29,10 +32,8 @@ from conftest import (
     max_abs_difference,
     run_cli,
     spawn_cli,
+    train_cli,
 )
-from exactresume.forkserver.client import Run
-from exactresume.store.faults import FAULT_ENV, STAGES
-from exactresume.store.steplog import read_samples
 
 FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16"]  # a batch of 4 splits over 1, 2 and 4 processes
 STOP = 3
@@ -42,7 +43,7 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
 def train(out: Path, data: Path, *flags: object) -> None:
-    run_cli("train", "--out", out, "--data", data, *FLAGS, *flags, check=True)
+    train_cli(out, "--data", data, *FLAGS, *flags, check=True)
 
 
 def train_on_two_nodes(out: Path, data: Path, *flags: object) -> None:
@@ -164,7 +165,7 @@ def test_what_fsdp_does_not_combine_with_is_refused(tmp_path, kjv_folder):
         (["--save-every", "2", "--async-save"], "--async-save does not combine"),
         (["--resume", "auto", "--divergence", tmp_path / "d.csv"], "--divergence does not combine"),
     ):
-        finished = run_cli("train", "--out", tmp_path, "--data", kjv_folder, *FLAGS, "--shard", "fsdp", *flags)
+        finished = train_cli(tmp_path, "--data", kjv_folder, *FLAGS, "--shard", "fsdp", *flags)
         assert_one_line_error(finished, needle)
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import one_torch_thread, run_python
 from exactresume import CheckpointError, CheckpointStore, GeneratorPart, ResumableStream, UserError
+from helpers import one_torch_thread, run_python
 
 datasets = pytest.importorskip("datasets")
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import exactresume
-from conftest import assert_one_line_error, call_cli
 from exactresume.config import TrainConfig
 from exactresume.errors import FieldError
+from helpers import assert_one_line_error, call_cli
 
 PACKAGE = Path(exactresume.__file__).resolve().parent
 MAX_FUNCTION_LINES = 50

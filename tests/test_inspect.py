@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, assert_one_line_error, call_cli
 from exactresume.store.resume import OPTIONAL_PARTS, PART_NAMES
+from helpers import SMALL, assert_one_line_error, call_cli
 
 FP32_PARTS = set(PART_NAMES) - set(OPTIONAL_PARTS)  # an fp32 run has no loss scaler
 

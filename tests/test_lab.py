@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import call_cli, one_torch_thread, run_cli
 from exactresume.report.captions import caption_values
 from exactresume.report.figures import FIGURES
 from exactresume.report.report import HEADINGS, render_report
@@ -19,6 +18,7 @@ from exactresume.report.tables import render_table
 from exactresume.store.steplog import read_divergence, read_loss_log
 from exactresume.store.weights import read_weights
 from exactresume.summaries import lab_summary, render_lab
+from helpers import call_cli, one_torch_thread, run_cli
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 LAB_FILES = [

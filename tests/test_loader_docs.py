@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_python
+from helpers import run_python
 
 PAGE = Path(__file__).parent.parent / "docs" / "loaders.md"
 # A recipe is the python block right after a `<!-- loaders-recipe -->` line; other blocks are prose.

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from conftest import run_python
 from exactresume import CheckpointError, CheckpointStore, ResumableLoader, UserError
+from helpers import run_python
 
 PROGRAM = Path(__file__).parent / "loader_programs" / "loader_run.py"
 STOPS = (7, 13, 14)  # mid-epoch, an epoch's last batch, the next epoch's first: resumed three times

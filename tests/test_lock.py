@@ -15,23 +15,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (
-    SMALL,
-    assert_one_line_error,
-    assert_same_run,
-    call_cli,
-    one_torch_thread,
-    printed,
-    run_cli,
-    run_python,
-    spawn_cli,
-)
 from exactresume.errors import UserError
 from exactresume.forkserver.client import Run
 from exactresume.store.faults import FAULT_ENV
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import HELD_ENV, LOCK_NAME, FolderLock, read_holder
 from exactresume.training.parts import GlobalRng
+from helpers import (
+    SMALL,
+    assert_one_line_error,
+    assert_same_run,
+    call_cli,
+    printed,
+    reference_run,
+    run_cli,
+    run_python,
+    spawn_cli,
+)
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -60,11 +60,7 @@ def holding(folder: Path, process: Run) -> Run:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, kjv_folder) -> Path:
     """The uninterrupted run, in this process on one thread (as the other exactness tests make it)."""
-    folder = tmp_path_factory.mktemp("reference")
-    with one_torch_thread():
-        finished = call_cli(*flags(folder, kjv_folder))
-    assert finished.returncode == 0, finished.stderr
-    return folder
+    return reference_run(tmp_path_factory, lambda out: flags(out, kjv_folder))
 
 
 def test_second_writer_is_refused_naming_the_holder_and_the_first_ends_exact(tmp_path, kjv_folder, reference):

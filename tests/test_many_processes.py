@@ -20,7 +20,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import assert_one_line_error, call_cli, free_port, run_cli, spawn_cli
 from exactresume.core.epochs import EpochLoader
 from exactresume.errors import UserError
 from exactresume.parallel.replicas import process_group
@@ -29,6 +28,7 @@ from exactresume.store.folder import CheckpointStore
 from exactresume.store.steplog import read_divergence
 from exactresume.store.weights import read_weights
 from exactresume.world import World
+from helpers import assert_one_line_error, call_cli, free_port, run_cli, spawn_cli
 
 # 30 windows of 8 tokens: an epoch of batches 8, 8, 8 and 6; 12 steps are three epochs.
 FEATURES = ["--loader", "epoch", "--seq-len", "8", "--batch", "8", "--grad-accum", "2", "--dropout", "0.1"]

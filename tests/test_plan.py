@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import exactresume.training.plan as plan_module
-from conftest import SMALL, assert_one_line_error, call_cli, run_cli
 from exactresume.config import PRESETS, TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.core.model import MiniMindLM
 from exactresume.store.folder import CheckpointStore
 from exactresume.training.loop import build_run
 from exactresume.training.plan import check_disk, parameter_count, plan_run
+from helpers import SMALL, assert_one_line_error, call_cli, run_cli
 
 OVERSIZED = ["--seq-len", "32768", "--batch", "64"]  # terabytes of attention scores
 

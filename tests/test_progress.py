@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import re
 
-from conftest import SMALL, call_cli, run_cli
 from exactresume.progress import Progress, resolve_mode
+from helpers import SMALL, call_cli, train_cli
 
 LINE = re.compile(r"train: step (\d+)/8 loss \d+\.\d{4} (\d+\.\d+|-) steps/s")
 
@@ -48,7 +48,7 @@ def test_bar_mode_redraws_one_line_and_ends_it():
 
 
 def test_training_output_is_plain_lines_when_not_a_terminal(tmp_path, kjv_folder):
-    finished = run_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, check=True)  # stdout is a pipe
+    finished = train_cli(tmp_path, "--data", kjv_folder, *SMALL, check=True)  # stdout is a pipe
     assert "\r" not in finished.stdout
     progress = finished.stdout.split("\n\n", 1)[0]  # the closing summary follows after a blank line
     steps = [int(LINE.fullmatch(line).group(1)) for line in progress.splitlines()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SMALL, call_cli, free_port
+from helpers import SMALL, call_cli, free_port
 
 
 @pytest.fixture

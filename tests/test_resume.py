@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SMALL, run_cli
 from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.store.weights import read_weights
+from helpers import SMALL, train_cli
 
 
 def train(folder, data, *flags):
-    return run_cli("train", "--out", folder, "--data", data, *SMALL, *flags, check=True)
+    return train_cli(folder, "--data", data, *SMALL, *flags, check=True)
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import assert_one_line_error, call_cli, free_port
 from exactresume.errors import UserError
 from exactresume.store.locations import S3Config
 from exactresume.store.s3 import _refusal
+from helpers import assert_one_line_error, call_cli, free_port
 
 PREFIX = "s3://exactresume-tests/endpoints"
 

@@ -17,20 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
+from exactresume.store.faults import FAULT_ENV, OBJECT_STORE_STAGES
+from exactresume.store.folder import CheckpointStore
+from exactresume.store.locations import S3Config
+from exactresume.store.s3_files import COPY_PREFIX
+from helpers import (
     SMALL,
     assert_one_line_error,
     assert_same_run,
     assert_weights_equal,
     call_cli,
     one_torch_thread,
+    reference_run,
     run_cli,
     spawn_cli,
 )
-from exactresume.store.faults import FAULT_ENV, OBJECT_STORE_STAGES
-from exactresume.store.folder import CheckpointStore
-from exactresume.store.locations import S3Config
-from exactresume.store.s3_files import COPY_PREFIX
 
 # Parts of 5 MiB: a checkpoint of the small run (20 MB) goes up as a multipart upload of four.
 PARTS = ("--s3-part-mib", "5")
@@ -49,11 +50,7 @@ def chaos_flags(out: Path, data: Path, endpoint: str | None = None, prefix: str 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, kjv_folder) -> Path:
     """The uninterrupted run (local checkpoints; the same steps, logs and weights), in this process."""
-    folder = tmp_path_factory.mktemp("reference")
-    with one_torch_thread():
-        finished = call_cli(*chaos_flags(folder, kjv_folder))
-    assert finished.returncode == 0, finished.stderr
-    return folder
+    return reference_run(tmp_path_factory, lambda out: chaos_flags(out, kjv_folder))
 
 
 def committed(endpoint: str, prefix: str) -> list[int]:

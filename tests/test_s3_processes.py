@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_weights_equal, run_cli, spawn_cli
 from exactresume.store.locations import S3Config, location
 from exactresume.store.s3_kinds import local_copy
 from exactresume.store.s3_lease import LEASE_NAME
 from exactresume.store.sharded import verify_sharded
+from helpers import assert_weights_equal, spawn_cli, train_cli
 
 FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16"]  # a batch of 4 splits over 1 and 2 processes
 STOP = 3
@@ -23,7 +23,7 @@ CROSS_N_ATOL = 1e-4  # what only the order of floating-point reduction moves (te
 
 def train(out: Path, data: Path, endpoint: str, *flags: object) -> None:
     reach = ["--s3-endpoint", endpoint, "--samples", out / "samples.csv"]
-    run_cli("train", "--out", out, "--data", data, *FLAGS, *reach, *flags, check=True, env={"OMP_NUM_THREADS": "1"})
+    train_cli(out, "--data", data, *FLAGS, *reach, *flags, check=True, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import once_per_session, run_cli, spawn_cli
 from exactresume.errors import UserError
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config
 from exactresume.store.s3_lease import LEASE_NAME, SECONDS_ENV
+from helpers import once_per_session, run_cli, spawn_cli, train_cli
 
 # Three saves a run; a run of these holds its prefix long enough (a second or two) for another to meet it.
 FLAGS = ["--steps", "60", "--batch", "2", "--seq-len", "16", "--save-every", "20"]
@@ -31,7 +31,7 @@ def straight(tmp_path_factory, kjv_folder) -> Path:
     for when a test has done its own runs (the other test's worker meanwhile computes it)."""
 
     def compute(folder: Path) -> dict:
-        run_cli("train", "--out", folder, "--data", kjv_folder, *FLAGS, check=True)
+        train_cli(folder, "--data", kjv_folder, *FLAGS, check=True)
         return {"folder": str(folder)}
 
     return Path(once_per_session(tmp_path_factory, "s3-takeover-straight", compute)["folder"])

@@ -8,15 +8,15 @@ import os
 import boto3
 import torch
 
-from conftest import SMALL, assert_one_line_error, assert_same_run, call_cli, run_cli
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config, location
 from exactresume.store.s3 import ObjectStore
 from exactresume.store.s3_files import load_committed
+from helpers import SMALL, assert_one_line_error, assert_same_run, call_cli, run_cli, train_cli
 
 
 def train(out, data, endpoint, *flags, check=True):
-    return run_cli("train", "--out", out, "--data", data, *SMALL, "--s3-endpoint", endpoint, *flags, check=check)
+    return train_cli(out, "--data", data, *SMALL, "--s3-endpoint", endpoint, *flags, check=check)
 
 
 def test_stop_and_resume_through_s3_is_bit_identical(tmp_path, kjv_folder, s3_server, s3_prefix):

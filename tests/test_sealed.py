@@ -7,11 +7,11 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from conftest import assert_one_line_error, call_cli
 from exactresume.errors import CheckpointError
 from exactresume.store import onepass, sealed
 from exactresume.store.resume import read_resume_file
 from exactresume.store.sealed import load_sealed, save_sealed
+from helpers import assert_one_line_error, call_cli
 
 STATE = {
     "format": "x",

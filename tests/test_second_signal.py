@@ -14,10 +14,10 @@ import signal
 
 import pytest
 
-from conftest import SMALL, call_cli, one_torch_thread, run_python
 from exactresume.store.faults import FaultPoints
 from exactresume.store.folder import CheckpointStore
 from exactresume.training.joblog import RunLogs
+from helpers import SMALL, call_cli, one_torch_thread, run_python
 
 
 @pytest.fixture(autouse=True)

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from conftest import SMALL, assert_one_line_error, call_cli
 from exactresume.store.sharded import COMMIT, write_commit
+from helpers import SMALL, assert_one_line_error, call_cli
 
 
 @pytest.fixture(scope="module")

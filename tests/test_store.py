@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from conftest import call_cli
 from exactresume.errors import StorageError, UserError
 from exactresume.store.faults import FAULT_ENV, STAGES, Fault
 from exactresume.store.folder import CheckpointStore
@@ -15,6 +14,7 @@ from exactresume.store.lock import LOCK_NAME
 from exactresume.store.numbered import checkpoint_name
 from exactresume.store.sealed import save_sealed
 from exactresume.training.parts import GeneratorPart, GlobalRng
+from helpers import call_cli
 
 
 def make_parts(seed: int = 0) -> dict:

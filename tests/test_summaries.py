@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, TINY_TEXT, call_cli
 from exactresume.report.figures import FIGURES
 from exactresume.summaries import FIGURE_NAMES, aligned, continue_command, lab_summary, number, render_lab, table
+from helpers import SMALL, TINY_TEXT, call_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

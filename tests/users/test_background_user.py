@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_python
+from helpers import run_python
 
 PROGRAM = '''
 """Train a small model, save every step in the background, keep an EMA of the model's state."""

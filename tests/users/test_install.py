@@ -23,8 +23,8 @@ import torch
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from conftest import assert_one_line_error
 from exactresume import GlobalRng, save_resume
+from helpers import assert_one_line_error
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRES = "Requires-Dist:"

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import call_cli, run_python
 from exactresume import (
     BackgroundSaver,
     CheckpointError,
@@ -23,6 +22,7 @@ from exactresume import (
     UserError,
     save_resume,
 )
+from helpers import call_cli, run_python
 
 PROGRAM = Path(__file__).parent / "programs" / "user_loop.py"
 
