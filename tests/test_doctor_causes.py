@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import once_per_session, stable_environ
 from exactresume.cli import main
 from exactresume.doctor.warm import Launcher
+from helpers import once_per_session, stable_environ
 from test_doctor_frameworks import OFFLINE, SCRIPTS, compare, run_script
 
 pytest.importorskip("datasets", reason="the test extra's datasets (Hugging Face streaming)")
