@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from exactresume.core.data import PrepareConfig, prepare
-from helpers import TINY_TEXT
+from helpers import MOTO_SECRET, TINY_TEXT
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +64,18 @@ def s3_server(tmp_path_factory):
 def s3_prefix(s3_server) -> str:
     """`s3://BUCKET/PREFIX`: a prefix no other test uses, on the session's server."""
     return s3_server.new_prefix()
+
+
+@pytest.fixture
+def moto_s3(monkeypatch):
+    """moto's S3 in this process, with test credentials and no endpoint; yields its boto3 client (no bucket)."""
+    from moto import mock_aws
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "moto-key", "AWS_SECRET_ACCESS_KEY": MOTO_SECRET}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    with mock_aws():
+        import boto3
+
+        yield boto3.client("s3")

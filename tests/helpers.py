@@ -24,6 +24,8 @@ from exactresume.doctor.warm import TRACED_KIND
 from exactresume.forkserver import client as forkserver
 
 # Small runs keep the suite fast; exactness does not depend on size.
+MOTO_SECRET = "moto-secret-never-printed"  # the secret key conftest.moto_s3 sets: no message may show it
+
 SMALL = ["--steps", "8", "--batch", "2", "--seq-len", "16"]
 
 # Twelve short paragraphs: 246 training tokens, so 15 samples of 16 tokens. With --batch 4 an

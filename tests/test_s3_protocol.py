@@ -21,9 +21,9 @@ from exactresume.store.s3 import ObjectStore
 from exactresume.store.s3_commit import commit_of
 from exactresume.store.s3_files import fetch_file, load_committed, local_folder, publish_sealed
 from exactresume.store.sealed import save_sealed
+from helpers import MOTO_SECRET
 
 BUCKET = "protocol"
-SECRET = "moto-secret-never-printed"
 
 
 class Tensor:
@@ -40,20 +40,10 @@ class Tensor:
 
 
 @pytest.fixture
-def s3(monkeypatch):
-    """moto's S3 in this process, with one bucket; yields its boto3 client."""
-    from moto import mock_aws
-
-    for name, value in {"AWS_ACCESS_KEY_ID": "moto-key", "AWS_SECRET_ACCESS_KEY": SECRET}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    with mock_aws():
-        import boto3
-
-        client = boto3.client("s3")
-        client.create_bucket(Bucket=BUCKET)
-        yield client
+def s3(moto_s3):
+    """moto's S3 (conftest.moto_s3) with this module's bucket; its boto3 client."""
+    moto_s3.create_bucket(Bucket=BUCKET)
+    return moto_s3
 
 
 def store(prefix: str = "run", **config) -> CheckpointStore:
@@ -246,13 +236,13 @@ def test_errors_name_the_store_never_a_credential(s3):
         from exactresume.store.access import open_resume
 
         open_resume(f"s3://{BUCKET}/run/resume.pth")
-    assert "no such object" in str(refused.value) and SECRET not in str(refused.value)
+    assert "no such object" in str(refused.value) and MOTO_SECRET not in str(refused.value)
     with pytest.raises(UserError, match="the bucket does not exist"):
         CheckpointStore("s3://no-such-bucket/run").checkpoints()
     checkpoints = saved(store(), 1)
     with local_folder() as folder:
-        assert SECRET.encode() not in fetch_file(checkpoints.objects, checkpoints.path_for(1), folder).read_bytes()
-    assert SECRET not in os.environ.get("AWS_ENDPOINT_URL", "")
+        assert MOTO_SECRET.encode() not in fetch_file(checkpoints.objects, checkpoints.path_for(1), folder).read_bytes()
+    assert MOTO_SECRET not in os.environ.get("AWS_ENDPOINT_URL", "")
 
 
 def test_a_sharded_folder_is_read_by_ranged_gets_each_item_verified(s3, monkeypatch):

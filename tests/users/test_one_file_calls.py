@@ -13,20 +13,10 @@ BUCKET = "one-file"
 
 
 @pytest.fixture
-def s3(monkeypatch):
-    """moto's S3 in this process, with one bucket; yields its boto3 client."""
-    from moto import mock_aws
-
-    for name, value in {"AWS_ACCESS_KEY_ID": "moto-key", "AWS_SECRET_ACCESS_KEY": "moto-secret"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    with mock_aws():
-        import boto3
-
-        client = boto3.client("s3")
-        client.create_bucket(Bucket=BUCKET)
-        yield client
+def s3(moto_s3):
+    """moto's S3 (conftest.moto_s3) with this module's bucket; its boto3 client."""
+    moto_s3.create_bucket(Bucket=BUCKET)
+    return moto_s3
 
 
 def trained() -> dict:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import shlex
 import threading
 from dataclasses import asdict
 from pathlib import Path
 
+from exactresume.atomic import write_json
 from exactresume.errors import UserError
 
 DOCTOR_HELP = (
@@ -131,7 +131,7 @@ def run_doctor(plan):
     from exactresume.doctor.verdict import terminal, write_report
 
     diagnosis = diagnose(runs)
-    write_json(plan.out / "doctor.json", plan, runs, diagnosis)
+    write_facts(plan.out / "doctor.json", plan, runs, diagnosis)
     write_report(plan.out, plan, runs, diagnosis)
     text = terminal(plan, runs, diagnosis)
     (plan.out / "verdict.txt").write_text(text + "\n")
@@ -149,7 +149,9 @@ def one_hash(runs) -> None:
         )
 
 
-def write_json(path: Path, plan, runs, diagnosis) -> None:
+def write_facts(path: Path, plan, runs, diagnosis) -> None:
+    """doctor.json: the plan, the diagnosis and each run's facts, written atomically (atomic.write_json)."""
+
     def run_facts(run):
         return {
             "command": run.command,
@@ -177,4 +179,4 @@ def write_json(path: Path, plan, runs, diagnosis) -> None:
         "moves": runs.moves,
         "runs": {name: run_facts(getattr(runs, name)) for name in ("straight", "interrupted", "resumed")},
     }
-    path.write_text(json.dumps(facts, indent=1))
+    write_json(path, facts)

@@ -28,6 +28,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from exactresume.errors import StorageError, UserError
 
@@ -58,20 +59,17 @@ class FolderLock:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise UserError(f"cannot create output folder {folder}: {error.strerror}") from None
-        deadline, told = time.monotonic() + wait, False
-        while True:
+
+        def attempt() -> tuple[FolderLock | None, str]:
             lock = cls._try(folder)
             if lock is not None:
-                return lock
+                return lock, ""
             holder = read_holder(folder / LOCK_NAME)
             if holder.get("token") in inherited_tokens() and holder.get("pid") != os.getpid():
-                return cls(folder, None, str(holder["token"]))  # our parent's lock: we write for it
-            if time.monotonic() >= deadline:
-                raise UserError(f"{describe_holder(folder, holder)}; wait for it or stop it")
-            if notify and not told:
-                notify(f"{describe_holder(folder, holder)}; waiting up to {wait:g} s for it to finish")
-                told = True
-            time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+                return cls(folder, None, str(holder["token"])), ""  # our parent's lock: we write for it
+            return None, describe_holder(folder, holder)
+
+        return wait_for_turn(attempt, wait, notify)
 
     @classmethod
     def _try(cls, folder: Path) -> FolderLock | None:
@@ -136,6 +134,28 @@ def held_lock_env() -> dict[str, str]:
 
 def inherited_tokens() -> set[str]:
     return {token for token in os.environ.get(HELD_ENV, "").split(",") if token}
+
+
+def wait_for_turn(
+    attempt: Callable[[], tuple[Any, str]],
+    wait: float,
+    notify: Callable[[str], None] | None,
+    poll: float = POLL_SECONDS,
+):
+    """What `attempt()` takes, trying again for up to `wait` seconds: one writer at a time, for a folder's
+    lock as for an object store prefix's lease. `attempt` returns what it took, or None and who holds it;
+    UserError naming the holder when the time is up, `notify` told once when the wait begins."""
+    deadline, told = time.monotonic() + wait, False
+    while True:
+        taken, holder = attempt()
+        if taken is not None:
+            return taken
+        if time.monotonic() >= deadline:
+            raise UserError(f"{holder}; wait for it or stop it")
+        if notify and not told:
+            notify(f"{holder}; waiting up to {wait:g} s for it to finish")
+            told = True
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
 def read_holder(path: Path) -> dict:

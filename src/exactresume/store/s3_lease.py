@@ -33,7 +33,7 @@ from email.utils import parsedate_to_datetime
 
 from exactresume.errors import MissingObject, StorageError, UserError
 from exactresume.store.locations import S3Location
-from exactresume.store.lock import describe_holder
+from exactresume.store.lock import describe_holder, wait_for_turn
 from exactresume.store.s3 import ObjectStore, WriteRaced
 
 LEASE_NAME = ".exactresume.lease"
@@ -100,19 +100,17 @@ class S3Lease:
         """Take the prefix's lease, waiting up to `wait` seconds for its holder to finish or its lease to expire.
 
         Raises UserError naming the holder when the lease stays taken."""
-        lease, deadline, told = cls(objects, folder, lease_seconds()), time.monotonic() + wait, False
-        while True:
+        lease = cls(objects, folder, lease_seconds())
+
+        def attempt() -> tuple[S3Lease | None, str]:
             seen = lease._take()
-            if seen is None:
-                lease._start_renewing()
-                _HELD[_key(folder)] = lease
-                return lease
-            if time.monotonic() >= deadline:
-                raise UserError(f"{lease._describe(seen)}; wait for it or stop it")
-            if notify and not told:
-                notify(f"{lease._describe(seen)}; waiting up to {wait:g} s for it to finish")
-                told = True
-            time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            if seen is not None:
+                return None, lease._describe(seen)
+            lease._start_renewing()
+            _HELD[_key(folder)] = lease
+            return lease, ""
+
+        return wait_for_turn(attempt, wait, notify, POLL_SECONDS)  # each try is a request: fewer of them
 
     def _describe(self, seen: Seen) -> str:
         seconds = seen.seconds(self.seconds)
