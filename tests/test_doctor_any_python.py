@@ -24,7 +24,7 @@ import torch
 from packaging.requirements import Requirement
 
 from exactresume.cli import main
-from exactresume.doctor.command import one_hash
+from exactresume.doctor.session import one_hash
 from exactresume.doctor.tracer.guard import SIGHT
 from exactresume.errors import UserError
 from helpers import assert_one_line_error, call_cli, run_python, stable_environ

@@ -19,7 +19,7 @@ from helpers import assert_one_line_error, call_cli
 PACKAGE = Path(exactresume.__file__).resolve().parent
 MAX_FUNCTION_LINES = 50
 # Where a command's flags are read: the commands (one module each) and the fork server's own script.
-READS_FLAGS = ("cli.py", "commands/", "doctor/command.py", "forkserver/serve.py")
+READS_FLAGS = ("cli.py", "commands/", "forkserver/serve.py")
 
 
 def test_the_public_api_is_what_the_package_exports():

@@ -19,9 +19,8 @@ import os
 import sys
 
 from exactresume import __version__
-from exactresume.commands import ablate, diff, export, inspection, lab, prepare, train
+from exactresume.commands import ablate, diff, doctor, export, inspection, lab, prepare, train
 from exactresume.commands.output import summary_stdout
-from exactresume.doctor.command import DOCTOR_HELP, cmd_doctor, doctor_parser
 from exactresume.errors import FieldError, UserError, extras_needed
 from exactresume.world import launched_by_torchrun
 
@@ -34,7 +33,7 @@ COMMANDS = {
     "diff": ("the model weights of two files or folders, compared bit for bit", "exactresume diff a.pth b.pth"),
     "inspect": ("what a checkpoint is: kind, step, config, parts, sizes", "exactresume inspect runs/a/resume.pth"),
     "export": ("inference weights in fp16/bf16/fp32, .pt or .safetensors", "exactresume export r.pth -o m.safetensors"),
-    "doctor": DOCTOR_HELP,
+    "doctor": doctor.DOCTOR_HELP,
     "help": ("these commands, or one command's flags", "exactresume help train"),
 }
 
@@ -51,7 +50,7 @@ def help_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("topic", nargs="?", choices=[name for name in COMMANDS if name != "help"], metavar="COMMAND")
 
 
-# name -> (add its flags, run it): one module of commands/ each (the doctor's is the doctor's own)
+# name -> (add its flags, run it): one module of commands/ each
 PARSERS = {
     "prepare": (prepare.add_flags, prepare.run),
     "train": (train.add_flags, train.run),
@@ -60,7 +59,7 @@ PARSERS = {
     "diff": (diff.add_flags, diff.run),
     "inspect": (inspection.add_flags, inspection.run),
     "export": (export.add_flags, export.run),
-    "doctor": (doctor_parser, cmd_doctor),
+    "doctor": (doctor.add_flags, doctor.run),
     "help": (help_parser, None),
 }
 

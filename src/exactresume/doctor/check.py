@@ -3,7 +3,7 @@
     check = check_resume([sys.executable, "train.py"], steps=8, stop_after=4, resume_args=["--resume"])
     assert check.exact, check
 
-It runs what `exactresume doctor` runs (command.py's `run_doctor`: the three traced runs, the verdict,
+It runs what `exactresume doctor` runs (session.py's `run_doctor`: the three traced runs, the verdict,
 OUT's files) and returns the verdict doctor.json holds as a `ResumeCheck`, instead of printing it.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exactresume.doctor.command import run_doctor
+from exactresume.doctor.session import run_doctor
 from exactresume.errors import UserError, extras_needed
 
 
