@@ -31,7 +31,7 @@ import torch
 
 from exactresume.config import TrainConfig
 from exactresume.core.compare import weight_distance
-from exactresume.store.steplog import read_samples
+from exactresume.core.steplog import read_samples
 from exactresume.store.weights import read_weights
 
 from .measure import load_average, peak_rss_bytes, reset_peak_rss, rss_bytes

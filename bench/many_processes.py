@@ -25,7 +25,7 @@ from pathlib import Path
 
 from exactresume.config import TrainConfig
 from exactresume.core.compare import weight_distance
-from exactresume.store.steplog import read_samples
+from exactresume.core.steplog import read_samples
 from exactresume.store.weights import read_weights
 
 

@@ -18,7 +18,7 @@ import torch
 
 from exactresume.config import TrainConfig
 from exactresume.core.data import TokenData
-from exactresume.store.steplog import LOSS_HEADER, StepLog
+from exactresume.core.steplog import LOSS_HEADER, StepLog
 from exactresume.training.loop import Run, build_run, train
 
 from .measure import Summary, Trial, interleave, ratio, timed

@@ -106,7 +106,8 @@ def render_layout_block() -> str:
     for name in layers():
         folder = PACKAGE / name
         if folder.is_dir():
-            modules = " ".join(sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py"))
+            inner = [f"{p.parent.name}/" for p in folder.glob("*/__init__.py")]  # a room of its own inside (store/s3/)
+            modules = " ".join(sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py") + sorted(inner))
             lines += textwrap.wrap(modules, WIDTH, initial_indent=f"  {name + '/':<11}", subsequent_indent=" " * 13)
             lines += textwrap.wrap(
                 first_sentence(folder / "__init__.py"), WIDTH, initial_indent=" " * 13, subsequent_indent=" " * 13

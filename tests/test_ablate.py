@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from exactresume.config import TrainConfig
+from exactresume.core.steplog import read_samples
 from exactresume.lab.ablate import VARIANTS
 from exactresume.report.tables import readme_block, render_markdown
-from exactresume.store.steplog import read_samples
 from exactresume.summaries import number
 from helpers import SMALL, assert_one_line_error, call_cli
 

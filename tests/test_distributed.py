@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from exactresume.core.steplog import read_loss_log, read_samples
 from exactresume.errors import CheckpointError, UserError
 from exactresume.lab.lab import LabConfig, _train_flags
 from exactresume.parallel.agent import agent_config
 from exactresume.parallel.launch import first_error
 from exactresume.store.resume import PerRank, read_resume_file
-from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.world import World
 from helpers import (
     SMALL,

@@ -13,8 +13,8 @@ import torch
 
 from exactresume.config import PRESETS, TrainConfig
 from exactresume.core.compare import weight_distance
+from exactresume.core.steplog import read_divergence, read_loss_log
 from exactresume.progress import Progress
-from exactresume.store.steplog import read_divergence, read_loss_log
 from exactresume.store.weights import read_weights
 from exactresume.training.job import TrainJob
 from exactresume.training.job_run import JobRun

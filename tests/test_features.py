@@ -19,10 +19,10 @@ import torch
 
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
+from exactresume.core.steplog import read_loss_log, read_samples
 from exactresume.errors import CheckpointError
 from exactresume.store.resume import read_resume_file, restore
 from exactresume.store.sealed import save_sealed
-from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.store.weights import read_weights
 from exactresume.training.loop import build_run, lr_at, train
 from helpers import SMALL, assert_one_line_error, call_cli, run_cli

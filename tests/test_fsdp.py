@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from exactresume.core.steplog import read_samples
 from exactresume.forkserver.client import Run
 from exactresume.store.faults import FAULT_ENV, STAGES
-from exactresume.store.steplog import read_samples
 from helpers import (
     assert_lab_dict,
     assert_one_line_error,

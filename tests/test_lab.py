@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from exactresume.core.steplog import read_divergence, read_loss_log
 from exactresume.report.captions import caption_values
 from exactresume.report.figures import FIGURES
 from exactresume.report.report import HEADINGS, render_report
 from exactresume.report.tables import render_table
-from exactresume.store.steplog import read_divergence, read_loss_log
 from exactresume.store.weights import read_weights
 from exactresume.summaries import lab_summary, render_lab
 from helpers import call_cli, one_torch_thread, run_cli

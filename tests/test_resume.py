@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactresume.store.steplog import read_loss_log, read_samples
+from exactresume.core.steplog import read_loss_log, read_samples
 from exactresume.store.weights import read_weights
 from helpers import SMALL, train_cli
 

@@ -14,7 +14,7 @@ import pytest
 
 from exactresume.errors import UserError
 from exactresume.store.locations import S3Config
-from exactresume.store.s3 import _refusal
+from exactresume.store.s3.client import _refusal
 from helpers import assert_one_line_error, call_cli, free_port
 
 PREFIX = "s3://exactresume-tests/endpoints"

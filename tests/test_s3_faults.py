@@ -20,7 +20,7 @@ import pytest
 from exactresume.store.faults import FAULT_ENV, OBJECT_STORE_STAGES
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config
-from exactresume.store.s3_files import COPY_PREFIX
+from exactresume.store.s3.files import COPY_PREFIX
 from helpers import (
     SMALL,
     assert_one_line_error,

@@ -14,7 +14,7 @@ import torch
 
 from exactresume.errors import UserError
 from exactresume.store.folder import CheckpointStore
-from exactresume.store.s3_lease import LEASE_NAME, SECONDS_ENV
+from exactresume.store.s3.lease import LEASE_NAME, SECONDS_ENV
 
 BUCKET = "leases"
 
@@ -166,7 +166,7 @@ def test_the_servers_date_against_last_modified_decides_at_first_sight():
     from datetime import datetime, timedelta
     from email.utils import format_datetime
 
-    from exactresume.store.s3_lease import S3Lease, _seen
+    from exactresume.store.s3.lease import S3Lease, _seen
 
     modified = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
     lease = S3Lease(objects=None, folder=None, seconds=60)
@@ -181,8 +181,8 @@ def test_the_servers_date_against_last_modified_decides_at_first_sight():
 
 def test_seaweedfs_sends_the_date_the_lease_is_judged_by(s3_server, s3_prefix):
     from exactresume.store.locations import S3Config, location
-    from exactresume.store.s3 import ObjectStore
-    from exactresume.store.s3_lease import S3Lease
+    from exactresume.store.s3.client import ObjectStore
+    from exactresume.store.s3.lease import S3Lease
 
     folder = location(s3_prefix, S3Config(s3_server.endpoint))
     lease = S3Lease.acquire(ObjectStore(folder.config), folder)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from exactresume.store.locations import S3Config, location
-from exactresume.store.s3_kinds import local_copy
-from exactresume.store.s3_lease import LEASE_NAME
+from exactresume.store.s3.kinds import local_copy
+from exactresume.store.s3.lease import LEASE_NAME
 from exactresume.store.sharded import verify_sharded
 from helpers import assert_weights_equal, spawn_cli, train_cli
 

@@ -14,12 +14,12 @@ import torch
 import xxhash
 
 from exactresume.errors import CheckpointError, StorageError, UserError
-from exactresume.store import s3_upload
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config, S3Location, location
-from exactresume.store.s3 import ObjectStore
-from exactresume.store.s3_commit import commit_of
-from exactresume.store.s3_files import fetch_file, load_committed, local_folder, publish_sealed
+from exactresume.store.s3 import upload as s3_upload
+from exactresume.store.s3.client import ObjectStore
+from exactresume.store.s3.commit import commit_of
+from exactresume.store.s3.files import fetch_file, load_committed, local_folder, publish_sealed
 from exactresume.store.sealed import save_sealed
 from helpers import MOTO_SECRET
 
@@ -76,7 +76,7 @@ def test_locations_parse_and_refuse():
 def test_save_commits_last_and_keep_deletes_only_older(s3):
     checkpoints = saved(store(), 1, 2, 3)
     names = sorted(entry["Key"] for entry in s3.list_objects_v2(Bucket=BUCKET)["Contents"])
-    lease = ["run/.exactresume.lease"]  # held while the store writes (s3_lease.py)
+    lease = ["run/.exactresume.lease"]  # held while the store writes (s3/lease.py)
     assert names == lease + [f"run/step-0000000{n}.pth{end}" for n in (2, 3) for end in ("", ".commit")]
     assert loaded(checkpoints) == (3, 3.0)
     with local_folder() as folder:  # the object is a plain torch file: the lab's dict with nothing of ours
@@ -246,8 +246,8 @@ def test_errors_name_the_store_never_a_credential(s3):
 
 
 def test_a_sharded_folder_is_read_by_ranged_gets_each_item_verified(s3, monkeypatch):
-    from exactresume.store.s3 import ObjectStore
-    from exactresume.store.s3_sharded import load_sharded_s3, save_sharded_s3
+    from exactresume.store.s3.client import ObjectStore
+    from exactresume.store.s3.sharded import load_sharded_s3, save_sharded_s3
     from exactresume.world import World
 
     model = torch.nn.Linear(64, 32)

@@ -18,7 +18,7 @@ import torch
 from exactresume.errors import UserError
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config
-from exactresume.store.s3_lease import LEASE_NAME, SECONDS_ENV
+from exactresume.store.s3.lease import LEASE_NAME, SECONDS_ENV
 from helpers import once_per_session, run_cli, spawn_cli, train_cli
 
 # Three saves a run; a run of these holds its prefix long enough (a second or two) for another to meet it.

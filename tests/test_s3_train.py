@@ -10,8 +10,8 @@ import torch
 
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config, location
-from exactresume.store.s3 import ObjectStore
-from exactresume.store.s3_files import load_committed
+from exactresume.store.s3.client import ObjectStore
+from exactresume.store.s3.files import load_committed
 from helpers import SMALL, assert_one_line_error, assert_same_run, call_cli, run_cli, train_cli
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from exactresume.core.steplog import LOSS_HEADER, StepLog
 from exactresume.errors import UserError
-from exactresume.store.steplog import LOSS_HEADER, StepLog
 
 ROWS = "step,train_loss\n1,8.000000\n2,7.500000\n3,7.000000\n4,6.500000\n"
 

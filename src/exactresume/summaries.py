@@ -57,7 +57,7 @@ def size_of(path: Path) -> int:
 def written(path: Path | S3Location) -> dict | None:
     """{"path", "bytes"} of an output that exists (a file, a folder, or its objects on a store), else None."""
     if isinstance(path, S3Location):
-        from exactresume.store.s3 import ObjectStore
+        from exactresume.store.s3.client import ObjectStore
 
         objects = ObjectStore(path.config)
         size = objects.size(path)

@@ -204,7 +204,7 @@ def server_for(python: str, kind: ServerKind, server_env: dict[str, str] | None,
 # imports it), and where the s3 extra installed boto3, what a run to or from s3:// imports.
 CLI_KIND = ServerKind(
     preload=("exactresume.training.job_run", "torch._dynamo"),
-    optional=("boto3", "botocore.config", "exactresume.store.s3_folder", "exactresume.store.s3_sharded"),
+    optional=("boto3", "botocore.config", "exactresume.store.s3.folder", "exactresume.store.s3.sharded"),
 )
 
 

@@ -32,10 +32,10 @@ from exactresume.config import TrainConfig, check_stop_at
 from exactresume.core.compare import weight_distance
 from exactresume.core.data import TokenData, ensure_data, load_tokens
 from exactresume.core.epochs import TokenSamples
+from exactresume.core.steplog import read_samples
 from exactresume.errors import UserError
 from exactresume.report.tables import render_markdown
 from exactresume.store.resume import read_resume_file, restore, save_resume_file
-from exactresume.store.steplog import read_samples
 from exactresume.training.loop import Run, StepRecord, build_run, train
 
 ABLATION_VERSION = 1

@@ -19,6 +19,7 @@ from exactresume.atomic import ensure_writable_folder, write_json
 from exactresume.config import TrainConfig, check_stop_at
 from exactresume.core.compare import identical, largest, loss_differences, repeated_batches, weight_distance
 from exactresume.core.data import ensure_data
+from exactresume.core.steplog import read_loss_log, read_samples
 from exactresume.errors import UserError
 from exactresume.flags import config_flags
 from exactresume.forkserver.client import run_cli, start_cli_server
@@ -28,7 +29,6 @@ from exactresume.progress import ByteProgress
 from exactresume.store.contents import resume_size_breakdown
 from exactresume.store.lock import held_lock_env
 from exactresume.store.resume import read_resume_file
-from exactresume.store.steplog import read_loss_log, read_samples
 from exactresume.store.weights import read_weights, save_weights
 from exactresume.training.inference import convert, max_logit_difference
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from exactresume.atomic import atomic_write_bytes
-from exactresume.store.steplog import read_divergence, read_loss_log
+from exactresume.core.steplog import read_divergence, read_loss_log
 
 DETAILS = "details"
 FIGURES = ("loss_curves", "loss_diff", "divergence", "sizes")

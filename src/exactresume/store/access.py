@@ -76,7 +76,7 @@ def save_resume(
 ) -> Location:
     """Write `parts` (saved at `step`) as one resume file, atomically, with its checksum; returns where.
 
-    `path` is a file, or an `s3://` object (committed whole: s3_files.py). With `sharded`, a
+    `path` is a file, or an `s3://` object (committed whole: s3/files.py). With `sharded`, a
     torch.distributed.checkpoint folder instead, of which every rank of `world` (default: torchrun's,
     or this one process) writes its shard and calls this. A write the storage refuses is a
     StorageError, and what was at `path` is left as it was."""
@@ -84,8 +84,8 @@ def save_resume(
     if sharded:
         _save_sharded(target, parts, step, world or World.from_env())
     elif isinstance(target, S3Location):
-        from exactresume.store.s3 import ObjectStore  # boto3: only where an object store is used
-        from exactresume.store.s3_files import publish_leased  # under the prefix's lease
+        from exactresume.store.s3.client import ObjectStore  # boto3: only where an object store is used
+        from exactresume.store.s3.files import publish_leased  # under the prefix's lease
 
         publish_leased(ObjectStore(target.config), target, capture(parts, step))
     else:
@@ -95,7 +95,7 @@ def save_resume(
 
 def _save_sharded(target: Location, parts: Mapping[str, Stateful], step: int | None, world: World) -> None:
     if isinstance(target, S3Location):
-        from exactresume.store.s3_sharded import save_sharded_s3  # DCP takes a second to import: only when used
+        from exactresume.store.s3.sharded import save_sharded_s3  # DCP takes a second to import: only when used
 
         save_sharded_s3(target, parts, world, step)
         return
@@ -112,7 +112,7 @@ def read_resume(path: Location | str, needs: Collection[str] = ()) -> dict:
     restored nowhere; CheckpointError when it is not a complete resume state holding `needs`."""
     target = location(path)
     if isinstance(target, S3Location):
-        from exactresume.store.s3_kinds import read_s3_resume
+        from exactresume.store.s3.kinds import read_s3_resume
 
         return read_s3_resume(target, needs)
     return read_resume_file(target, needs)
@@ -203,7 +203,7 @@ def open_resume(
 
 def _kind(path: Location) -> str:
     if isinstance(path, S3Location):
-        from exactresume.store.s3_kinds import s3_kind
+        from exactresume.store.s3.kinds import s3_kind
 
         return s3_kind(path)
     return path_kind(path)
@@ -211,7 +211,7 @@ def _kind(path: Location) -> str:
 
 def _read_sharded(path: Location, destination: Destination | None, needs: Collection[str]) -> dict:
     if isinstance(path, S3Location):
-        from exactresume.store.s3_sharded import load_sharded_s3
+        from exactresume.store.s3.sharded import load_sharded_s3
 
         return load_sharded_s3(path, destination, needs)
     from exactresume.store.sharded import load_sharded

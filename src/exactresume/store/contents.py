@@ -257,7 +257,7 @@ def inspect_checkpoint(path: Location) -> dict:
 
 def _inspect_s3(target: S3Location) -> dict:
     """A store prefix listed, or a committed file or sharded folder inspected in its verified local copy."""
-    from exactresume.store.s3_kinds import local_copy, s3_kind
+    from exactresume.store.s3.kinds import local_copy, s3_kind
 
     if s3_kind(target) == "folder":
         return list_checkpoints(target, summarize)

@@ -25,7 +25,7 @@ from exactresume.errors import UserError
 FAULT_ENV = "EXACTRESUME_FAULT"
 # The stages of CheckpointStore.save, in order (see folder.py; atomic.atomic_write reports the middle four).
 STAGES = ("snapshot", "write", "fsync", "rename", "folder-fsync", "verify", "retention")
-# On an object store (s3_folder.py): snapshot, write (the local copy), upload (each part), commit, retention.
+# On an object store (s3/folder.py): snapshot, write (the local copy), upload (each part), commit, retention.
 OBJECT_STORE_STAGES = ("snapshot", "write", "upload", "commit", "retention")
 ACTIONS = ("kill", "stop", "enospc", "eio")
 

@@ -58,12 +58,12 @@ from exactresume.store.sealed import load_sealed, verify, write_sealed
 class CheckpointStore(NumberedStore):
     """Numbered checkpoints in one folder: save, list, restore the newest valid one, keep the newest `keep`.
 
-    Given an `s3://bucket/prefix` (a string or an S3Location), it is an S3CheckpointStore (s3_folder.py).
+    Given an `s3://bucket/prefix` (a string or an S3Location), it is an S3CheckpointStore (s3/folder.py).
     """
 
     def __new__(cls, folder: Path | str | S3Location, *args: Any, **kwargs: Any) -> CheckpointStore:
         if cls is CheckpointStore and is_s3(folder):
-            from exactresume.store.s3_folder import S3CheckpointStore  # boto3 only where a store is remote
+            from exactresume.store.s3.folder import S3CheckpointStore  # boto3 only where a store is remote
 
             store = object.__new__(S3CheckpointStore)
             store.__init__(folder, *args, **kwargs)

@@ -19,9 +19,9 @@ from exactresume.store.sealed import load_sealed
 
 
 def _load(path: Location) -> Any:
-    if isinstance(path, S3Location):  # the committed object, downloaded and verified (s3_files.py)
-        from exactresume.store.s3 import ObjectStore
-        from exactresume.store.s3_files import load_committed
+    if isinstance(path, S3Location):  # the committed object, downloaded and verified (s3/files.py)
+        from exactresume.store.s3.client import ObjectStore
+        from exactresume.store.s3.files import load_committed
 
         return load_committed(ObjectStore(path.config), path)
     return load_sealed(path)
@@ -29,7 +29,7 @@ def _load(path: Location) -> Any:
 
 def _size(path: Location) -> int | None:
     if isinstance(path, S3Location):
-        from exactresume.store.s3 import ObjectStore
+        from exactresume.store.s3.client import ObjectStore
 
         return ObjectStore(path.config).size(path)
     return path.stat().st_size

@@ -8,7 +8,7 @@
 may name an object store is parsed here first, and a `Path` is made only for what is local. An
 `S3Location` carries how its store is reached (`S3Config`: the endpoint, how many tries) but never a
 credential: those come from the standard AWS chain (environment, profile, instance role) when the
-client is made (s3.py), so no location, log line or checkpoint can hold one.
+client is made (s3/client.py), so no location, log line or checkpoint can hold one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 DEFAULT_TRIES = 5  # each request, the first try included, before an unreachable store stops the run
 CONNECT_SECONDS = 5.0  # a server that takes longer to accept a connection is not answering
 READ_SECONDS = 30.0  # the longest wait for any byte of an answer (or for room to send): a frozen server's bound
-PART_BYTES = 16 << 20  # a file larger than this goes up as a multipart upload of parts this size (see s3_upload.py)
+PART_BYTES = 16 << 20  # a file larger than this goes up as a multipart upload of parts this size (see s3/upload.py)
 MIN_PART_BYTES = 5 << 20  # S3's smallest part (all but the last)
 
 

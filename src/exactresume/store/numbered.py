@@ -1,4 +1,4 @@
-"""What every store of numbered checkpoints shares, on a disk (folder.py) or an object store (s3_folder.py).
+"""What every store of numbered checkpoints shares, on a disk (folder.py) or an object store (s3/folder.py).
 
 A checkpoint is named `step-00000030.pth` after its step (zero-padded, so names sort like steps); a
 store saves the snapshot of its parts through its own `commit` stages, and loads its newest valid

@@ -12,7 +12,7 @@ is left out: the seal covers every byte. (A zip tool that checks CRCs, such as P
 reading a member, will complain about them; torch.load does not.) The hash then reads the bytes back
 from the page cache, a megabyte at a time into one buffer, while a second thread has the disk take
 them (fsync): it costs no time of its own beside the disk's (on an object store, the same bytes are
-hashed as they stream into the upload: s3_upload.py). Loading
+hashed as they stream into the upload: s3/upload.py). Loading
 reads the file once, hashing as it reads (onepass.py), and unpickles only once the digest matches
 the seal; where that reader does not apply, the file is verified through a memory map and then read
 by torch.load, from the same open file.

@@ -235,7 +235,7 @@ def read_verified(
     sizes: Mapping[str, int] | None = None,
 ) -> dict:
     """The state DCP reads through `reader` from a folder whose commit (listing `listed`) was verified;
-    `sizes` are the committed objects' when they are on a store, read by range (s3_ranges.py)."""
+    `sizes` are the committed objects' when they are on a store, read by range (s3/ranges.py)."""
     metadata = reader.read_metadata()
     check_index(folder, metadata, listed, sizes)  # before a byte is allocated for what it names
     try:

@@ -32,7 +32,7 @@ def save_weights(path: Path, state_dict: StateDict) -> None:
 def read_weights(path: Location) -> tuple[StateDict, ModelConfig | None]:
     """The model state dict held by `path` (or a committed `s3://` one), and its ModelConfig when recorded."""
     if isinstance(path, S3Location):
-        from exactresume.store.s3_kinds import local_copy
+        from exactresume.store.s3.kinds import local_copy
 
         with local_copy(path) as local:
             try:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from exactresume.core.steplog import LOSS_HEADER, SAMPLES_HEADER, StepLog
 from exactresume.errors import StorageError
-from exactresume.store.steplog import LOSS_HEADER, SAMPLES_HEADER, StepLog
 from exactresume.training.loop import StepRecord
 from exactresume.world import World
 

@@ -12,7 +12,7 @@ At most UPLOAD_THREADS parts are in flight, so a save holds about UPLOAD_THREADS
 The object is exactly the file save_sealed writes on a disk: the seal replaces the last two bytes
 torch.save wrote (its zip comment's length), so those two are held back until the end. Each part
 carries its CRC-32, which the server checks; the composite it reports for the completed object is
-compared with ours, and the object's size read back (s3.py's check_stored).
+compared with ours, and the object's size read back (s3/client.py's check_stored).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import xxhash
 
 from exactresume.store.locations import S3Location
-from exactresume.store.s3 import UPLOAD_THREADS, ObjectInfo, ObjectStore, b64, crc32
+from exactresume.store.s3.client import UPLOAD_THREADS, ObjectInfo, ObjectStore, b64, crc32
 from exactresume.store.sealed import seal_ending
 
 HELD_BACK = 2  # torch.save's last two bytes, the zip comment length the seal rewrites

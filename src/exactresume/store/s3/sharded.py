@@ -6,7 +6,7 @@ Every rank has DCP write its shard into a private local folder, uploads those fi
 them (the server's checksum and size); the ranks then hand rank 0 each object's size and xxh3, and
 rank 0 writes the commit object last (`commit.pth`, sharded.py's marker with the sizes added), once
 every rank has finished: the barrier, then the commit, as a local sharded folder is renamed into
-place. Rank 0 writes under the prefix's lease (s3_lease.py: the one its run's checkpoints hold),
+place. Rank 0 writes under the prefix's lease (s3/lease.py: the one its run's checkpoints hold),
 checked before the old commit is deleted and before the new one is written. The previous commit is
 deleted before any shard is replaced, so a save killed on any rank leaves a prefix no reader trusts;
 objects that the new commit does not name (an earlier run's extra ranks) are deleted after it. A
@@ -28,12 +28,12 @@ from exactresume.errors import CheckpointError, StorageError, UserError
 from exactresume.store.dcp_index import parse_index
 from exactresume.store.locations import S3Location
 from exactresume.store.resume import capture
-from exactresume.store.s3 import ObjectStore, file_info
-from exactresume.store.s3_commit import commit_state, fetch_committed, read_commit, write_commit
-from exactresume.store.s3_files import local_folder, state_bytes
-from exactresume.store.s3_lease import S3Lease, lease_for
-from exactresume.store.s3_ranges import RANGES_KEY, item_ranges, ranged_reader
-from exactresume.store.s3_upload import upload_file
+from exactresume.store.s3.client import ObjectStore, file_info
+from exactresume.store.s3.commit import commit_state, fetch_committed, read_commit, write_commit
+from exactresume.store.s3.files import local_folder, state_bytes
+from exactresume.store.s3.lease import S3Lease, lease_for
+from exactresume.store.s3.ranges import RANGES_KEY, item_ranges, ranged_reader
+from exactresume.store.s3.upload import upload_file
 from exactresume.store.sharded import (
     COMMIT,
     SHARDED_FORMAT,
@@ -49,7 +49,7 @@ from exactresume.world import World
 
 def save_sharded_s3(target: S3Location, parts: Mapping[str, Stateful], world: World, step: int | None = None) -> None:
     """Every rank writes and uploads its shard (saved at `step`); rank 0 commits once all have, under
-    the lease of the folder's prefix (s3_lease.py), checked before the old commit goes and the new one is written."""
+    the lease of the folder's prefix (s3/lease.py), checked before the old commit goes and the new one is written."""
     import torch.distributed.checkpoint as dcp
 
     objects = ObjectStore(target.config)

@@ -19,9 +19,9 @@ from pathlib import Path
 from exactresume.errors import CheckpointError
 from exactresume.store.locations import S3Location
 from exactresume.store.resume import check_resume_state
-from exactresume.store.s3 import ObjectStore
-from exactresume.store.s3_commit import fetch_committed, read_commit
-from exactresume.store.s3_files import fetch_file, load_committed, local_folder
+from exactresume.store.s3.client import ObjectStore
+from exactresume.store.s3.commit import fetch_committed, read_commit
+from exactresume.store.s3.files import fetch_file, load_committed, local_folder
 
 SHARDED_NAMES = ("commit.pth", ".metadata")
 
@@ -71,9 +71,9 @@ def local_copy(target: S3Location) -> Iterator[Path]:
 def newest_copy(objects: ObjectStore, prefix: S3Location, folder: Path) -> Path:
     """A local store folder in `folder` holding the newest checkpoint under `prefix` whose objects verify
     against its commit (each newer one passed over is named on stderr, as a resume names it)."""
-    from exactresume.store.folder import CheckpointStore
+    from exactresume.store.s3.folder import S3CheckpointStore
 
-    store = CheckpointStore(prefix, keep=None)
+    store = S3CheckpointStore(prefix, keep=None)
     local = folder / "checkpoints"  # beside the downloads, never one of their names
     local.mkdir()
     for checkpoint in reversed(store.checkpoints()):

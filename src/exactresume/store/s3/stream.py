@@ -9,7 +9,7 @@ matches. Here that one pass is the body of a single GET; what the reader first n
 Every streamed byte also feeds the xxh3 that the commit records, checked with the size at the end,
 so the bytes loaded are the bytes committed. A file onepass.py does not read (another zip layout,
 a torch.load wrapped by the doctor's tracer) gives NOT_STREAMED, and is downloaded and loaded as a
-file instead (s3_files.py).
+file instead (s3/files.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import xxhash
 from exactresume.errors import CheckpointError
 from exactresume.store.locations import S3Location
 from exactresume.store.onepass import NOT_READ, load_verified
-from exactresume.store.s3 import READ_PIECE, ObjectInfo, ObjectStore
+from exactresume.store.s3.client import READ_PIECE, ObjectInfo, ObjectStore
 from exactresume.store.sealed import SEAL_LENGTH, seal_of, torch_load_is_wrapped
 
 NOT_STREAMED = object()

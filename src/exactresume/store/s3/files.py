@@ -6,9 +6,9 @@
 
 The object's bytes are exactly the file save_sealed writes on a disk, so `torch.load` of a downloaded
 copy, with nothing of ours imported, gives the lab's dict. torch.save writes it straight into its
-upload, sealed at the end (s3_upload.py: no local copy); the stored object is verified, then
-committed by its commit object (s3_commit.py). Reading checks size and xxh3 against the commit as
-the object streams in, and the seal, before anything is unpickled (s3_stream.py).
+upload, sealed at the end (s3/upload.py: no local copy); the stored object is verified, then
+committed by its commit object (s3/commit.py). Reading checks size and xxh3 against the commit as
+the object streams in, and the seal, before anything is unpickled (s3/stream.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 
 from exactresume.errors import CheckpointError, MissingObject
 from exactresume.store.locations import S3Location
-from exactresume.store.s3 import ObjectInfo, ObjectStore
-from exactresume.store.s3_commit import (
+from exactresume.store.s3.client import ObjectInfo, ObjectStore
+from exactresume.store.s3.commit import (
     COMMIT_FORMAT,
     COMMIT_VERSION,
     commit_of,
@@ -35,8 +35,8 @@ from exactresume.store.s3_commit import (
     read_commit,
     write_commit,
 )
-from exactresume.store.s3_lease import lease_for
-from exactresume.store.s3_upload import SealedUpload
+from exactresume.store.s3.lease import lease_for
+from exactresume.store.s3.upload import SealedUpload
 from exactresume.store.sealed import load_sealed, save_unsealed
 
 Stage = Callable[[str], None]
@@ -95,7 +95,7 @@ def publish_sealed(
     stage: Stage = lambda name: None,
     before_publish: Callable[[], None] | None = None,
 ) -> None:
-    """torch.save `state` with its seal straight into an upload to `target` (s3_upload.py), verified, then
+    """torch.save `state` with its seal straight into an upload to `target` (s3/upload.py), verified, then
     commit it: the old commit is deleted just before the object is replaced, the new one written last.
     `before_publish()` runs before that deletion; if it raises, the upload is aborted."""
     commit = commit_of(target)
@@ -118,7 +118,7 @@ def publish_sealed(
 
 
 def publish_leased(objects: ObjectStore, target: S3Location, state: Any) -> None:
-    """publish_sealed under the lease of `target`'s prefix (s3_lease.py), the one its run's checkpoints
+    """publish_sealed under the lease of `target`'s prefix (s3/lease.py), the one its run's checkpoints
     hold: checked before the old commit is deleted and again before the new one is written, so a run
     that lost the prefix to another stops before it changes anything there."""
     with lease_for(objects, target.parent) as lease:
@@ -141,8 +141,8 @@ def fetch_file(objects: ObjectStore, source: S3Location, folder: Path) -> Path:
 
 def load_committed(objects: ObjectStore, source: S3Location, size: int | None = None) -> Any:
     """The verified contents of a committed sealed file on the store (weights_only, as load_sealed):
-    streamed in as it arrives (s3_stream.py), or where that does not apply downloaded and loaded."""
-    from exactresume.store.s3_stream import NOT_STREAMED, load_streamed
+    streamed in as it arrives (s3/stream.py), or where that does not apply downloaded and loaded."""
+    from exactresume.store.s3.stream import NOT_STREAMED, load_streamed
 
     with local_folder(size if size is not None else objects.size(source) or 0) as folder:
         commit = read_commit(objects, commit_of(source), folder / "commit", COMMIT_FORMAT, COMMIT_VERSION)

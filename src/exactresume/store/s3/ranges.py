@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from exactresume.errors import CheckpointError, MissingObject
 from exactresume.store.dcp_index import VerifiedReader
 from exactresume.store.locations import S3Location
-from exactresume.store.s3 import ObjectStore
+from exactresume.store.s3.client import ObjectStore
 
 RANGES_KEY = "ranges"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from exactresume.errors import CheckpointError, MissingObject
 from exactresume.store.formats import check_format
 from exactresume.store.locations import S3Location
-from exactresume.store.s3 import ObjectInfo, ObjectStore
+from exactresume.store.s3.client import ObjectInfo, ObjectStore
 from exactresume.store.sealed import load_sealed, save_sealed
 
 COMMIT_FORMAT = "exactresume.s3-commit"

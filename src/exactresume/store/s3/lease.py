@@ -34,7 +34,7 @@ from email.utils import parsedate_to_datetime
 from exactresume.errors import MissingObject, StorageError, UserError
 from exactresume.store.locations import S3Location
 from exactresume.store.lock import describe_holder, wait_for_turn
-from exactresume.store.s3 import ObjectStore, WriteRaced
+from exactresume.store.s3.client import ObjectStore, WriteRaced
 
 LEASE_NAME = ".exactresume.lease"
 SECONDS_ENV = "EXACTRESUME_S3_LEASE_SECONDS"

@@ -7,7 +7,7 @@
 boto3 is AWS's own SDK: the standard credential chain (environment, profile, instance role),
 `AWS_ENDPOINT_URL` for an S3-compatible server, checksums the server verifies, ranged GETs; it is
 made lazily, on the first request, so a command that reaches no store never imports it. Large
-objects go up in parts (s3_upload.py). Every object or part carries its CRC-32, which the server
+objects go up in parts (s3/upload.py). Every object or part carries its CRC-32, which the server
 checks on arrival and reports back, and a multipart object's size is read back with HEAD: a part
 the server lost (mlcommons/storage #593) changes both (`check_stored`). A server that reports no
 checksum gets the object read back and hashed instead.

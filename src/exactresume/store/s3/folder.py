@@ -4,7 +4,7 @@
     store.save(step, parts)     # s3://bucket/run/checkpoints/step-00000030.pth, then its .commit
     step = store.load(parts)    # the newest committed checkpoint whose objects verify
 
-The same interface and guarantees as a folder (folder.py), with the commit object (s3_commit.py) in
+The same interface and guarantees as a folder (folder.py), with the commit object (s3/commit.py) in
 place of the rename. A save is one sequence of stages, each a fault-injection point (faults.py):
 
     snapshot -> write (torch.save into the upload) -> upload (each part as it fills; verified) -> commit -> retention
@@ -13,7 +13,7 @@ Keep-K deletes older checkpoints (their commit first) only after the new commit 
 newest checkpoint is found by one listing of the prefix (all its pages), not a request per step;
 a checkpoint without its commit object is not listed. At the start of a run (`remove_leftovers`)
 the multipart uploads a killed save abandoned are aborted and its uncommitted objects deleted.
-One run writes a prefix: a writer takes its lease (s3_lease.py) before it cleans or commits, and
+One run writes a prefix: a writer takes its lease (s3/lease.py) before it cleans or commits, and
 checks it before each commit and before keep-K deletes, so a second run is refused naming the holder
 and a run whose lease was taken stops before it overwrites or deletes anything.
 """
@@ -29,10 +29,10 @@ from exactresume.store.locations import S3Config, S3Location, location
 from exactresume.store.lock import FolderLock
 from exactresume.store.numbered import CHECKPOINT_NAME, Checkpoint, NumberedStore, check_checkpoint
 from exactresume.store.resume import print_to_stderr
-from exactresume.store.s3 import ObjectStore
-from exactresume.store.s3_commit import COMMIT_SUFFIX, commit_of
-from exactresume.store.s3_files import load_committed, publish_sealed
-from exactresume.store.s3_lease import S3Lease
+from exactresume.store.s3.client import ObjectStore
+from exactresume.store.s3.commit import COMMIT_SUFFIX, commit_of
+from exactresume.store.s3.files import load_committed, publish_sealed
+from exactresume.store.s3.lease import S3Lease
 
 
 class S3CheckpointStore(NumberedStore):
