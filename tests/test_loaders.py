@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from exactresume import CheckpointError, CheckpointStore, ResumableLoader, UserError
+from exactresume.errors import FieldError
 from helpers import run_python
 
 PROGRAM = Path(__file__).parent / "loader_programs" / "loader_run.py"
@@ -74,8 +75,9 @@ def test_resumed_at_each_stop_equals_straight(kind, straight_runs, tmp_path):
 
 def test_killed_at_random_moments_with_saves_every_step(straight_runs, tmp_path):
     """SIGKILL at random moments (during saves too), each run resuming the last; then a run to the end."""
-    moments = random.Random(37).sample([0.05 * tenth for tenth in range(1, 12)], 6)
-    codes = [run_python(PROGRAM, tmp_path, "shuffle", "--every-step", "--kill-after", seconds) for seconds in moments]
+    chooser = random.Random(37)  # six steps, in order, each run resuming the one before; a few ms into each
+    moments = [(step, chooser.uniform(0, 0.01)) for step in sorted(chooser.sample(range(3, 36), 6))]
+    codes = [run_python(PROGRAM, tmp_path, "shuffle", "--every-step", "--kill-at", *moment) for moment in moments]
     assert all(ended.returncode in (0, -9) for ended in codes), [ended.stdout for ended in codes]
     assert sum(ended.returncode == -9 for ended in codes) >= 3, "too few runs were killed to test anything"
     resumed = finished_run(tmp_path, "shuffle", (), "--every-step")
@@ -221,3 +223,11 @@ def test_augmentation_in_workers_repeats_from_an_epoch_start_only():
         again = [batch for _ in range(2 - resumed.epoch) for batch in resumed]
         assert all(torch.equal(a.floor(), b.floor()) for a, b in zip(seen[stop:], again, strict=True))  # the order
         assert all(torch.equal(a, b) for a, b in zip(seen[stop:], again)) is repeats
+
+
+def test_a_part_of_the_other_kind_or_wrapped_twice_is_named_as_that():
+    loader = ResumableLoader(DataLoader(list(range(6)), batch_size=2))
+    with pytest.raises(FieldError, match="already wrapped: wrap it once"):
+        ResumableLoader(loader)
+    with pytest.raises(CheckpointError, match="is a ResumableStream's, not a ResumableLoader's"):
+        loader.load_state_dict({"kind": "hf_stream", "epoch": 0, "consumed": 1})

@@ -1,6 +1,6 @@
 """A user's loop over a loader of one kind, stopped at a step or killed, resumed from its store.
 
-    python loader_run.py FOLDER KIND [--stop STEP] [--every-step] [--kill-after SECONDS] [--bare]
+    python loader_run.py FOLDER KIND [--stop STEP] [--every-step] [--kill-at STEP SECONDS] [--bare]
 
 Three epochs of a tiny model with dropout and AdamW, one optimizer step a batch. It loads the newest
 checkpoint of FOLDER/checkpoints, if any, saves at --stop (and after every step with --every-step),
@@ -97,7 +97,7 @@ def train_step(model, optimizer, batch) -> None:
     optimizer.step()
 
 
-def run(folder: Path, kind: str, stop: int | None, every_step: bool, bare: bool) -> None:
+def run(folder: Path, kind: str, stop: int | None, every_step: bool, bare: bool, kill_at=None) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -109,6 +109,8 @@ def run(folder: Path, kind: str, stop: int | None, every_step: bool, bare: bool)
     store = CheckpointStore(folder / "checkpoints", keep=2)
     store.load(parts)
     for batch in batches(loader, source, step, bare):
+        if kill_at is not None and step.value + 1 == int(kill_at[0]):  # SIGKILL somewhere in this step or its save
+            threading.Timer(kill_at[1], os.kill, (os.getpid(), signal.SIGKILL)).start()
         train_step(model, optimizer, batch)
         step.value += 1
         record.steps.append(torch.as_tensor(batch[0]).clone())
@@ -142,13 +144,13 @@ def main() -> None:
     parser.add_argument("kind")
     parser.add_argument("--stop", type=int)
     parser.add_argument("--every-step", action="store_true")
-    parser.add_argument("--kill-after", type=float, help="SIGKILL this process after this many seconds")
+    parser.add_argument(
+        "--kill-at", nargs=2, type=float, metavar=("STEP", "SECONDS"), help="SIGKILL this long after STEP begins"
+    )
     parser.add_argument("--bare", action="store_true")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", "'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13, at every loader
-    if args.kill_after is not None:
-        threading.Timer(args.kill_after, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    run(args.folder, args.kind, args.stop, args.every_step, args.bare)
+    run(args.folder, args.kind, args.stop, args.every_step, args.bare, args.kill_at)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,10 @@ class StreamState:
     @classmethod
     def from_saved(cls, saved: Any) -> StreamState:
         """The saved dict as a StreamState, or a CheckpointError saying what it is instead."""
+        if isinstance(saved, Mapping) and {"shape", "consumed"} <= set(saved):
+            raise CheckpointError(
+                "the saved state is a ResumableLoader's (a DataLoader's position), not a ResumableStream's"
+            )
         if not isinstance(saved, Mapping) or saved.get("kind") != KIND:
             kind = f" of kind {saved.get('kind')!r}" if isinstance(saved, Mapping) else ""
             raise CheckpointError(f"the saved state is not a ResumableStream's: it is a {type(saved).__name__}{kind}")
@@ -88,6 +92,10 @@ class ResumableStream(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, dataset: Any):
+        if isinstance(dataset, ResumableStream):
+            raise FieldError(
+                "ResumableStream takes a datasets.IterableDataset, got one already wrapped: wrap it once", "dataset"
+            )
         if not all(callable(getattr(dataset, name, None)) for name in ("set_epoch", "state_dict", "load_state_dict")):
             got = type(dataset).__name__
             raise FieldError(f"ResumableStream takes a datasets.IterableDataset, got a {got}", "dataset")
@@ -195,7 +203,8 @@ class ResumableStream(torch.utils.data.IterableDataset):
         if digest != saved.digest:
             raise CheckpointError(
                 f"the first {saved.consumed} examples of epoch {saved.epoch} differ from those the saved run "
-                "consumed: the dataset's content or order changed since the save (a shuffle without seed=?)"
+                "consumed: the dataset's content, length or order changed since the save (another dataset, "
+                "or a shuffle without seed=)"
             )
         return live
 

@@ -19,6 +19,7 @@ VERSION = 1
 class LoaderShape:
     """What decides which sample is at which position: a loader that differs here reads other data."""
 
+    loader: str  # the loader's class: a DataLoader's order and a StatefulDataLoader's are drawn apart
     dataset_length: int | None  # None for a dataset without len() (an IterableDataset)
     batch_size: int | None  # None without batching (batch_size=None), or a custom batch sampler's own
     drop_last: bool
@@ -31,6 +32,7 @@ class LoaderShape:
         batch_sampler = loader.batch_sampler
         kinds = [type(loader.sampler).__name__] + ([type(batch_sampler).__name__] if batch_sampler is not None else [])
         return cls(
+            loader=type(loader).__name__,
             dataset_length=length_or_none(loader.dataset),
             batch_size=getattr(batch_sampler, "batch_size", None),
             drop_last=bool(getattr(batch_sampler, "drop_last", False)),
@@ -79,6 +81,10 @@ class LoaderPosition:
     def from_state(cls, state: object, loader) -> tuple[LoaderPosition, LoaderShape]:
         """The saved position and shape; a CheckpointError naming the loader for a state not ours."""
         keys = {"version", "epoch", "consumed", "epoch_start", "sampler_start", "sampler_epoch", "shape"}
+        if isinstance(state, dict) and state.get("kind") == "hf_stream":
+            raise CheckpointError(
+                f"the saved state for the {loader_name(loader)} is a ResumableStream's, not a ResumableLoader's"
+            )
         if not isinstance(state, dict) or not keys <= set(state):
             found = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"the saved state for the {loader_name(loader)} is not a ResumableLoader's: {found}")

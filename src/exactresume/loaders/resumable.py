@@ -49,6 +49,10 @@ class ResumableLoader:
     per_rank = True  # each rank of a DistributedSampler run has its own position and global RNG
 
     def __init__(self, loader: DataLoader):
+        if isinstance(loader, ResumableLoader):
+            raise FieldError(
+                "ResumableLoader takes a torch DataLoader, got one already wrapped: wrap it once", "loader"
+            )
         if not isinstance(loader, DataLoader):
             raise FieldError(f"ResumableLoader takes a torch DataLoader, got a {type(loader).__name__}", "loader")
         self.loader = loader  # the user's, left as it is
