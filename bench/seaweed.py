@@ -44,10 +44,15 @@ def _free(port: int) -> bool:
     return True
 
 
+# The OS's randomness, not the `random` module's: a test that restores python's RNG state (GlobalRng)
+# would otherwise make two test processes pick the same ports at once.
+_PORTS = random.SystemRandom()
+
+
 def _free_ports(count: int, taken: tuple[int, ...] = ()) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
-        port = random.randint(10000, 19999)
+        port = _PORTS.randint(10000, 19999)
         if port not in (*ports, *taken) and _free(port) and _free(port + 10000):
             ports.append(port)
     return ports
