@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -82,7 +83,8 @@ class Run:
                     raise subprocess.TimeoutExpired(self.args, timeout) from None
                 if code is None:
                     raise ServerGone(
-                        f"the fork server {self.server} ended during the run {self.args[0]} (pid {self.pid})"
+                        f"the fork server (pid {self.server}) ended during the run of {shlex.join(self.args)} "
+                        f"(pid {self.pid}); rerun it, or start it without the server"
                     )
                 self.returncode = int(code)
         return self.returncode
@@ -148,7 +150,7 @@ class ForkServer:
             self.process.stdin.flush()
         pid = answers.get()
         if pid is None:
-            raise ServerGone(f"the fork server did not start {run.args[0]}; its output: {self.log}")
+            raise ServerGone(f"the fork server did not start {shlex.join(run.args)}; its output: {self.log}")
         run.pid, run.answers, run.server = int(pid), answers, self.process.pid
         return run
 
