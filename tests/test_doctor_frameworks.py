@@ -75,9 +75,7 @@ def by_hand(case: Case, folder: Path) -> dict:
 
 
 def run_script(launcher: Launcher, command: list[str], log: Path) -> None:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as sink:
-        code = launcher.start(command, os.environ | OFFLINE, log, sink).wait()
+    code = launcher.start(command, os.environ | OFFLINE, log).wait()
     assert code == 0, f"{command} exited {code}: {log.read_text()[-2000:]}"
 
 

@@ -142,19 +142,16 @@ def run_traced(
     trace, log = out / "traces" / name, out / "logs" / f"{name}.log"
     for stale in trace.glob("*") if trace.is_dir() else ():
         stale.unlink()
-    log.parent.mkdir(parents=True, exist_ok=True)
     env = child_env(trace, out, limit, crash_from, list(made))
     started = time.perf_counter()
-    with open(log, "wb") as sink:
-        child = launcher.start(command, env, log, sink)
-        try:
-            rc = child.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-            raise UserError(f"the {name} run took longer than --timeout {timeout:g}s; its output: {log}") from None
-    forked_from = getattr(child, "server", None)  # a cold run's Popen has none
-    run = TracedRun(name, command, rc, time.perf_counter() - started, log, forked_from)
+    child = launcher.start(command, env, log)
+    try:
+        rc = child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        raise UserError(f"the {name} run took longer than --timeout {timeout:g}s; its output: {log}") from None
+    run = TracedRun(name, command, rc, time.perf_counter() - started, log, child.server)
     read_traces(run, trace)
     check_started(run)
     return run

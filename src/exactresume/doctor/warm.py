@@ -9,24 +9,15 @@ any other command (torchrun, a console script, interpreter flags) starts cold as
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
-from exactresume.errors import UserError
-from exactresume.forkserver.client import ServerKind, forkable, spawn
+from exactresume.forkserver.client import Run, ServerKind, spawn
 
 TRACER = Path(__file__).resolve().parent / "tracer"
 # What the server of the command's Python loads before it forks: the tracer (under the shim's private
 # name), torch, and torch._dynamo (which building any optimizer imports); nothing else of the user's.
 TRACED_KIND = ServerKind(optional=("torch", "torch._dynamo"), tracer=TRACER)
 TRACER_VARIABLES = "EXACTRESUME_DOCTOR_"  # a run's own: where its trace goes, when to cut it
-
-
-def start_cold(command: list[str], env: dict[str, str], sink) -> subprocess.Popen:
-    try:
-        return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    except OSError as error:
-        raise UserError(f"cannot start the command {command[0]!r}: {error.strerror}") from error
 
 
 class Launcher:
@@ -36,8 +27,9 @@ class Launcher:
     def __init__(self, warm: bool, logs: Path):
         self.warm, self.logs = warm, logs
 
-    def start(self, command: list[str], env: dict[str, str], log: Path, sink):
-        if not (self.warm and forkable(command)):
-            return start_cold(command, env, sink)
+    def start(self, command: list[str], env: dict[str, str], log: Path) -> Run:
+        """The run, its output (stdout and stderr together) in `log`, which starts empty."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_bytes(b"")
         quiet = {name: value for name, value in env.items() if not name.startswith(TRACER_VARIABLES)}
-        return spawn(command, env, log, TRACED_KIND, server_env=quiet, server_log=self.logs / "fork-server.log")
+        return spawn(command, env, log, TRACED_KIND, quiet, self.logs / "fork-server.log", fork=self.warm)

@@ -242,14 +242,16 @@ def spawn(
     kind: ServerKind = ServerKind(),
     server_env: dict[str, str] | None = None,
     server_log: Path | None = None,
+    fork: bool = True,
 ) -> Run:
     """`command` in a new process with environment `env` (default: this one's), forked from the server of
-    its Python and `kind` where it can be, else started cold. Output: into `log` (stdout and stderr
-    together), or without one into two files of its own, removed with the handle. `server_env`: the
-    environment the server itself runs in (and is kept apart by); default this process's at its start."""
+    its Python and `kind` where it can be (and `fork` asks for it), else started cold. Output: into `log`
+    (stdout and stderr together, appended), or without one into two files of its own, removed with the
+    handle. `server_env`: the environment the server itself runs in (and is kept apart by); default this
+    process's at its start."""
     env = dict(os.environ if env is None else env)
     run = _run_with_files(command, log)
-    request = forkable(command)
+    request = forkable(command) if fork else None
     if request is None:
         return _start_cold(run, command, env)
     request |= {"env": env, "cwd": os.getcwd(), "stdout": str(run.stdout_path)}
