@@ -5,7 +5,7 @@ Both are measured with the copy `exactresume train --async-save` uses, copy="dur
 checking that nothing changed before it); the default copy a library caller gets, "before-return"
 (the copy made before `save` returns), is timed beside it in the same rounds.
 
-Blocked: the time the loop waits for a background save (`BackgroundSaver.blocked_seconds`: in
+Blocked: the time the loop waits for a background save (the store's `blocked_seconds`: in
 `save`, which takes the state dicts and starts the writer, and in the next optimizer step's wait for
 the writer's copy and its check) against a synchronous `CheckpointStore.save` of the same state
 (state dicts, sealed write, fsync, rename, folder fsync, read back and verify, retention). The
@@ -26,11 +26,12 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from exactresume.config import TrainConfig
 from exactresume.core.data import ensure_data, load_tokens
 from exactresume.core.steplog import LOSS_HEADER, StepLog
-from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP, BackgroundSaver
+from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP
 from exactresume.store.folder import CheckpointStore
 from exactresume.training.loop import Run, build_run
 
@@ -47,7 +48,7 @@ def bench_async_block(run: Run, folder: Path, reps: int) -> dict:
     log = StepLog(folder / "block_log.csv", LOSS_HEADER, 0).open()
 
     def blocked(copy: str):
-        background = BackgroundSaver(CheckpointStore(folder / copy, keep=1), copy=copy)
+        background = CheckpointStore(folder / copy, keep=1, background=True, copy=copy)
 
         def trial() -> float:
             before = background.blocked_seconds
@@ -76,7 +77,7 @@ def bench_async_block(run: Run, folder: Path, reps: int) -> dict:
         "async_block_before_return": before_return
         | {
             "copy": BEFORE_RETURN,
-            "what": "the same with BackgroundSaver's default copy (made before save returns)",
+            "what": "the same with a background store's default copy (made before save returns)",
         },
     }
 
@@ -87,10 +88,12 @@ def bench_async_throughput(
     reps: int,
     steps: int = 30,
     every: int = 1,
-    store: CheckpointStore | None = None,
+    checkpoints: str | None = None,
     steady: bool = False,
+    **store_options: Any,
 ) -> dict:
-    """steps/s with a background save every `every` steps (into `store`, default a folder) over steps/s
+    """steps/s with a background save every `every` steps (into `checkpoints`, default a folder, a store
+    with `store_options`) over steps/s
     without; at every 1 a save asked for while the one before is still written is skipped (as
     `train --save-every 1 --async-save` does).
 
@@ -98,7 +101,8 @@ def bench_async_throughput(
     it. A save is started before the clock and the last one is waited for after it, so the timed
     `steps` hold exactly `steps / every` saves' work, as every stretch of that length of a long run does.
     Without it, the run ends waiting for its last save (the lower bound above)."""
-    saver = BackgroundSaver(store or CheckpointStore(folder / "throughput", keep=1), copy=DURING_NEXT_STEP)
+    where = checkpoints or folder / "throughput"
+    saver = CheckpointStore(where, keep=1, background=True, copy=DURING_NEXT_STEP, **store_options)
     log = StepLog(folder / "log.csv", LOSS_HEADER, 0).open()
 
     def train_and_save() -> None:
@@ -117,6 +121,7 @@ def bench_async_throughput(
 
     times = interleave({"saving": saving, "plain": lambda: timed(lambda: exactresume_steps(run, steps, log))}, reps)
     log.close()
+    saver.close()
     figure = ratio(times["plain"], times["saving"])  # steps/s with saves over steps/s without
     ending = "its last save waited for"
     if steady:

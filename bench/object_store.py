@@ -107,9 +107,10 @@ def measure(data: Path, out: Path, reps: int, preset: str, steps: int) -> dict:
             store = CheckpointStore(f"s3://{BUCKET}/bench", keep=1, config=S3Config(server.endpoint))
             figures = bench_save_load(run, store, Path(scratch), reps)
             server_cpu = server.cpu_seconds()
-            throughput = bench_async_throughput(
-                run, Path(scratch), max(2, reps // 2), steps=steps, every=10, store=store, steady=True
-            )
+            store.close()
+            background = {"checkpoints": f"s3://{BUCKET}/bench-async", "config": store.folder.config}
+            rounds = max(2, reps // 2)
+            throughput = bench_async_throughput(run, Path(scratch), rounds, steps, 10, steady=True, **background)
             server_cpu = server.cpu_seconds() - server_cpu
         finally:
             server.stop()

@@ -3,6 +3,7 @@ real, moto in this process). What tests share besides fixtures is in helpers.py.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from pathlib import Path
 
@@ -10,6 +11,14 @@ import pytest
 
 from exactresume.core.data import PrepareConfig, prepare
 from helpers import MOTO_SECRET, TINY_TEXT
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_as_in_a_terminal():
+    """Ctrl-C as a terminal delivers it: a launcher that started the tests in the background (a shell's
+    `&`) hands them SIGINT ignored, and Python keeps an inherited SIG_IGN."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,7 @@ from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.parallel.replicas import process_group
 from exactresume.parallel.replicate import replicate
-from exactresume.store.access import make_saver
-from exactresume.store.resume import per_rank
+from exactresume.store.access import save_resume
 from exactresume.training.loop import build_run, train
 from exactresume.world import World
 
@@ -47,7 +46,7 @@ def main(data: Path, folder: Path) -> None:
 
 def save(path: Path, run, world: World, sharded: bool) -> None:
     """Every rank saves: a DCP folder of every rank's shard, or one file written by rank 0."""
-    make_saver(path, world, sharded=sharded).save(run.step.value, per_rank(run.parts(), world))
+    save_resume(path, run.parts(), run.step.value, sharded=sharded, world=world)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The store's one way in (`open_resume`) and one way out (`make_saver`): every source kind, every writer."""
+"""The store's one way in (`open_resume`), every source kind, from every way out: `save_resume` and a store's `save`."""
 
 from __future__ import annotations
 
@@ -11,15 +11,7 @@ import torch
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.errors import CheckpointError, UserError
-from exactresume.store.access import (
-    AUTO,
-    MainRankSaver,
-    ResumeFileSaver,
-    ShardedSaver,
-    make_saver,
-    open_resume,
-)
-from exactresume.store.background import BackgroundSaver
+from exactresume.store.access import AUTO, load_resume, open_resume, save_resume
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.numbered import checkpoint_name
 from exactresume.store.weights import save_weights
@@ -49,29 +41,35 @@ def run(kjv_folder):
 def saved(run, tmp_path_factory) -> dict[str, Path]:
     """The run's state at step 3 written by each writer, named by the source it gives open_resume."""
     folder = tmp_path_factory.mktemp("access")
-    store, background = CheckpointStore(folder / "store"), CheckpointStore(folder / "background")
-    writers = {
-        "file": (make_saver(folder / "resume.pth"), folder / "resume.pth"),
-        "store": (make_saver(store), store.folder),
-        "background": (make_saver(background, background=True), background.folder),
-        "sharded": (make_saver(folder / "resume.dcp", sharded=True), folder / "resume.dcp"),
+    for background in (False, True):
+        with CheckpointStore(folder / ("background" if background else "store"), background=background) as store:
+            store.save(3, run.parts())
+    save_resume(folder / "resume.pth", run.parts(), 3)
+    save_resume(folder / "resume.dcp", run.parts(), 3, sharded=True)
+    kinds = ("store", "background", "resume.pth", "resume.dcp")
+    return dict(zip(("store", "background", "file", "sharded"), (folder / kind for kind in kinds), strict=True))
+
+
+def test_a_store_takes_its_options_once_and_only_rank_0_runs_a_writer_thread(tmp_path):
+    assert CheckpointStore(tmp_path / "a").writer is None
+    assert CheckpointStore(tmp_path / "b", background=True).writer is not None
+    assert CheckpointStore(tmp_path / "c", background=True, world=World(1, 2)).writer is None
+    mistakes = {
+        "copy= says how a background save copies": lambda: CheckpointStore(tmp_path, copy="during-next-step"),
+        "background must be True or False": lambda: CheckpointStore(tmp_path, background="yes"),
+        "copy must be 'before-return' or 'during-next-step'": lambda: CheckpointStore(
+            tmp_path, background=True, copy="overlap"
+        ),
+        "world must be an exactresume.World": lambda: CheckpointStore(tmp_path, world=2),
+        "world must be an exactresume.World, got a int": lambda: save_resume(tmp_path / "r.pth", {}, 1, world=2),
+        "world must be an exactresume.World, got a str": lambda: load_resume(tmp_path / "r.pth", {}, world="x"),
+        "rank 1 of 2 processes, but torch.distributed has no process group": lambda: CheckpointStore(
+            tmp_path, world=World(1, 2)
+        ).save(1, {"model": torch.nn.Linear(1, 1)}),
     }
-    for saver, _ in writers.values():
-        saver.save(3, run.parts())
-        saver.close()
-    return {name: source for name, (_, source) in writers.items()}
-
-
-def test_one_place_picks_the_writer(tmp_path):
-    store = CheckpointStore(tmp_path / "checkpoints")
-    assert make_saver(store) is store
-    assert isinstance(make_saver(store, background=True), BackgroundSaver)
-    assert isinstance(make_saver(tmp_path / "resume.pth"), ResumeFileSaver)
-    assert isinstance(make_saver(tmp_path / "resume.dcp", sharded=True), ShardedSaver)
-    # Under many processes every rank calls save and rank 0 writes; only rank 0 runs a writer thread.
-    assert isinstance(make_saver(store, World(0, 2), background=True).writer, BackgroundSaver)
-    other_rank = make_saver(store, World(1, 2), background=True)
-    assert isinstance(other_rank, MainRankSaver) and other_rank.writer is store
+    for line, mistake in mistakes.items():
+        with pytest.raises(UserError, match=line):
+            mistake()
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""Background saves (`--async-save`, BackgroundSaver): the same bytes as a synchronous save, the state
-of the step given whatever the loop does next (copy="before-return", the default), a change during a
+"""Background saves (`--async-save`, `CheckpointStore(background=True)`): the same bytes as a synchronous
+save, the state of the step given whatever the loop does next (copy="before-return", the default), a change during a
 copy made while the loop runs (copy="during-next-step") refused rather than written, and failures
 raised as one line with the previous checkpoint kept. Kills during a background write are in
 test_fault_tolerance.py, resumed in new processes; users' loops in tests/users/test_background_user.py."""
@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.errors import CheckpointError, StorageError, UserError
-from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP, BackgroundSaver, StagingMemory
+from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP, StagingMemory
 from exactresume.store.faults import Fault, FaultPoints
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.numbered import snapshot
@@ -71,22 +71,22 @@ def file_bytes(store: CheckpointStore) -> dict:
 @pytest.mark.parametrize("mode", [BEFORE_RETURN, DURING_NEXT_STEP])
 def test_background_file_is_byte_identical_to_a_synchronous_save(fp16_run, tmp_path, mode):
     synchronous = CheckpointStore(tmp_path / "sync").save(2, fp16_run.parts())
-    saver = BackgroundSaver(CheckpointStore(tmp_path / "background"), copy=mode)
-    background = saver.save(2, fp16_run.parts())
-    saver.wait()
+    store = CheckpointStore(tmp_path / "background", background=True, copy=mode)
+    background = store.save(2, fp16_run.parts())
+    store.wait()
     assert background.read_bytes() == synchronous.read_bytes()
     assert "scaler" in fp16_run.parts()
 
 
 def test_by_default_save_returns_with_the_copy_made(fp16_run, tmp_path):
     expected = CheckpointStore(tmp_path / "sync").save(2, fp16_run.parts()).read_bytes()
-    saver = BackgroundSaver(CheckpointStore(tmp_path / "background"))
-    assert saver.copy == BEFORE_RETURN
-    path = saver.save(2, fp16_run.parts())
+    store = CheckpointStore(tmp_path / "background", background=True)
+    assert store.writer.copy == BEFORE_RETURN
+    path = store.save(2, fp16_run.parts())
     with torch.no_grad():  # a change outside the optimizer, as an EMA update would make
         for parameter in fp16_run.model.parameters():
             parameter.add_(1.0)
-    saver.wait()
+    store.wait()
     assert path.read_bytes() == expected
 
 
@@ -94,21 +94,21 @@ def test_the_next_optimizer_step_waits_for_the_copy(fp16_run, tmp_path):
     """The built-in loop with copy="during-next-step": its forward and backward run during the copy and
     change nothing the guard counts (a change would refuse the save); its optimizer step waits."""
     expected = CheckpointStore(tmp_path / "sync").save(2, fp16_run.parts()).read_bytes()
-    saver = BackgroundSaver(CheckpointStore(tmp_path / "background"), copy=DURING_NEXT_STEP)
-    copy = saver.staging.copy
+    store = CheckpointStore(tmp_path / "background", background=True, copy=DURING_NEXT_STEP)
+    copy = store.writer.staging.copy
     # The copy ends 0.3 s after the loop reached its next optimizer step, however busy the machine:
-    # global step pre-hooks run before the saver's own, which is the one that waits.
+    # global step pre-hooks run before the store's own, which is the one that waits.
     reached = threading.Event()
-    saver.staging.copy = lambda *args: (reached.wait(120), time.sleep(0.3), copy(*args))[2]
+    store.writer.staging.copy = lambda *args: (reached.wait(120), time.sleep(0.3), copy(*args))[2]
     handle = register_optimizer_step_pre_hook(lambda *args: reached.set())
     try:
-        path = saver.save(2, fp16_run.parts())
+        path = store.save(2, fp16_run.parts())
         train(fp16_run, until=4)  # the loop goes on: two optimizer steps change every weight and moment in place
-        saver.wait()
+        store.wait()
     finally:
         handle.remove()
     assert path.read_bytes() == expected
-    assert saver.blocked_seconds >= 0.3  # the first optimizer step waited for the copy
+    assert store.blocked_seconds >= 0.3  # the first optimizer step waited for the copy
 
 
 def test_what_the_version_counters_count():
@@ -134,7 +134,7 @@ def test_what_the_version_counters_count():
     assert counts(ema) == before
 
 
-def paused_copy(saver: BackgroundSaver, where: str) -> tuple[threading.Event, threading.Event]:
+def paused_copy(store: CheckpointStore, where: str) -> tuple[threading.Event, threading.Event]:
     """Make the writer's copy pause, before its first tensor or after its last, until the test says go on."""
     paused, go_on = threading.Event(), threading.Event()
 
@@ -143,11 +143,11 @@ def paused_copy(saver: BackgroundSaver, where: str) -> tuple[threading.Event, th
         go_on.wait(120)
 
     if where == "before the first tensor":
-        copy_tensor, copied = saver.staging._copy_tensor, []
-        saver.staging._copy_tensor = lambda *args: (copied or pause(), copied.append(1), copy_tensor(*args))[2]
+        copy_tensor, copied = store.writer.staging._copy_tensor, []
+        store.writer.staging._copy_tensor = lambda *args: (copied or pause(), copied.append(1), copy_tensor(*args))[2]
     else:
-        copy = saver.staging.copy
-        saver.staging.copy = lambda *args: (copy(*args), pause())[0]
+        copy = store.writer.staging.copy
+        store.writer.staging.copy = lambda *args: (copy(*args), pause())[0]
     return paused, go_on
 
 
@@ -160,13 +160,12 @@ def test_a_change_racing_the_copy_is_refused_and_nothing_is_written(tmp_path, ch
     """Paused before its first tensor, the copy finds the change in the check after each tensor's copy;
     paused after its last, in the check of the whole state."""
     loop = Loop()
-    store = CheckpointStore(tmp_path / "checkpoints", keep=1)
-    saver = BackgroundSaver(store, copy=DURING_NEXT_STEP)
-    saver.save(1, loop.parts)
-    saver.wait()
+    store = CheckpointStore(tmp_path / "checkpoints", keep=1, background=True, copy=DURING_NEXT_STEP)
+    store.save(1, loop.parts)
+    store.wait()
     before = file_bytes(store)
-    paused, go_on = paused_copy(saver, where)
-    saver.save(2, loop.parts)
+    paused, go_on = paused_copy(store, where)
+    store.save(2, loop.parts)
     assert paused.wait(120)
     if change == "BatchNorm":
         loop.model(torch.randn(4, 8))  # the next step's forward, in train mode
@@ -174,14 +173,14 @@ def test_a_change_racing_the_copy_is_refused_and_nothing_is_written(tmp_path, ch
         loop.update_ema(change.split()[1])
     go_on.set()
     with pytest.raises(CheckpointError) as refused:
-        saver.wait()
+        store.wait()
     message = str(refused.value)
     assert "\n" not in message and "step 2 was not written: " + named + " changed" in message, message
     assert "copy='before-return'" in message and "wait_for_copy()" in message, message
     assert file_bytes(store) == before and store.leftovers() == []
-    saver.staging = StagingMemory()
-    saver.save(3, loop.parts)  # the saver goes on: the next save is written
-    saver.wait()
+    store.writer.staging = StagingMemory()
+    store.save(3, loop.parts)  # the store goes on: the next save is written
+    store.wait()
     assert [c.step for c in store.checkpoints()] == [3]
 
 
@@ -200,30 +199,30 @@ class History:
 
 def test_a_live_python_value_is_taken_at_save_not_at_the_copy(tmp_path):
     loop, history = Loop(), History()
-    saver = BackgroundSaver(CheckpointStore(tmp_path / "checkpoints"), copy=DURING_NEXT_STEP)
-    paused, go_on = paused_copy(saver, "before the first tensor")
-    path = saver.save(1, loop.parts | {"history": history})
+    store = CheckpointStore(tmp_path / "checkpoints", background=True, copy=DURING_NEXT_STEP)
+    paused, go_on = paused_copy(store, "before the first tensor")
+    path = store.save(1, loop.parts | {"history": history})
     assert paused.wait(120)
     history.losses.append(2.0)  # no tensor: the version counters cannot see it, so save took it already
     go_on.set()
-    saver.wait()
+    store.wait()
     assert torch.load(path, weights_only=True)["history"] == {"losses": [1.0]}
 
 
 def test_the_optimizer_step_after_a_refused_copy_raises_it(tmp_path):
     loop = Loop()
-    saver = BackgroundSaver(CheckpointStore(tmp_path / "checkpoints"), copy=DURING_NEXT_STEP)
-    paused, go_on = paused_copy(saver, "before the first tensor")
-    saver.save(1, loop.parts)
+    store = CheckpointStore(tmp_path / "checkpoints", background=True, copy=DURING_NEXT_STEP)
+    paused, go_on = paused_copy(store, "before the first tensor")
+    store.save(1, loop.parts)
     paused.wait(120)
     loop.update_ema()
     go_on.set()
-    assert saver._guard.decided.wait(120)  # the writer found the change in its copy (before the next forward)
+    assert store.writer._guard.decided.wait(120)  # the writer found the change in its copy (before the next forward)
     with pytest.raises(CheckpointError, match="step 1 was not written: ema.0.weight changed"):
         loop.step()
-    saver.wait()  # reported once
-    assert not saver.store.path_for(1).exists()
-    saver.close()
+    store.wait()  # reported once
+    assert not store.path_for(1).exists()
+    store.close()
     loop.step()  # close took the pre-hook off
 
 
@@ -231,37 +230,35 @@ def test_nothing_is_written_before_the_loop_waits_for_the_copy(tmp_path):
     """The decision is the loop's, where it waits for the copy: however fast the copy, a change the loop
     makes before then refuses the save, and until then nothing is written."""
     loop = Loop()
-    store = CheckpointStore(tmp_path / "checkpoints")
-    saver = BackgroundSaver(store, copy=DURING_NEXT_STEP)
-    saver.save(1, loop.parts)
+    store = CheckpointStore(tmp_path / "checkpoints", background=True, copy=DURING_NEXT_STEP)
+    store.save(1, loop.parts)
     time.sleep(0.3)  # the copy is done long before
-    assert store.checkpoints() == [] and saver.busy()
-    saver.wait_for_copy()
-    saver.wait()
+    assert store.checkpoints() == [] and store.busy()
+    store.wait_for_copy()
+    store.wait()
     assert [c.step for c in store.checkpoints()] == [1]
-    saver.save(2, loop.parts)
+    store.save(2, loop.parts)
     time.sleep(0.3)
     loop.update_ema()  # long after the copy ended, still before the loop waited for it
     with pytest.raises(CheckpointError, match="step 2 was not written: ema.0.weight changed"):
-        saver.wait_for_copy()
+        store.wait_for_copy()
     assert [c.step for c in store.checkpoints()] == [1]
 
 
 def test_when_the_loop_thread_ends_without_waiting_the_writer_decides(tmp_path):
     loop = Loop()
-    store = CheckpointStore(tmp_path / "checkpoints")
-    saver = BackgroundSaver(store, copy=DURING_NEXT_STEP)
-    thread = threading.Thread(target=saver.save, args=(1, loop.parts))
+    store = CheckpointStore(tmp_path / "checkpoints", background=True, copy=DURING_NEXT_STEP)
+    thread = threading.Thread(target=store.save, args=(1, loop.parts))
     thread.start()
     thread.join()
-    saver._writer.join(30)  # not saver.wait(), which would decide in this thread
+    store.writer._writer.join(30)  # not store.wait(), which would decide in this thread
     assert [c.step for c in store.checkpoints()] == [1]
-    saver.wait()
+    store.wait()
 
 
 def test_an_unknown_copy_mode_is_refused(tmp_path):
     with pytest.raises(UserError, match="copy must be 'before-return' or 'during-next-step', got 'overlap'"):
-        BackgroundSaver(CheckpointStore(tmp_path), copy="overlap")
+        CheckpointStore(tmp_path, background=True, copy="overlap")
 
 
 def test_staging_memory_is_reused_and_keeps_tied_storage_shared(fp16_run):
@@ -288,24 +285,23 @@ def test_staging_memory_is_reused_and_keeps_tied_storage_shared(fp16_run):
 @pytest.mark.parametrize("stage", ["write", "fsync", "rename", "verify"])
 def test_a_failed_background_save_is_one_storage_error_line_and_the_previous_checkpoint_stays(tmp_path, stage, mode):
     loop = Loop()
-    store = CheckpointStore(tmp_path / "checkpoints", keep=1)
-    saver = BackgroundSaver(store, copy=mode)
-    saver.save(1, loop.parts)
-    saver.wait()
+    store = CheckpointStore(tmp_path / "checkpoints", keep=1, background=True, copy=mode)
+    store.save(1, loop.parts)
+    store.wait()
     before = file_bytes(store)
     store.faults = FaultPoints(Fault(stage, 1, "enospc"))
-    saver.save(2, loop.parts)  # returns: the error is the writer's
+    store.save(2, loop.parts)  # returns: the error is the writer's
     with pytest.raises(StorageError) as failed:
-        saver.wait()
+        store.wait()
     message = str(failed.value)
     assert "\n" not in message and not message.startswith("("), message
     assert "checkpoint at step 2" in message and "(ENOSPC)" in message, message
     assert "step-00000001.pth is intact" in message, message
     assert failed.value.errno == errno.ENOSPC and isinstance(failed.value.__cause__, OSError)
     assert file_bytes(store) == before and store.leftovers() == []
-    saver.wait()  # reported once
-    saver.save(2, loop.parts)
-    saver.wait()
+    store.wait()  # reported once
+    store.save(2, loop.parts)
+    store.wait()
     assert [c.step for c in store.checkpoints()] == [2]
 
 
@@ -313,12 +309,11 @@ def test_a_bug_in_the_background_keeps_its_type_and_traceback(tmp_path):
     def commit(step, state):
         raise KeyError("a bug")
 
-    store = CheckpointStore(tmp_path / "checkpoints")
+    store = CheckpointStore(tmp_path / "checkpoints", background=True)
     store.commit = commit
-    saver = BackgroundSaver(store)
-    saver.save(1, Loop().parts)
+    store.save(1, Loop().parts)
     with pytest.raises(KeyError) as failed:
-        saver.wait()
+        store.wait()
     assert "commit" in [frame.name for frame in traceback.extract_tb(failed.value.__traceback__)]
 
 

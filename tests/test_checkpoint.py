@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import random
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from exactresume import atomic
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, UserError
 from exactresume.store.resume import capture, restore
 from exactresume.store.sealed import load_sealed, read_seal, save_sealed, write_sealed
 from exactresume.training.parts import GlobalRng, RunIdentity, StepCounter
@@ -69,6 +70,23 @@ def test_a_stage_that_fails_leaves_no_tmp_and_its_os_error_survives_torch_save(t
         )
     assert failure.value.errno == 28  # not torch.save's RuntimeError about zip positions
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_writer_of_the_same_path_at_the_same_moment_is_refused_and_changes_nothing(tmp_path):
+    """Two processes saving one path at once (every rank of a torchrun job, say) once wrote into one
+    temporary file and published the mix; flock conflicts between two opens even in one process."""
+    path = tmp_path / "resume.pth"
+    save_sealed(path, {"step": 1})
+    with open(atomic.tmp_path(path), "wb") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        other.write(b"the other writer's bytes")
+        other.flush()
+        with pytest.raises(UserError, match="is being written by another process at this moment"):
+            save_sealed(path, {"step": 2})
+        assert atomic.tmp_path(path).read_bytes() == b"the other writer's bytes"
+    assert load_sealed(path) == {"step": 1}
+    save_sealed(path, {"step": 3})  # a leftover no process holds is written over
+    assert load_sealed(path) == {"step": 3} and not atomic.tmp_path(path).exists()
 
 
 def test_sealed_file_is_plain_torch_and_verified(tmp_path):

@@ -205,31 +205,31 @@ def versions(client) -> dict[str, str]:
 
 @pytest.mark.parametrize("name, sharded", [("resume.pth", False), ("resume.dcp", True)])
 def test_the_resume_state_is_written_under_the_runs_lease(s3, name, sharded):
-    from exactresume.store.access import make_saver
+    from exactresume.store.access import save_resume
 
-    saver = make_saver(f"s3://{BUCKET}/run/{name}", sharded=sharded)
+    target = f"s3://{BUCKET}/run/{name}"
     with store() as run:
         run.commit(1, state(1))
-        saver.save(1, parts())  # the run's own lease: no second one is taken
+        save_resume(target, parts(), 1, sharded=sharded)  # the run's own lease: no second one is taken
         assert json.loads(s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read())["token"] == (
             run.lease.token
         )
         plant(s3)  # another run took the prefix
         before = versions(s3)
         with pytest.raises(UserError, match="lost its lease: s3://leases/run is being written by pid 4242"):
-            saver.save(2, parts())
+            save_resume(target, parts(), 2, sharded=sharded)
         assert versions(s3) == before  # the old resume state and its commit are as they were
 
 
 @pytest.mark.parametrize("name, sharded", [("resume.pth", False), ("resume.dcp", True)])
 def test_a_resume_state_written_alone_takes_the_prefixs_lease(s3, name, sharded):
-    from exactresume.store.access import make_saver
+    from exactresume.store.access import save_resume
 
     plant(s3)
-    saver = make_saver(f"s3://{BUCKET}/run/{name}", sharded=sharded)
+    target = f"s3://{BUCKET}/run/{name}"
     with pytest.raises(UserError, match="is being written by pid 4242 on host elsewhere"):
-        saver.save(1, parts())
+        save_resume(target, parts(), 1, sharded=sharded)
     assert keys(s3) == {f"run/{LEASE_NAME}"}
     s3.delete_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")
-    saver.save(1, parts())
+    save_resume(target, parts(), 1, sharded=sharded)
     assert f"run/{LEASE_NAME}" not in keys(s3) and any(key.startswith(f"run/{name}") for key in keys(s3))

@@ -38,7 +38,6 @@ PUBLIC = {
     "Resumed": "exactresume.store.access",
     "CheckpointStore": "exactresume.store.folder",
     "S3Config": "exactresume.store.locations",
-    "BackgroundSaver": "exactresume.store.background",
     "read_weights": "exactresume.store.weights",
     "save_weights": "exactresume.store.weights",
     "load_model": "exactresume.training.inference",

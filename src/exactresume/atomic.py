@@ -1,12 +1,15 @@
 """Atomic, durable file writes: a reader sees the old file or the new one, never half of either.
 
 The bytes go to `PATH.tmp`, are flushed and fsynced, the temporary file is renamed over `PATH` with
-`os.replace`, and the folder is fsynced so the rename itself survives a power cut.
+`os.replace`, and the folder is fsynced so the rename itself survives a power cut. The temporary file
+is held with an exclusive flock while it is written: a second process writing the same path at the
+same moment is refused, rather than writing into the same temporary file and publishing mixed bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 from collections.abc import Callable
@@ -46,20 +49,47 @@ def atomic_write(
     """
     path = Path(path)
     tmp = tmp_path(path)
-    try:
-        with open(tmp, "w+b") as raw:  # readable too: a sealed write hashes its file back
-            _WatchedFile(raw, stage, expected_bytes).run(write)
-            _reach(stage, "fsync")
-            raw.flush()
-            os.fsync(raw.fileno())
+    raw = _open_alone(path, tmp)
+    try:  # the file stays open, and so locked, until it is renamed or removed
+        _WatchedFile(raw, stage, expected_bytes).run(write)
+        _reach(stage, "fsync")
+        raw.flush()
+        os.fsync(raw.fileno())
         _reach(stage, "rename")
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
+    finally:
+        raw.close()
     _reach(stage, "folder-fsync")
     fsync_path(path.parent)
+
+
+def _open_alone(path: Path, tmp: Path) -> BinaryIO:
+    """`tmp`, empty, readable too (a sealed write hashes its file back), and held by this process alone."""
+    while True:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(
+                f"{path} is being written by another process at this moment: one process writes a file "
+                "(under torchrun, give every rank world=World.from_env(), and rank 0 writes)"
+            ) from None
+        if _still_named(fd, tmp):
+            os.ftruncate(fd, 0)  # a leftover of a killed write, or nothing
+            return os.fdopen(fd, "w+b")
+        os.close(fd)  # the other writer renamed it into place between our open and our lock: open anew
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _reach(stage: Stage | None, name: str) -> None:

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from exactresume.errors import FieldError, UserError
+
 
 def launched_by_torchrun() -> bool:
     """True inside a process that torchrun (torch.distributed.run) started."""
@@ -40,24 +42,40 @@ class World:
         if self.size == 1:
             return [value]
         values: list = [None] * self.size
-        import torch.distributed as dist
-
-        dist.all_gather_object(values, value)
+        self._group().all_gather_object(values, value)
         return values
 
     def barrier(self) -> None:
         if self.size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+            self._group().barrier()
 
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any rank (a preemption signal one rank saw)."""
         if self.size == 1:
             return flag
         import torch
-        import torch.distributed as dist
 
+        dist = self._group()
         value = torch.tensor([int(flag)])
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
+
+    def _group(self) -> Any:
+        """torch.distributed, once its process group is up: every rank of this world calls each collective."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise UserError(
+                f"rank {self.rank} of {self.size} processes, but torch.distributed has no process group: "
+                "call torch.distributed.init_process_group() first"
+            )
+        return dist
+
+
+def given_world(world: object, default: World) -> World:
+    """`world` when it is a World, `default` when it is None; else a one-line FieldError."""
+    if world is None:
+        return default
+    if not isinstance(world, World):
+        raise FieldError(f"world must be an exactresume.World, got a {type(world).__name__}", "world")
+    return world

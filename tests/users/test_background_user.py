@@ -1,5 +1,5 @@
 """A user's own loop saving in the background (PROGRAM below, written from docs/library.md alone): a
-model with BatchNorm, AdamW, an EMA of the model updated in place right after each `saver.save`.
+model with BatchNorm, AdamW, an EMA of the model updated in place right after each `store.save`.
 Each run is its own process. With the default copy the file at step N holds the state at N (read back
 with a plain torch.load); with copy="during-next-step" the same loop is refused in one line and no
 file is written; a full disk is one StorageError line; the earlier checkpoints never change."""
@@ -24,12 +24,12 @@ import sys
 
 import torch
 
-from exactresume import BackgroundSaver, CheckpointStore, GeneratorPart, StorageError, UserError
+from exactresume import CheckpointStore, GeneratorPart, StorageError, UserError
 
 flags = argparse.ArgumentParser()
 flags.add_argument("folder")
 flags.add_argument("--steps", type=int, default=4)
-flags.add_argument("--copy")  # BackgroundSaver's copy=, when the user passes one
+flags.add_argument("--copy")  # the store's copy=, when the user passes one
 flags.add_argument("--ema", action="store_true")  # update the EMA in place right after each save
 flags.add_argument("--expected")  # a folder for the state each save was asked to hold, cloned at save
 flags.add_argument("--file-size-limit", type=int)  # the test's stand-in for a full disk: RLIMIT_FSIZE
@@ -50,8 +50,7 @@ def update_ema():
             average.lerp_(value, 0.5) if average.is_floating_point() else average.copy_(value)
 
 
-store = CheckpointStore(args.folder, keep=None)
-saver = BackgroundSaver(store, **({"copy": args.copy} if args.copy else {}))
+store = CheckpointStore(args.folder, keep=None, background=True, **({"copy": args.copy} if args.copy else {}))
 start = store.load(parts) or 0
 if args.file_size_limit:
     import resource
@@ -65,10 +64,10 @@ try:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        saver.save(step, parts)
+        store.save(step, parts)
         if args.ema:
             update_ema()
-    saver.close()
+    store.close()
 except UserError as error:
     print("caught: " + json.dumps({"type": type(error).__name__, "message": str(error), "step": step}))
     sys.exit(error.exit_code)
@@ -79,12 +78,12 @@ print(f"trained steps {start + 1} to {args.steps}")
 def program(tmp_path: Path) -> Path:
     """PROGRAM, where each save also clones the state it was asked to hold into --expected."""
     text = PROGRAM.replace(
-        "        saver.save(step, parts)\n",
+        "        store.save(step, parts)\n",
         "        if args.expected:\n"
         "            clone = {name: {k: v.clone() for k, v in part.state_dict().items()} for name, part in"
         ' [("model", model), ("ema", ema)]}\n'
         '            torch.save(clone, f"{args.expected}/{step}.pt")\n'
-        "        saver.save(step, parts)\n",
+        "        store.save(step, parts)\n",
     )
     path = tmp_path / "user_loop.py"
     path.write_text(text)
@@ -149,7 +148,7 @@ def test_during_next_step_the_same_loop_is_refused_and_nothing_is_written(tmp_pa
         r"the checkpoint at step 3 was not written: (\S+) changed in place before the loop waited", message
     )
     assert named and (named[1].startswith("ema.") or named[1] == "model.1.num_batches_tracked"), message
-    assert "copy='before-return'" in message and "saver.wait_for_copy()" in message, message
+    assert "copy='before-return'" in message and "store.wait_for_copy()" in message, message
     assert fingerprints(folder) == before  # no step-00000003.pth, no leftover, nothing changed
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import exactresume
 from exactresume import (CheckpointStore, GlobalRng, GeneratorPart, StepCounter, save_resume, load_resume,
-    open_resume, BackgroundSaver, UserError, CheckpointError, StorageError, save_weights)
+    open_resume, ResumableLoader, UserError, CheckpointError, StorageError, save_weights)
 
 assert exactresume.__file__.startswith(sys.prefix), exactresume.__file__
 missing = [name for name in {lab} if importlib.util.find_spec(name) is None]

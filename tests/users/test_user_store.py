@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from exactresume import (
-    BackgroundSaver,
     CheckpointError,
     CheckpointStore,
     GeneratorPart,
@@ -156,7 +155,8 @@ def test_a_file_the_load_passed_over_is_never_pruned(run):
 
 
 def test_what_is_not_a_folder_or_not_parts_is_refused_in_one_line(tmp_path):
-    for mistake in (lambda: CheckpointStore(5), lambda: BackgroundSaver(str(tmp_path)), lambda: GeneratorPart(5)):
+    mistakes = (lambda: CheckpointStore(5), lambda: CheckpointStore(tmp_path, background=1), lambda: GeneratorPart(5))
+    for mistake in mistakes:
         with pytest.raises(UserError):
             mistake()
     (tmp_path / "a-file").write_text("not a folder")
@@ -260,15 +260,13 @@ def test_diff_compares_every_module_part_so_a_missing_ema_is_not_equal(tmp_path)
     assert differ.returncode == 2 and "names differ" in differ.stderr and "equal" not in differ.stdout, differ.stderr
 
 
-def test_a_background_saver_may_save_its_own_step_again(tmp_path):
+def test_a_background_store_may_save_its_own_step_again(tmp_path):
     model = torch.nn.Linear(4, 2)
-    with CheckpointStore(tmp_path) as store:
-        saver = BackgroundSaver(store)
-        saver.save(3, {"model": model})
-        saver.wait()
+    with CheckpointStore(tmp_path, background=True) as store:
+        store.save(3, {"model": model})
+        store.wait()
         torch.nn.init.zeros_(model.weight)
-        saver.save(3, {"model": model})
-        saver.close()
+        store.save(3, {"model": model})
     assert torch.equal(torch.load(tmp_path / step_file(3), weights_only=True)["model"]["weight"], model.weight)
 
 

@@ -35,7 +35,8 @@ from exactresume.core.epochs import TokenSamples
 from exactresume.core.steplog import read_samples
 from exactresume.errors import UserError
 from exactresume.report.tables import render_markdown
-from exactresume.store.resume import read_resume_file, restore, save_resume_file
+from exactresume.store.access import save_resume
+from exactresume.store.resume import read_resume_file, restore
 from exactresume.training.loop import Run, StepRecord, build_run, train
 
 ABLATION_VERSION = 1
@@ -167,7 +168,7 @@ def straight_run(config: TrainConfig, data: TokenData, stop_at: int, folder: Pat
     def on_step(record: StepRecord) -> None:
         records.append(record)
         if record.step == stop_at:
-            save_resume_file(folder / "resume.pth", run.parts())
+            save_resume(folder / "resume.pth", run.parts())
 
     train(run, config.steps, on_step)
     atomic_write_bytes(folder / "straight_samples.csv", samples_csv(records))

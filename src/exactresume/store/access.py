@@ -1,7 +1,10 @@
-"""One way into the store and one way out, for the training job and for a loop of one's own.
+"""One file each way, and one way into any checkpoint, for the training job and for a loop of one's own.
 
 One file: `save_resume(path, parts, step)`, `load_resume(path, parts)` and `read_resume(path)` take a
-path or an `s3://` object alike (`sharded=True`: a DCP folder every rank writes its shard of).
+path or an `s3://` object alike (`sharded=True`: a DCP folder every rank writes its shard of). Under
+many processes (`world=`) every rank calls them: the per-rank parts keep every rank's state, and
+rank 0 writes the file (every rank its shard, sharded). A run's numbered checkpoints are saved by
+its CheckpointStore (folder.py), whatever its options.
 
 In: `open_resume(source)` takes a resume file, a checkpoint folder (any CheckpointStore's, whatever
 its parts), a sharded DCP folder or "auto" (the newest valid checkpoint in the run's own checkpoint
@@ -10,12 +13,6 @@ parts and returns that step.
 
     resumed = open_resume("auto", checkpoints="runs/a/checkpoints")   # None: nothing yet, start fresh
     step = resumed.restore(parts) if resumed is not None else 0
-
-Out: a `Saver` is what every writer offers, `save(step, parts)`, `wait()`, `close()`, and
-`make_saver` is the one place that picks one: a CheckpointStore (synchronous), a BackgroundSaver over
-one, a sealed resume file, or a sharded DCP folder; each keeps the step it is given. Under many
-processes every rank calls `save`: the per-rank parts gather every rank's state and rank 0 writes,
-except for DCP, where every rank writes its own shard.
 """
 
 from __future__ import annotations
@@ -23,17 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from exactresume.errors import CheckpointError, FieldError, StorageError
-from exactresume.store.background import BEFORE_RETURN, BackgroundSaver
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.formats import is_sharded_folder, path_kind
 from exactresume.store.locations import Location, S3Location, is_s3, location
-from exactresume.store.numbered import NumberedStore
 from exactresume.store.resume import (
     capture,
     check_resume_state,
+    per_rank,
     print_to_stderr,
     read_resume_file,
     restore,
@@ -42,7 +38,7 @@ from exactresume.store.resume import (
     saved_world_size,
     started_fresh,
 )
-from exactresume.world import World
+from exactresume.world import World, given_world
 
 if TYPE_CHECKING:  # DCP takes a second to import: only when a sharded folder is read
     from torch.distributed.checkpoint.stateful import Stateful
@@ -52,10 +48,8 @@ if TYPE_CHECKING:  # DCP takes a second to import: only when a sharded folder is
 __all__ = [
     "AUTO",
     "Resumed",
-    "Saver",
     "is_sharded_folder",
     "load_resume",
-    "make_saver",
     "open_resume",
     "read_resume",
     "save_resume",
@@ -76,21 +70,32 @@ def save_resume(
 ) -> Location:
     """Write `parts` (saved at `step`) as one resume file, atomically, with its checksum; returns where.
 
-    `path` is a file, or an `s3://` object (committed whole: s3/files.py). With `sharded`, a
-    torch.distributed.checkpoint folder instead, of which every rank of `world` (default: torchrun's,
-    or this one process) writes its shard and calls this. A write the storage refuses is a
-    StorageError, and what was at `path` is left as it was."""
+    `path` is a file, or an `s3://` object (committed whole: s3/files.py). Every rank of `world`
+    calls it (default: one process; with `sharded`, torchrun's world): rank 0 writes the file, which
+    holds every rank's state of the per-rank parts (a load gives each rank its own). With `sharded`,
+    a torch.distributed.checkpoint folder instead, of which every rank writes its shard. A write the
+    storage refuses is a StorageError, and what was at `path` is left as it was."""
     target = location(path)
+    world = given_world(world, World.from_env() if sharded else World())
+    parts = per_rank(parts, world)
     if sharded:
-        _save_sharded(target, parts, step, world or World.from_env())
-    elif isinstance(target, S3Location):
+        _save_sharded(target, parts, step, world)
+    elif world.is_main:
+        _save_file(target, parts, step)
+    else:
+        capture(parts, step)  # takes part in gathering the per-rank parts; rank 0 writes
+    world.barrier()
+    return target
+
+
+def _save_file(target: Location, parts: Mapping[str, Stateful], step: int | None) -> None:
+    if isinstance(target, S3Location):
         from exactresume.store.s3.client import ObjectStore  # boto3: only where an object store is used
         from exactresume.store.s3.files import publish_leased  # under the prefix's lease
 
         publish_leased(ObjectStore(target.config), target, capture(parts, step))
     else:
         save_resume_file(target, parts, step)
-    return target
 
 
 def _save_sharded(target: Location, parts: Mapping[str, Stateful], step: int | None, world: World) -> None:
@@ -119,10 +124,16 @@ def read_resume(path: Location | str, needs: Collection[str] = ()) -> dict:
 
 
 def load_resume(
-    path: Location | str, parts: Mapping[str, Stateful], skip: Collection[str] = (), fresh: Collection[str] = ()
+    path: Location | str,
+    parts: Mapping[str, Stateful],
+    skip: Collection[str] = (),
+    fresh: Collection[str] = (),
+    world: World | None = None,
 ) -> int | None:
     """Verify the resume file (or `s3://` object) at `path` and load it into `parts`, all or nothing
-    (`skip` and `fresh` as in resume.restore); the step it was saved at."""
+    (`skip` and `fresh` as in resume.restore; each rank of `world`, by default torchrun's, its own
+    entry of the per-rank parts); the step it was saved at (None: saved without one)."""
+    parts = per_rank(parts, given_world(world, World.from_env()))  # a mistake in the call first
     state = read_resume(path)
     for name in restore(state, parts, skip, fresh, source=path):
         print_to_stderr(started_fresh(path, name))
@@ -146,9 +157,17 @@ class Resumed:
         """How many processes wrote it."""
         return saved_world_size(self.state)
 
-    def restore(self, parts: Mapping[str, Stateful], skip: Collection[str] = (), fresh: Collection[str] = ()) -> int:
+    def restore(
+        self,
+        parts: Mapping[str, Stateful],
+        skip: Collection[str] = (),
+        fresh: Collection[str] = (),
+        world: World | None = None,
+    ) -> int:
         """Load the state into `parts`, all or nothing (`skip` and `fresh` as in resume.restore; the config
-        part first: a different run is refused); the step it continues from."""
+        part first: a different run is refused; each rank of `world`, by default torchrun's, its own
+        entry of the per-rank parts); the step it continues from."""
+        parts = per_rank(parts, given_world(world, World.from_env()))
         if self.kind == "sharded":
             from exactresume.store.sharded import sharded_parts  # DCP takes a second to import: only when used
 
@@ -242,85 +261,3 @@ def _newest_in(folder: Location, needs: Collection[str], notify, required: bool)
         return None
     checkpoint, state = found
     return Resumed(check_resume_state(checkpoint.path, state, needs), checkpoint.step, checkpoint.path, "store")
-
-
-# ---- out --------------------------------------------------------------------------------------
-
-
-class Saver(Protocol):
-    """What every writer offers. `save` returns the path written (None on a rank that only took part)."""
-
-    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path | None: ...
-    def wait(self) -> None: ...  # the last save is durable, or its error is raised
-    def close(self) -> None: ...  # wait, then let go of what the writer holds
-
-
-class _SavesAtOnce:
-    """A writer whose `save` returns only once what it wrote is durable: nothing to wait for or release."""
-
-    def wait(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class ResumeFileSaver(_SavesAtOnce):
-    """A sealed resume file at one path (or object), replaced by each save."""
-
-    def __init__(self, path: Location | str):
-        self.path = location(path)
-
-    def save(self, step: int, parts: Mapping[str, Stateful]) -> Location:
-        return save_resume(self.path, parts, step)
-
-
-class ShardedSaver(_SavesAtOnce):
-    """A DCP folder of every rank's shard, committed by rank 0 (sharded.py); every rank calls `save`."""
-
-    def __init__(self, folder: Location | str, world: World = World()):
-        self.path, self.world = location(folder), world
-
-    def save(self, step: int, parts: Mapping[str, Stateful]) -> Location:
-        return save_resume(self.path, parts, step, sharded=True, world=self.world)
-
-
-class MainRankSaver:
-    """Every rank calls `save` (the per-rank parts gather every rank's state); rank 0's writer writes."""
-
-    def __init__(self, writer: Saver, world: World):
-        self.writer, self.world = writer, world
-
-    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path | None:
-        path = None
-        if self.world.is_main:
-            path = self.writer.save(step, parts)
-        else:
-            capture(parts, step)  # takes part in gathering the per-rank parts; the state itself is not needed
-        self.world.barrier()
-        return path
-
-    def wait(self) -> None:
-        self.writer.wait()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def make_saver(
-    destination: Location | str | CheckpointStore,
-    world: World = World(),
-    background: bool = False,
-    sharded: bool = False,
-    copy: str = BEFORE_RETURN,
-) -> Saver:
-    """The writer for `destination` (a path or an `s3://` location): a CheckpointStore's (in a background
-    thread with `background`, which copies the state as `copy` says: background.py), a sharded DCP
-    folder's with `sharded`, else a sealed resume file's."""
-    if sharded:
-        return ShardedSaver(destination, world)
-    if isinstance(destination, NumberedStore):
-        writer: Saver = BackgroundSaver(destination, copy=copy) if background and world.is_main else destination
-    else:
-        writer = ResumeFileSaver(destination)
-    return writer if world.size == 1 else MainRankSaver(writer, world)

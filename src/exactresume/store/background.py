@@ -1,8 +1,10 @@
 """Checkpoints written in the background: the training loop does not wait for the disk.
 
-    saver = BackgroundSaver(store)
-    saver.save(step, parts)   # returns once the state is copied; a thread writes it
-    saver.wait()              # the save in flight is durable and verified, or its error is raised
+    store = CheckpointStore(folder, background=True)
+    store.save(step, parts)   # returns once the state is copied; a thread writes it
+    store.wait()              # the save in flight is durable and verified, or its error is raised
+
+A store given `background=True` hands its saves to a BackgroundWriter, this module's one class.
 
 `copy` says when the state is copied into staging memory, the one thing the loop must wait for:
 
@@ -27,16 +29,16 @@ back verified, and a kill at any moment leaves what a kill of a synchronous save
 save is in flight: `save` first waits for the previous one and reuses its staging memory (the copy
 is kept between saves, so a background-saving run holds one extra copy of its state).
 
-A failure in the background is raised by the next `save`, `wait` or `close` (or the optimizer step
-that waits for the copy) as itself when it is a UserError, as the store's one-line StorageError when
+A failure in the background is raised by the store's next `save`, `wait` or `close` (or the optimizer
+step that waits for the copy) as itself when it is a UserError, as the store's one-line StorageError when
 the storage refused a write (naming the step, the error and the newest checkpoint, which is intact),
 and as itself, with its traceback, when it is anything else (a bug). `blocked_seconds` adds up the
 time the caller spent waiting in `save` and for the copy.
 
-`save(..., coalesce=True)` (`train --save-every 1 --async-save`) does not wait when the previous save
-is still being written: it skips this one and counts it in `coalesced`, so a disk slower than one
-checkpoint per step costs checkpoints, not training time. Nothing is queued; the next save after the
-write ends takes the state of its own step.
+`store.save(..., coalesce=True)` (`train --save-every 1 --async-save`) does not wait when the previous
+save is still being written (`busy()`): the store skips that one and counts it, so a disk slower than
+one checkpoint per step costs checkpoints, not training time. Nothing is queued; the next save after
+the write ends takes the state of its own step.
 """
 
 from __future__ import annotations
@@ -45,20 +47,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from exactresume.errors import FieldError, StorageError
 from exactresume.store.copy_guard import CopyGuard
-from exactresume.store.folder import CheckpointStore
-from exactresume.store.numbered import NumberedStore, snapshot
-from exactresume.store.resume import rebuilt
+from exactresume.store.resume import capture, rebuilt
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
 
-BEFORE_RETURN, DURING_NEXT_STEP = "before-return", "during-next-step"  # BackgroundSaver's `copy`
+    from exactresume.store.faults import FaultPoints
+
+BEFORE_RETURN, DURING_NEXT_STEP = "before-return", "during-next-step"  # a background store's `copy`
 
 
 class StagingMemory:
@@ -105,8 +107,22 @@ class StagingMemory:
         return storage
 
 
-class BackgroundSaver:
-    """`store.save` split in two: the state copied, then written by a writer thread.
+class Stages(Protocol):
+    """What the writer needs of its store (numbered.py's NumberedStore): its step check, its commit
+    stages and their fault points, and its one line for a refused write."""
+
+    folder: Any
+    known: int | None
+    faults: FaultPoints
+
+    def check_save(self, step: Any) -> int: ...
+    def commit(self, step: int, state: dict, before_publish: Callable[[], None] | None = None) -> Any: ...
+    def path_for(self, step: int) -> Any: ...
+    def storage_error(self, step: int, error: OSError) -> StorageError: ...
+
+
+class BackgroundWriter:
+    """A store's `save` split in two: the state copied, then written by a writer thread.
 
     `copy="before-return"` (the default): `save` returns once the state is copied; the file holds the
     state at its step whatever the loop changes next. `copy="during-next-step"`: `save` returns at
@@ -114,14 +130,11 @@ class BackgroundSaver:
     for it (the optimizer's step, or `wait_for_copy()`); a change refuses the save (module docstring).
     """
 
-    def __init__(self, store: CheckpointStore, copy: str = BEFORE_RETURN):
-        if not isinstance(store, NumberedStore):
-            raise FieldError(f"store must be a CheckpointStore, got a {type(store).__name__}", "store")
+    def __init__(self, store: Stages, copy: str = BEFORE_RETURN):
         if copy not in (BEFORE_RETURN, DURING_NEXT_STEP):
             raise FieldError(f"copy must be {BEFORE_RETURN!r} or {DURING_NEXT_STEP!r}, got {copy!r}", "copy")
         self.store, self.copy, self.staging = store, copy, StagingMemory()
         self.blocked_seconds = 0.0
-        self.coalesced = 0  # saves skipped because the previous one was still being written
         self._writer: threading.Thread | None = None
         self._guard: CopyGuard | None = None  # the copy in flight, with copy="during-next-step"
         self._failure: BaseException | None = None
@@ -131,22 +144,17 @@ class BackgroundSaver:
         """Whether a save is still being copied or written."""
         return self._writer is not None and self._writer.is_alive()
 
-    def save(self, step: int, parts: Mapping[str, Stateful], coalesce: bool = False) -> Path | None:
-        """Wait for the previous save, start this one; the path the checkpoint will have.
-
-        With `coalesce`, a save asked for while the previous one is still busy is skipped (None)."""
-        if coalesce and self.busy():
-            self.coalesced += 1
-            return None
+    def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
+        """Wait for the previous save, start this one; the path the checkpoint will have."""
         started = time.perf_counter()
         self.wait()
         step = self.store.check_save(step)
         self.store.faults.reached("snapshot")
-        state = snapshot(step, parts)
+        state = capture(parts, step)
         if self.copy == BEFORE_RETURN:
             state, self._guard = self.staging.copy(state), None
         else:
-            # The containers and small values are made the saver's own now, as a part may return live
+            # The containers and small values are made the writer's own now, as a part may return live
             # ones (a list it appends to); the tensors, whose changes the guard sees, are copied later.
             state = rebuilt(state, lambda tensor: tensor)
             self._guard = CopyGuard(step, state)

@@ -1,4 +1,4 @@
-"""Whether the state changed before a background save's copy was safe (BackgroundSaver's
+"""Whether the state changed before a background save's copy was safe (a background store's
 copy="during-next-step").
 
 In that mode `save` returns before the state is copied: the copy runs while the loop goes on, and
@@ -96,7 +96,7 @@ class CopyGuard:
             f"the checkpoint at step {self.step} was not written: {self.changed} changed in place before the "
             "loop waited for its copy (with copy='during-next-step' the state is copied during the next step "
             "and may change only from the optimizer's step on); save with the default copy='before-return', "
-            "or make the change after saver.wait_for_copy()"
+            "or make the change after store.wait_for_copy()"
         )
 
     def _first_changed(self) -> str | None:

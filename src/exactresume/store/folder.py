@@ -4,6 +4,10 @@
     step = store.load(parts)       # newest valid checkpoint into `parts`: its step, or None when there is none
     store.save(step, parts)        # FOLDER/step-00000030.pth, durable and verified; older ones pruned
 
+`background=True` saves in a writer thread (background.py), `world=` makes every rank of a run
+call `save` and `load` while rank 0 writes (numbered.py), and an `s3://` prefix in place of the
+folder makes an S3CheckpointStore (s3/folder.py): one face for every way a run saves.
+
 `parts` maps names to objects with `state_dict()` / `load_state_dict()` (a model, an optimizer, a
 batch generator wrapper, `GlobalRng()`, ...). A checkpoint is a resume file (resume.py) plus the
 step it was saved at, sealed with its checksum (sealed.py): `torch.load(path, weights_only=True)`
@@ -53,6 +57,7 @@ from exactresume.store.numbered import (
 )
 from exactresume.store.resume import print_to_stderr
 from exactresume.store.sealed import load_sealed, verify, write_sealed
+from exactresume.world import World
 
 
 class CheckpointStore(NumberedStore):
@@ -76,6 +81,9 @@ class CheckpointStore(NumberedStore):
         keep: int | None = 3,
         notify: Callable[[str], None] = print_to_stderr,
         lock: FolderLock | None = None,
+        background: bool = False,
+        copy: str | None = None,
+        world: World | None = None,
     ):
         if not isinstance(folder, (str, os.PathLike)):
             raise FieldError(f"folder must be a path, got a {type(folder).__name__}", "folder")
@@ -84,14 +92,16 @@ class CheckpointStore(NumberedStore):
             raise UserError(f"{self.folder} is a file, not a folder of checkpoints: give a folder's path")
         self.faults = FaultPoints.from_environment()
         self.lock, self.owns_lock = lock, lock is None  # a caller's lock on a folder that holds this one
+        self._set_saving(background, copy, world)
 
     def hold_lock(self) -> None:
         """Lock the folder for this store's writes (at once if it is free, else UserError)."""
         if self.lock is None:
-            self.lock = FolderLock.acquire(self.folder)
+            with self._one_writer():
+                self.lock = FolderLock.acquire(self.folder)
 
-    def close(self) -> None:
-        """Let another store write the folder (the Saver interface's end)."""
+    def release(self) -> None:
+        """Let another store write the folder."""
         if self.lock is not None and self.owns_lock:
             self.lock.release()
             self.lock = None
@@ -143,7 +153,7 @@ class CheckpointStore(NumberedStore):
 
     def _ensure_folder(self) -> None:
         if not self.folder.is_dir():
-            self.folder.mkdir(parents=True)
+            self.folder.mkdir(parents=True, exist_ok=True)  # another process may make it at the same moment
             fsync_path(self.folder.parent)
 
     def _write(self, path: Path, state: dict, before_publish: Callable[[], None] | None) -> None:

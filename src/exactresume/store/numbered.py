@@ -4,16 +4,23 @@ A checkpoint is named `step-00000030.pth` after its step (zero-padded, so names 
 store saves the snapshot of its parts through its own `commit` stages, and loads its newest valid
 checkpoint through its own `load_newest`. This module holds the names, the step check, and the
 `save` / `load` both kinds of store offer, so that a caller never asks which kind it has.
+
+`save` is the one way a run saves its checkpoints, whatever the store's options: synchronous or in
+the background (`background=True`: background.py), one process or many (`world=`: every rank calls
+`save` and `load`, the per-rank parts keep every rank's state, rank 0 writes), on a disk or under
+an `s3://` prefix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from exactresume.errors import CheckpointError, StorageError
+from exactresume.errors import CheckpointError, FieldError, StorageError, UserError
+from exactresume.store.background import BEFORE_RETURN, BackgroundWriter
 from exactresume.store.locations import Location
 from exactresume.store.resume import (
     STEP_KEY,
@@ -21,9 +28,11 @@ from exactresume.store.resume import (
     check_parts,
     check_resume_state,
     check_step,
+    per_rank,
     restore,
     started_fresh,
 )
+from exactresume.world import World, given_world, launched_by_torchrun
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -79,8 +88,49 @@ class NumberedStore:
     passed_over: frozenset = frozenset()  # what its last load skipped: never deleted by its retention
     blocked: Checkpoint | None = None  # a checkpoint a save was refused for: every later save is refused
 
-    def save(self, step: int, parts: Mapping[str, Stateful]) -> Location:
-        """Write `parts` as the checkpoint at `step`, durably and verified, then prune old ones."""
+    world: World = World()
+    writer: BackgroundWriter | None = None  # with background=True, on the rank that writes
+    coalesced: int = 0  # saves skipped by `coalesce` because the one before was still being written
+
+    def _set_saving(self, background: bool, copy: str | None, world: World | None) -> None:
+        """The options every store takes: saves in the background (copying as `copy` says), and the
+        processes that save together (`world`; rank 0 writes)."""
+        if not isinstance(background, bool):
+            raise FieldError(f"background must be True or False, got {background!r}", "background")
+        if copy is not None and not background:
+            raise FieldError("copy= says how a background save copies the state: give background=True with it", "copy")
+        self.world = given_world(world, World())
+        if background and self.world.is_main:
+            self.writer = BackgroundWriter(self, copy or BEFORE_RETURN)
+
+    def save(self, step: int, parts: Mapping[str, Stateful], coalesce: bool = False) -> Location | None:
+        """Write `parts` as the checkpoint at `step`, durably and verified, then prune old ones; where it is.
+
+        In the background, it returns once the state is copied (or at once: background.py), and with
+        `coalesce` a save asked for while the one before is still being written is skipped (None).
+        Under many processes every rank calls it, and every rank skips together."""
+        if self.skips(coalesce):
+            return None
+        parts = per_rank(parts, self.world)
+        if not self.world.is_main:
+            capture(parts, step)  # takes part in gathering the per-rank parts; rank 0 writes
+            path = self.path_for(check_step(step))
+        elif self.writer is not None:
+            path = self.writer.save(step, parts)
+        else:
+            path = self._save_now(step, parts)
+        self.world.barrier()
+        return path
+
+    def skips(self, coalesce: bool) -> bool:
+        """With `coalesce`, whether a save asked for now is skipped (and counted in `coalesced`) because
+        the one before is still being written; under many processes every rank answers the same."""
+        if coalesce and self.world.any(self.busy()):
+            self.coalesced += 1
+            return True
+        return False
+
+    def _save_now(self, step: int, parts: Mapping[str, Stateful]) -> Location:
         step = self.check_save(step)
         try:
             self.faults.reached("snapshot")
@@ -89,6 +139,50 @@ class NumberedStore:
             raise self.storage_error(step, error) from error
         self.known = step
         return path
+
+    def busy(self) -> bool:
+        """Whether a background save is still being copied or written."""
+        return self.writer is not None and self.writer.busy()
+
+    def wait(self) -> None:
+        """Block until the last save is durable, or raise its error (a synchronous save already is)."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def wait_for_copy(self) -> None:
+        """Block until a background save has copied the state (copy="during-next-step"): from then on
+        the state may change. Raises that save's CheckpointError if the state changed before."""
+        if self.writer is not None:
+            self.writer.wait_for_copy()
+
+    @property
+    def blocked_seconds(self) -> float:
+        """The time `save` and the optimizer's step waited for background saves."""
+        return self.writer.blocked_seconds if self.writer is not None else 0.0
+
+    def close(self) -> None:
+        """Wait for the save in flight, then let another store write the folder (`release`)."""
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Let go of the folder's lock (or the prefix's lease)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _one_writer(self) -> Iterator[None]:
+        """The folder's lock (or the prefix's lease) taken inside: when another holds it and this is one
+        rank of a torchrun job whose store was given no world, the refusal names the likely cause."""
+        try:
+            yield
+        except UserError as refused:
+            if self.world.size > 1 or not launched_by_torchrun():
+                raise
+            hint = "under torchrun, give every rank's store world=World.from_env(), and rank 0 writes"
+            raise UserError(f"{refused}; {hint}") from None
 
     def storage_error(self, step: int, error: OSError) -> StorageError:
         """The one line for a save that the storage refused: what failed, why, and what is intact."""
@@ -127,9 +221,6 @@ class NumberedStore:
                 return checkpoint
         return None
 
-    def wait(self) -> None:
-        """Nothing to wait for: `save` returns once the checkpoint is durable (the Saver interface)."""
-
     def _retain(self, step: int) -> None:
         """Delete all but the newest `keep` checkpoints up to `step` (`_delete`); a failure here only warns."""
         if self.keep is None:
@@ -145,8 +236,13 @@ class NumberedStore:
     def __enter__(self) -> NumberedStore:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind: type | None, error: BaseException | None, trace: object) -> None:
+        try:
+            self.close()
+        except Exception:
+            if error is None:
+                raise
+            # else the error in flight is the one raised, not a background save's
 
     def load(
         self,
@@ -161,11 +257,13 @@ class NumberedStore:
         checkpoint's, this raises a CheckpointError naming both sides, loads nothing and falls back to
         no older file: `skip` names parts (given or saved) to leave as they are, `fresh` parts new
         since the save, which then start as they are. With `clean` (the writer) it first locks the
-        folder and removes the leftovers of interrupted saves; without (a reader, such as another rank
-        of a run whose rank 0 writes) it takes no lock.
+        folder and removes the leftovers of interrupted saves; without (a reader) it takes no lock.
+        Under many processes every rank calls it, each restores its own entry of the per-rank parts,
+        and only rank 0 cleans.
         """
         check_parts(parts)  # a mistake in the call is named before anything is read or cleaned
-        if clean:
+        parts = per_rank(parts, self.world)
+        if clean and self.world.is_main:
             self.remove_leftovers()
         found = self.load_newest()
         if found is None:

@@ -271,4 +271,5 @@ def saved_world_size(state: Mapping) -> int:
 
 def per_rank(parts: Mapping[str, Stateful], world: World) -> dict[str, Stateful]:
     """`parts` as every rank saves and restores them: a per-rank part keeps every rank's state."""
+    check_parts(parts)
     return {name: PerRank(part, world) if is_per_rank(part) else part for name, part in parts.items()}

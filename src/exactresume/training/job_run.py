@@ -3,9 +3,10 @@
     outcome = JobRun(job, world, progress).run()   # every rank calls it; rank 0 writes
 
 The lock on OUT (rank 0; OUT/checkpoints is inside it), the process group, the logs, the
-checkpointer, the progress line and the divergence log; the loop calls back into it after each step.
-The source is opened by the store's one way in (store/access.py `open_resume`); the saves go out
-through its one save interface (saving.py); the logs and the job's lines are joblog.py's. Under many
+checkpoint store, the progress line and the divergence log; the loop calls back into it after each
+step. The source is opened by the store's one way in (store/access.py `open_resume`); the
+checkpoints go out through the CheckpointStore's own `save`, the final file through `save_resume`
+(saving.py); the logs and the job's lines are joblog.py's. Under many
 processes (parallel/) every rank runs the job: every rank builds and restores its replica and takes
 part in each save (the per-rank parts are gathered from all), only rank 0 writes the files and the
 logs; with `sharded` (always under `--shard fsdp`) every rank writes its shard of OUT/resume.dcp.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 from exactresume.atomic import ensure_writable_folder, tmp_path
 from exactresume.core.data import load_tokens
@@ -28,17 +30,17 @@ from exactresume.parallel.replicas import process_group
 from exactresume.parallel.replicate import replicate
 from exactresume.progress import Progress
 from exactresume.store.access import open_resume
+from exactresume.store.background import DURING_NEXT_STEP
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import is_s3
 from exactresume.store.lock import FolderLock
-from exactresume.store.resume import per_rank
 from exactresume.training.divergence import DivergenceLog
 from exactresume.training.job import ALLOWED_CHANGES, AUTO_RESUME, TrainJob
 from exactresume.training.joblog import RunLogs, ignore, note, warn
 from exactresume.training.loop import Run, StepRecord, build_run, lr_at, train
 from exactresume.training.parts import describe
 from exactresume.training.preemption import Preempted, PreemptionGuard
-from exactresume.training.saving import Checkpointer, write_outputs
+from exactresume.training.saving import stopping_on_error, write_outputs
 from exactresume.world import World
 
 
@@ -51,7 +53,7 @@ class JobOutcome:
 
 
 class JobRun:
-    """One TrainJob running in this process: its lock, logs, checkpointer and hooks, the loop's callback."""
+    """One TrainJob running in this process: its lock, logs, checkpoint store and hooks, the loop's callback."""
 
     def __init__(self, job: TrainJob, world: World, progress: Progress):
         self.job, self.world, self.progress = job, world, progress
@@ -59,6 +61,8 @@ class JobRun:
         self.guard = PreemptionGuard()
         self.run_state: Run | None = None  # built by `run`, then stepped
         self.divergence: DivergenceLog | None = None
+        self.store: CheckpointStore | None = None  # opened by `run`
+        self.saved_step: int | None = None  # the step last checkpointed: each step is saved at most once
 
     def run(self) -> JobOutcome:
         with self._lock() as lock, process_group(self.world):
@@ -81,9 +85,17 @@ class JobRun:
         return FolderLock.acquire(self.job.out, wait=self.job.wait_lock, notify=warn)
 
     def _store(self, lock: FolderLock | None) -> CheckpointStore:
-        """The job's checkpoints; an s3:// prefix's lease is waited for as OUT's lock is (--wait-lock)."""
-        wait = {"wait_lock": self.job.wait_lock} if is_s3(self.job.checkpoint_folder) else {}
-        return CheckpointStore(self.job.checkpoint_folder, keep=self.job.keep, notify=self.notify, lock=lock, **wait)
+        """The job's checkpoints, saved by every rank together; an s3:// prefix's lease is waited for as
+        OUT's lock is (--wait-lock).
+
+        In the background (`--async-save`) a save returns at once: its copy is made during the next
+        step's forward and backward, which is exact here because the loop changes the state only in
+        the optimizer's step, which waits for the copy (a change before it would refuse the save)."""
+        job = self.job
+        wait = {"wait_lock": job.wait_lock} if is_s3(job.checkpoint_folder) else {}
+        copy = DURING_NEXT_STEP if job.async_save else None
+        options = {"background": job.async_save, "copy": copy, "world": self.world, **wait}
+        return CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=self.notify, lock=lock, **options)
 
     def _check_outputs(self) -> None:
         job = self.job
@@ -131,7 +143,7 @@ class JobRun:
                 note(f"no checkpoint in {job.checkpoint_folder}; starting at step 0")
             return
         parts = run.parts() if resumed.kind == "sharded" else run.file_parts()
-        resumed.restore(per_rank(parts, world), skip=skip_parts)
+        resumed.restore(parts, skip=skip_parts, world=world)
         change = resumed.world_change(world)
         if world.is_main and resumed.kind == "store":
             note(f"resumed from {resumed.path} at step {resumed.step}")
@@ -152,19 +164,36 @@ class JobRun:
         until = self._target(start)
         resumed_auto = job.resume == AUTO_RESUME and start
         store.continue_from(start)  # the checkpoints up to the step it resumed at are this run's own
-        self.checkpointer = Checkpointer(store, self.logs, start if resumed_auto else None, self.world, job.async_save)
+        self.store, self.saved_step = store, start if resumed_auto else None
         self.progress.begin(start)
         try:
             with self.guard:
                 train(run, until, self.after_step)
         except Preempted as stop:
-            stop.saved = self.checkpointer.save(run)
-            self.checkpointer.wait()
+            stop.saved = self._save(run)
+            self._wait()
             return JobOutcome(run, stop)
         finally:
             self.progress.close()
         self._finish()
         return JobOutcome(run)
+
+    def _save(self, run: Run, coalesce: bool = False) -> Path | None:
+        """Checkpoint the run's step, at most once, its log rows made durable first; with `coalesce`,
+        skip it (None) while the background save before it is being written."""
+        step, store = run.step.value, self.store
+        if store.skips(coalesce):
+            return None
+        if step != self.saved_step:
+            self.logs.sync()
+            with stopping_on_error(store, step):
+                store.save(step, run.file_parts())
+            self.saved_step = step
+        return store.path_for(step)
+
+    def _wait(self) -> None:
+        with stopping_on_error(self.store, self.saved_step):
+            self.store.wait()
 
     def after_step(self, record: StepRecord) -> None:
         """What the job does after each optimizer step: log it, checkpoint on schedule, stop on a signal."""
@@ -176,7 +205,7 @@ class JobRun:
         if job.save_every and run.step.value % job.save_every == 0:
             # Every step in the background means as often as the disk allows: a save asked for
             # while the one before is still being written is skipped, and counted.
-            self.checkpointer.save(run, coalesce=job.async_save and job.save_every == 1)
+            self._save(run, coalesce=job.async_save and job.save_every == 1)
         # The ranks agree on a signal any of them caught, so all stop after the same step and save together.
         if self.world.any(self.guard.requested):
             raise Preempted(self.guard.signal_name or "a signal to another process", run.step.value)
@@ -184,10 +213,10 @@ class JobRun:
     def _finish(self) -> None:
         run, job = self.run_state, self.job
         if job.save_every:
-            self.checkpointer.save(run)
-            self.checkpointer.wait()
-            if self.checkpointer.coalesced and self.world.is_main:
-                skipped = self.checkpointer.coalesced
+            self._save(run)
+            self._wait()
+            if self.store.coalesced and self.world.is_main:
+                skipped = self.store.coalesced
                 note(f"{skipped} periodic checkpoint(s) skipped: the one before was still being written")
         resume_file = job.resume_file if job.stop_at is not None else None
         write_outputs(run, resume_file, job.weights_file, job.writes_sharded, self.world)

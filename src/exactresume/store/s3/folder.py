@@ -33,6 +33,7 @@ from exactresume.store.s3.client import ObjectStore
 from exactresume.store.s3.commit import COMMIT_SUFFIX, commit_of
 from exactresume.store.s3.files import load_committed, publish_sealed
 from exactresume.store.s3.lease import S3Lease
+from exactresume.world import World
 
 
 class S3CheckpointStore(NumberedStore):
@@ -46,19 +47,24 @@ class S3CheckpointStore(NumberedStore):
         lock: FolderLock | None = None,
         config: S3Config | None = None,
         wait_lock: float = 0.0,
+        background: bool = False,
+        copy: str | None = None,
+        world: World | None = None,
     ):
         self.folder, self.keep, self.notify = location(folder, config), check_keep(keep), notify
         self.faults = FaultPoints.from_environment()
         self.objects = ObjectStore(self.folder.config)
         self.objects.before_part = lambda number: self.faults.reached("upload")
         self.wait_lock, self.lease = wait_lock, None
+        self._set_saving(background, copy, world)
 
     def hold_lock(self) -> None:
         """Take the prefix's lease for this store's writes (waiting up to `wait_lock` s), else UserError."""
         if self.lease is None:
-            self.lease = S3Lease.acquire(self.objects, self.folder, self.wait_lock, self.notify)
+            with self._one_writer():
+                self.lease = S3Lease.acquire(self.objects, self.folder, self.wait_lock, self.notify)
 
-    def close(self) -> None:
+    def release(self) -> None:
         """Release the lease: another run may write the prefix."""
         if self.lease is not None:
             self.lease.release()
