@@ -1,7 +1,9 @@
-"""The exception types for users' mistakes and for a disk that refuses a write.
+"""The exception types for users' mistakes and for a disk that refuses a write, and the line for what is not an error.
 
 The CLI prints a `UserError` as one line on stderr and exits with its `exit_code` (2; 74 for a
-`StorageError`); any other exception is a bug in exactresume and keeps its traceback.
+`StorageError`); any other exception is a bug in exactresume and keeps its traceback. What the user
+should know but is no error (a part that starts fresh, a resume that cannot be exact) is one
+`notice` line on stderr.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import re
+import sys
 
 # The optional dependencies' modules and the extra that installs each (pyproject.toml): the library
 # itself needs only torch and xxhash.
@@ -16,6 +19,11 @@ EXTRAS = {name: "lab" for name in ("numpy", "tokenizers", "safetensors", "matplo
     "boto3": "s3",
     "botocore": "s3",
 }
+
+
+def notice(message: str) -> None:
+    """One line on stderr, named as ours, for what the user should know that is not an error."""
+    print(f"exactresume: {message}", file=sys.stderr)
 
 
 class UserError(Exception):

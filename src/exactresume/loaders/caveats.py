@@ -6,8 +6,6 @@ change: a resume that cannot be exact is never a silent one.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch.utils.data import IterableDataset
 
@@ -45,8 +43,3 @@ def known(sampler) -> bool:
     if sampler is None or type(sampler).__module__.startswith(KNOWN_SAMPLER_MODULES):
         return True
     return isinstance(getattr(sampler, "generator", None), torch.Generator)
-
-
-def say(message: str) -> None:
-    """One line on stderr, as the store's own notices ('... starts fresh')."""
-    print(f"exactresume: {message}", file=sys.stderr)

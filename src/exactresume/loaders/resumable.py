@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from exactresume.errors import CheckpointError, FieldError
+from exactresume.errors import CheckpointError, FieldError, notice
 
-from .caveats import caveat, loader_name, say
+from .caveats import caveat, loader_name
 from .position import LoaderPosition, LoaderShape
 from .skipping import SkippingSampler
 from .sources import RandomSources, SourceStates, generators_of
@@ -127,7 +127,7 @@ class ResumableLoader:
             self.cautioned = True
             message = caveat(self.loader)
             if message is not None:
-                say(message)
+                notice(message)
 
 
 def _with_index_sampler(loader: DataLoader, first_draw, skipped) -> DataLoader:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from exactresume.errors import CheckpointError, FieldError, StorageError
+from exactresume.errors import CheckpointError, FieldError, StorageError, notice
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.formats import is_sharded_folder, path_kind
 from exactresume.store.locations import Location, S3Location, is_s3, location
@@ -30,7 +30,6 @@ from exactresume.store.resume import (
     capture,
     check_resume_state,
     per_rank,
-    print_to_stderr,
     read_resume_file,
     restore,
     save_resume_file,
@@ -136,7 +135,7 @@ def load_resume(
     parts = per_rank(parts, given_world(world, World.from_env()))  # a mistake in the call first
     state = read_resume(path)
     for name in restore(state, parts, skip, fresh, source=path):
-        print_to_stderr(started_fresh(path, name))
+        notice(started_fresh(path, name))
     return saved_step(state)
 
 
@@ -173,7 +172,7 @@ class Resumed:
 
             parts = sharded_parts(parts)
         for name in restore(self.state, parts, skip=skip, fresh=fresh, source=self.path):
-            print_to_stderr(started_fresh(self.path, name))
+            notice(started_fresh(self.path, name))
         return self.step
 
     def world_change(self, world: World) -> str | None:
@@ -193,7 +192,7 @@ def open_resume(
     source: Location | str,
     checkpoints: Location | str | None = None,
     needs: Collection[str] = (),
-    notify: Callable[[str], None] = print_to_stderr,
+    notify: Callable[[str], None] = notice,
     destination: Destination | None = None,
 ) -> Resumed | None:
     """Verify and read `source`: a resume file, a sharded folder, a checkpoint folder, or AUTO.

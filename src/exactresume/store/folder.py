@@ -43,7 +43,7 @@ import torch
 
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
 from exactresume.config import check_keep
-from exactresume.errors import CheckpointError, FieldError, ReadBackError, UserError
+from exactresume.errors import CheckpointError, FieldError, ReadBackError, UserError, notice
 from exactresume.store.faults import FaultPoints
 from exactresume.store.locations import S3Location, is_s3
 from exactresume.store.lock import FolderLock
@@ -55,7 +55,6 @@ from exactresume.store.numbered import (
     check_checkpoint,
     checkpoint_name,
 )
-from exactresume.store.resume import print_to_stderr
 from exactresume.store.sealed import load_sealed, verify, write_sealed
 from exactresume.world import World
 
@@ -79,7 +78,7 @@ class CheckpointStore(NumberedStore):
         self,
         folder: Path | str,
         keep: int | None = 3,
-        notify: Callable[[str], None] = print_to_stderr,
+        notify: Callable[[str], None] = notice,
         lock: FolderLock | None = None,
         background: bool = False,
         copy: str | None = None,

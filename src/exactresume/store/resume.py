@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import sys
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,10 +180,6 @@ def _put_back(parts: Mapping[str, Stateful], loaded: Mapping[str, Any]) -> list[
 def _one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " ".join(lines) or type(error).__name__
-
-
-def print_to_stderr(message: str) -> None:
-    print(f"exactresume: {message}", file=sys.stderr)
 
 
 def started_fresh(source: object, name: str) -> str:

@@ -23,12 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from exactresume.config import check_keep
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, notice
 from exactresume.store.faults import FaultPoints
 from exactresume.store.locations import S3Config, S3Location, location
 from exactresume.store.lock import FolderLock
 from exactresume.store.numbered import CHECKPOINT_NAME, Checkpoint, NumberedStore, check_checkpoint
-from exactresume.store.resume import print_to_stderr
 from exactresume.store.s3.client import ObjectStore
 from exactresume.store.s3.commit import COMMIT_SUFFIX, commit_of
 from exactresume.store.s3.files import load_committed, publish_sealed
@@ -43,7 +42,7 @@ class S3CheckpointStore(NumberedStore):
         self,
         folder: S3Location | str,
         keep: int | None = 3,
-        notify: Callable[[str], None] = print_to_stderr,
+        notify: Callable[[str], None] = notice,
         lock: FolderLock | None = None,
         config: S3Config | None = None,
         wait_lock: float = 0.0,
