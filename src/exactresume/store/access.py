@@ -28,6 +28,7 @@ from exactresume.store.formats import is_sharded_folder, path_kind
 from exactresume.store.locations import Location, S3Location, is_s3, location
 from exactresume.store.resume import (
     capture,
+    check_one_file,
     check_resume_state,
     per_rank,
     read_resume_file,
@@ -79,16 +80,17 @@ def save_resume(
     parts = per_rank(parts, world)
     if sharded:
         _save_sharded(target, parts, step, world)
-    elif world.is_main:
-        _save_file(target, parts, step)
     else:
-        capture(parts, step)  # takes part in gathering the per-rank parts; rank 0 writes
+        check_one_file(parts)
+        _save_file(target, parts, step, world)
     world.barrier()
     return target
 
 
-def _save_file(target: Location, parts: Mapping[str, Stateful], step: int | None) -> None:
-    if isinstance(target, S3Location):
+def _save_file(target: Location, parts: Mapping[str, Stateful], step: int | None, world: World) -> None:
+    if not world.is_main:
+        capture(parts, step)  # takes part in gathering the per-rank parts; rank 0 writes
+    elif isinstance(target, S3Location):
         from exactresume.store.s3.client import ObjectStore  # boto3: only where an object store is used
         from exactresume.store.s3.files import publish_leased  # under the prefix's lease
 

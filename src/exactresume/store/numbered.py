@@ -25,6 +25,7 @@ from exactresume.store.locations import Location
 from exactresume.store.resume import (
     STEP_KEY,
     capture,
+    check_one_file,
     check_parts,
     check_resume_state,
     check_step,
@@ -109,6 +110,7 @@ class NumberedStore:
         In the background, it returns once the state is copied (or at once: background.py), and with
         `coalesce` a save asked for while the one before is still being written is skipped (None).
         Under many processes every rank calls it, and every rank skips together."""
+        check_one_file(parts)
         if self.skips(coalesce):
             return None
         parts = per_rank(parts, self.world)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,28 @@ def check_parts(parts: Any) -> None:
             raise FieldError(f"parts: {name!r} cannot name a part (a string; {reserved} are reserved)", "parts")
         if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
             raise FieldError(f"parts: {name} ({type(part).__name__}) has no state_dict() / load_state_dict()", "parts")
+
+
+def check_one_file(parts: Mapping[str, Stateful]) -> None:
+    """UserError when a part's parameters are sharded over the ranks (FSDP2's DTensors): one file would
+    hold rank 0's shards only, pickled as objects a plain torch.load refuses. Every rank checks, before
+    any collective, so that none is left waiting."""
+    for name, part in parts.items():
+        for where, parameter in _parameters(part):
+            if type(parameter).__name__ == "DTensor":
+                raise UserError(
+                    f"the part {name} is sharded over the ranks ({where} is a DTensor, FSDP2's): one file "
+                    "cannot hold it; save it with save_resume(folder, parts, step, sharded=True), where "
+                    "every rank writes its shard"
+                )
+
+
+def _parameters(part: Stateful) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(part, torch.nn.Module):
+        yield from part.named_parameters()
+    elif isinstance(part, torch.optim.Optimizer):
+        for index, group in enumerate(part.param_groups):
+            yield from ((f"param group {index}'s parameter", parameter) for parameter in group["params"])
 
 
 def names_of(names: Collection[str] | str, field: str) -> list[str]:

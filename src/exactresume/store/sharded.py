@@ -36,7 +36,12 @@ import xxhash
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from exactresume.atomic import fsync_path, tmp_path
@@ -66,7 +71,48 @@ class OptimizerByName:
         # On a fresh optimizer this first takes one step with lr 0 and zero gradients to create its
         # state (torch's _init_optim_state): AdamW leaves every weight bit-identical, then the
         # loaded state replaces the one it made.
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        whole = StateDictOptions(full_state_dict=whole_into_shards(self.model, state))
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=whole)
+
+
+class ShardedModule:
+    """A module sharded over the ranks (FSDP2's DTensors) as a part: a state read whole (no
+    `destination` named each rank's rows) is laid out as the module is sharded now, each rank keeping
+    its own rows."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def state_dict(self) -> dict:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if whole_into_shards(self.module, state):
+            set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True))
+        else:  # read into this rank's rows already
+            self.module.load_state_dict(state)
+
+
+def whole_into_shards(module: torch.nn.Module, state: Any) -> bool:
+    """Whether `state` holds whole tensors for a module whose parameters are DTensors."""
+    if not any(_is_dtensor(parameter) for parameter in module.parameters()):
+        return False
+    return not any(_is_dtensor(value) for value in _tensors(state))
+
+
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor"
+
+
+def _tensors(state: Any) -> Iterator[Any]:
+    if isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _tensors(value)
+    elif isinstance(state, torch.Tensor):
+        yield state
 
 
 class MarkedScaler:
@@ -88,12 +134,15 @@ SCALER_MARK = "saved"
 
 def sharded_parts(parts: Mapping[str, Stateful]) -> dict[str, Stateful]:
     """`parts` as a sharded checkpoint holds them: each optimizer keyed by the names of the parameters
-    of the module part it optimizes (whatever the parts are called), the scaler marked."""
+    of the module part it optimizes (whatever the parts are called), a module sharded over the ranks
+    loaded through torch's own state-dict calls, the scaler marked."""
     wrapped: dict[str, Stateful] = {}
     for name, part in parts.items():
         model = _module_of(part, parts) if isinstance(part, torch.optim.Optimizer) else None
         if model is not None:
             wrapped[name] = OptimizerByName(model, part)
+        elif isinstance(part, torch.nn.Module) and any(map(_is_dtensor, part.parameters())):
+            wrapped[name] = ShardedModule(part)
     if "scaler" in parts:
         wrapped["scaler"] = MarkedScaler(parts["scaler"])
     return dict(parts) | wrapped
