@@ -153,3 +153,17 @@ def test_train_resumes_from_a_checkpoint_folder(saved, tmp_path, kjv_folder):
     assert f"resumed from {saved['store'] / checkpoint_name(3)} at step 3" in finished.stdout
     steps = [line.split(",")[0] for line in (tmp_path / "log.csv").read_text().splitlines()[1:]]
     assert steps == ["4", "5", "6", "7", "8"]
+
+
+def test_a_ranks_save_without_world_under_torchrun_says_once_what_it_keeps(tmp_path, monkeypatch, capsys):
+    from exactresume.training.parts import GlobalRng
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for step in (1, 2):
+        save_resume(tmp_path / "resume.pth", {"model": torch.nn.Linear(1, 1), "rng": GlobalRng()}, step)
+    said = [line for line in capsys.readouterr().err.splitlines() if "without world=" in line]
+    assert said == [
+        "exactresume: rank 1 of 2 saves rng without world=: the file keeps this rank's state of them only; "
+        "give world=World.from_env() on every rank to keep each rank's"
+    ]

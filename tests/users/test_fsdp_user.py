@@ -1,7 +1,8 @@
 """A user's FSDP2 model (fully_shard, one gloo process: its parameters are DTensors) and the saves: a
 CheckpointStore and a one-file `save_resume` refuse it in one line that names the sharded save, before
-any collective and before anything is written; `save_resume(..., sharded=True)` writes it, and
-`open_resume(folder).restore(parts)` in a new process, with no `destination=`, resumes it bit for bit.
+any collective and before anything is written; `save_resume(..., sharded=True)` and a sharded store
+write it, and `open_resume(folder).restore(parts)` or the store's `load`, in a new process and with no
+`destination=`, resume it bit for bit.
 Established by hand first, on 2 ranks too: without the refusal, a store under torchrun wrote a file
 that a plain `torch.load(weights_only=True)` refuses, holding rank 0's shards only; and the sharded
 folder, read whole, could not be loaded into the sharded model ("mixed torch.Tensor and DTensor")."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from helpers import run_python
 
-SAVES = ("store", "file", "sharded")
+SAVES = ("store", "file", "sharded", "sharded-store")
 
 PROGRAM = """
 import sys
@@ -50,6 +51,7 @@ if mode == "straight":
         "store": lambda: CheckpointStore(folder / "checkpoints").save(3, {"model": model}),
         "file": lambda: save_resume(folder / "resume.pth", {"optimizer": optimizer}, 3),
         "sharded": lambda: save_resume(folder / "resume.dcp", parts, 3, sharded=True),
+        "sharded-store": lambda: CheckpointStore(folder / "sharded", sharded=True).save(3, parts),
     }
     for name, save in saves.items():
         try:
@@ -58,10 +60,14 @@ if mode == "straight":
             print(name, "refused:", error)
     train(range(4, 7))
     torch.save(whole(), folder / "straight.pt")
-else:
+elif mode == "resumed":
     train(range(open_resume(folder / "resume.dcp").restore(parts) + 1, 7))
+else:
+    with CheckpointStore(folder / "sharded", sharded=True) as store:
+        train(range(store.load(parts) + 1, 7))
+if mode != "straight":
     straight = torch.load(folder / "straight.pt", weights_only=True)
-    print("resumed equal", all(torch.equal(a, b) for a, b in zip(whole(), straight, strict=True)))
+    print(mode, "equal", all(torch.equal(a, b) for a, b in zip(whole(), straight, strict=True)))
 dist.destroy_process_group()
 """
 
@@ -77,5 +83,7 @@ def test_a_sharded_model_is_refused_by_the_one_file_saves_and_resumed_by_the_sha
     assert all("save_resume(folder, parts, step, sharded=True)" in said[name] for name in ("store", "file"))
     assert said["sharded"] == f"saved {tmp_path / 'resume.dcp'}"
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "resume.pth").exists()
-    resumed = run_python(program, tmp_path, "resumed")
-    assert resumed.returncode == 0 and "resumed equal True" in resumed.stdout, resumed.stdout
+    assert said["sharded-store"] == f"saved {tmp_path / 'sharded' / 'step-00000003.dcp'}"
+    for mode in ("resumed", "store-resumed"):
+        resumed = run_python(program, tmp_path, mode)
+        assert resumed.returncode == 0 and f"{mode} equal True" in resumed.stdout, resumed.stdout

@@ -1,6 +1,6 @@
 """A user's loop under torchrun (programs/ranks_loop.py, 2 ranks) saving through one CheckpointStore
-given the run's world, through `save_resume(..., world=)` and through a sharded `save_resume`, every
-rank calling them. Stopped at step 3 and resumed by a new torchrun, each ends where a straight run
+given the run's world (plain, and sharded), through `save_resume(..., world=)` and through a sharded
+`save_resume`, every rank calling them. Stopped at step 3 and resumed by a new torchrun, each ends where a straight run
 ends, bit for bit, on every rank: weights, each rank's batch generator and each rank's global RNG.
 Established by hand first: the checkpoint keeps both ranks' generator states (read back with a plain
 torch.load), and the ranks' streams differ, so a resume that gave rank 1 rank 0's would part (a
@@ -22,7 +22,7 @@ PROGRAM = Path(__file__).parent / "programs" / "ranks_loop.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-HOWS = ("store", "file", "sharded")
+HOWS = ("store", "sharded-store", "file", "sharded")
 
 
 def torchrun(*runs: tuple[Path, int, str]) -> None:
@@ -52,10 +52,9 @@ def test_every_rank_saving_through_each_way_resumes_bit_for_bit(tmp_path):
         saved = torch.load(tmp_path / how / file, weights_only=True)
         for rank, state in enumerate(saved["data"]["per_rank"]):
             assert torch.equal(state, ending(straight, rank)["data"]), (how, rank)
-    assert sorted(path.name for path in (tmp_path / "store" / "checkpoints").iterdir()) == [
-        "step-00000005.pth",
-        "step-00000006.pth",
-    ]
+    for how, suffix in (("store", "pth"), ("sharded-store", "dcp")):
+        kept = sorted(path.name for path in (tmp_path / how / "checkpoints").iterdir())
+        assert kept == [f"step-00000005.{suffix}", f"step-00000006.{suffix}"], how
 
 
 def test_a_ranks_store_without_world_is_refused_naming_the_option(tmp_path, monkeypatch):

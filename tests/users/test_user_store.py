@@ -309,3 +309,15 @@ def test_a_load_that_fails_in_a_part_puts_back_the_parts_already_loaded(tmp_path
     assert torch.equal(fresh_model.weight, before) and not torch.equal(fresh_model.weight, model.weight)
     message = str(refused.value)
     assert "\n" not in message and "the part later could not load" in message and "no part was changed" in message
+
+
+def test_a_store_that_saved_an_earlier_step_again_may_still_save_the_one_it_loaded(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    with CheckpointStore(tmp_path) as store:
+        store.save(1, {"model": model}), store.save(2, {"model": model})
+    with CheckpointStore(tmp_path) as store:
+        assert store.load({"model": model}) == 2
+        store.save(1, {"model": model})  # the loop went back a step
+        store.save(2, {"model": model})  # this store loaded step 2: it is the run's own
+    with pytest.raises(CheckpointError, match="already holds step-00000002.pth, a checkpoint this store has not"):
+        CheckpointStore(tmp_path).save(2, {"model": model})

@@ -23,13 +23,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from exactresume.errors import CheckpointError, FieldError, StorageError, notice
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.folder import CheckpointStore, holds_sharded_checkpoints
 from exactresume.store.formats import is_sharded_folder, path_kind
 from exactresume.store.locations import Location, S3Location, is_s3, location
 from exactresume.store.resume import (
     capture,
     check_one_file,
+    check_parts,
     check_resume_state,
+    note_one_rank,
     per_rank,
     read_resume_file,
     restore,
@@ -77,12 +79,13 @@ def save_resume(
     storage refuses is a StorageError, and what was at `path` is left as it was."""
     target = location(path)
     world = given_world(world, World.from_env() if sharded else World())
-    parts = per_rank(parts, world)
+    check_parts(parts)
     if sharded:
-        _save_sharded(target, parts, step, world)
+        _save_sharded(target, per_rank(parts, world), step, world)
     else:
         check_one_file(parts)
-        _save_file(target, parts, step, world)
+        note_one_rank(parts, world)
+        _save_file(target, per_rank(parts, world), step, world)
     world.barrier()
     return target
 
@@ -249,7 +252,8 @@ def _step_of(path: Path, state: dict) -> int:
 def _newest_in(folder: Location, needs: Collection[str], notify, required: bool) -> Resumed | None:
     """The newest valid checkpoint of a store folder; nothing in it is deleted (it may be someone else's)."""
     skipped: list[str] = []
-    store = CheckpointStore(folder, keep=None, notify=skipped.append)
+    sharded = not is_s3(folder) and holds_sharded_checkpoints(folder)
+    store = CheckpointStore(folder, keep=None, notify=skipped.append, sharded=sharded, world=World())
     found = store.load_newest()
     if found is None and required:
         what = "uncommitted object(s)" if is_s3(folder) else ".tmp leftover(s)"
@@ -261,4 +265,5 @@ def _newest_in(folder: Location, needs: Collection[str], notify, required: bool)
     if found is None:
         return None
     checkpoint, state = found
-    return Resumed(check_resume_state(checkpoint.path, state, needs), checkpoint.step, checkpoint.path, "store")
+    kind = "sharded" if sharded else "store"
+    return Resumed(check_resume_state(checkpoint.path, state, needs), checkpoint.step, checkpoint.path, kind)

@@ -112,10 +112,10 @@ class Stages(Protocol):
     stages and their fault points, and its one line for a refused write."""
 
     folder: Any
-    known: int | None
     faults: FaultPoints
 
     def check_save(self, step: Any) -> int: ...
+    def reached(self, step: int) -> None: ...
     def commit(self, step: int, state: dict, before_publish: Callable[[], None] | None = None) -> Any: ...
     def path_for(self, step: int) -> Any: ...
     def storage_error(self, step: int, error: OSError) -> StorageError: ...
@@ -217,7 +217,7 @@ class BackgroundWriter:
                 self.store.commit(step, state)
             else:  # written while the loop decides; published only once it has (copy_guard.py)
                 self.store.commit(step, self._copy_guarded(state, guard), before_publish=guard.confirm)
-            self.store.known = step  # as a synchronous save records it
+            self.store.reached(step)  # as a synchronous save records it
         except OSError as error:
             self._failure = self._refused_write(step, error)
         except BaseException as error:  # a UserError as it is; anything else is a bug: its own traceback

@@ -23,6 +23,12 @@ from the newest checkpoint down and skips (and reports) any file that is damaged
 interrupted copy. One process writes a store; that process removes `.tmp` leftovers of a crashed
 save when it loads.
 
+`CheckpointStore(folder, sharded=True, world=...)` is a ShardedCheckpointStore: each checkpoint is a
+sharded folder `step-00000030.dcp` as `save_resume(..., sharded=True)` writes one (sharded.py), of
+which every rank writes its shard, written as NAME.tmp/ and renamed once committed. A model sharded
+over the ranks (FSDP2) is saved as it is sharded and loaded back into however it is sharded then.
+Rank 0 holds the lock, cleans and prunes; every rank calls `save` and `load`.
+
 One writer per folder is enforced: the first save, or a load that cleans up, locks the folder
 (lock.py) until `close()` (or the end of a `with` block, or of the process); a second store writing
 the same folder, in this process or another, is refused with a UserError naming the holder. A store
@@ -35,9 +41,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Callable
+import re
+import shutil
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,24 +63,40 @@ from exactresume.store.numbered import (
     check_checkpoint,
     checkpoint_name,
 )
+from exactresume.store.resume import check_parts, per_rank
 from exactresume.store.sealed import load_sealed, verify, write_sealed
-from exactresume.world import World
+from exactresume.world import World, given_world
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 
 class CheckpointStore(NumberedStore):
     """Numbered checkpoints in one folder: save, list, restore the newest valid one, keep the newest `keep`.
 
-    Given an `s3://bucket/prefix` (a string or an S3Location), it is an S3CheckpointStore (s3/folder.py).
+    Given an `s3://bucket/prefix` (a string or an S3Location), it is an S3CheckpointStore (s3/folder.py);
+    given `sharded=True`, a ShardedCheckpointStore (below), whose every rank writes its shard.
     """
 
     def __new__(cls, folder: Path | str | S3Location, *args: Any, **kwargs: Any) -> CheckpointStore:
-        if cls is CheckpointStore and is_s3(folder):
+        if cls is not CheckpointStore:
+            return super().__new__(cls)
+        if kwargs.get("sharded"):
+            if is_s3(folder):
+                raise FieldError(
+                    "a sharded store is a folder on a disk; on an s3:// prefix, save_resume(..., sharded=True)",
+                    "sharded",
+                )
+            kind = ShardedCheckpointStore
+        elif is_s3(folder):
             from exactresume.store.s3.folder import S3CheckpointStore  # boto3 only where a store is remote
 
-            store = object.__new__(S3CheckpointStore)
-            store.__init__(folder, *args, **kwargs)
-            return store
-        return super().__new__(cls)
+            kind = S3CheckpointStore
+        else:
+            return super().__new__(cls)
+        store = object.__new__(kind)
+        store.__init__(folder, *args, **kwargs)
+        return store
 
     def __init__(
         self,
@@ -83,6 +107,7 @@ class CheckpointStore(NumberedStore):
         background: bool = False,
         copy: str | None = None,
         world: World | None = None,
+        sharded: bool = False,
     ):
         if not isinstance(folder, (str, os.PathLike)):
             raise FieldError(f"folder must be a path, got a {type(folder).__name__}", "folder")
@@ -227,6 +252,111 @@ class CheckpointStore(NumberedStore):
             except CheckpointError as error:  # sound bytes, but not a checkpoint this release reads
                 self.skipped(checkpoint, error, damaged=False)
         return None
+
+
+SHARDED_CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})\.dcp$")
+
+
+def holds_sharded_checkpoints(folder: Path) -> bool:
+    """Whether a folder holds checkpoints of a sharded store (it is read as one then)."""
+    return Path(folder).is_dir() and any(SHARDED_CHECKPOINT_NAME.match(entry.name) for entry in os.scandir(folder))
+
+
+class ShardedCheckpointStore(CheckpointStore):
+    """Numbered sharded checkpoints in one folder, every rank writing its shard of each."""
+
+    def __init__(
+        self,
+        folder: Path | str,
+        keep: int | None = 3,
+        notify: Callable[[str], None] = notice,
+        lock: FolderLock | None = None,
+        background: bool = False,
+        copy: str | None = None,
+        world: World | None = None,
+        sharded: bool = True,
+    ):
+        if background:
+            raise FieldError("a sharded store saves in the foreground: every rank writes its shard", "background")
+        super().__init__(folder, keep, notify, lock, copy=copy, world=given_world(world, World.from_env()))
+
+    def path_for(self, step: int) -> Path:
+        return self.folder / f"step-{step:08d}.dcp"
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The checkpoint folders, oldest step first (names only; nothing is read)."""
+        if not self.folder.is_dir():
+            return []
+        found = (SHARDED_CHECKPOINT_NAME.match(entry.name) for entry in os.scandir(self.folder) if entry.is_dir())
+        return sorted((Checkpoint(int(m.group(1)), self.folder / m.group(0)) for m in found if m), key=lambda c: c.step)
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete what interrupted saves left (NAME.tmp/ folders); returns what was removed."""
+        if self.folder.is_dir():
+            self.hold_lock()
+        removed = self.leftovers()
+        for path in removed:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        if removed:
+            fsync_path(self.folder)
+        return removed
+
+    def save(self, step: int, parts: Mapping[str, Stateful], coalesce: bool = False) -> Path:
+        """Every rank writes its shard of the checkpoint at `step`; rank 0 commits it, then prunes old ones."""
+        check_parts(parts)
+        step = self.check_save(step)  # every rank reads the same folder, so every rank decides alike
+        if self.world.is_main:
+            self.hold_lock()
+            self._ensure_folder()
+        self.world.barrier()
+        path = self.path_for(step)
+        from exactresume.store.sharded import save_sharded  # DCP takes a second to import: only when used
+
+        try:
+            self.faults.reached("snapshot")
+            save_sharded(path, per_rank(parts, self.world), self.world, step)
+        except OSError as error:
+            raise self.storage_error(step, error) from error
+        self.reached(step)
+        if self.world.is_main:
+            self._retain(step)
+        self.world.barrier()
+        return path
+
+    def load(
+        self, parts: Mapping[str, Stateful], skip: Collection[str] = (), fresh: Collection[str] = (), clean: bool = True
+    ) -> int | None:
+        """As a CheckpointStore's `load`, each rank reading the newest checkpoint that verifies whole."""
+        from exactresume.store.sharded import sharded_parts
+
+        check_parts(parts)
+        return super().load(sharded_parts(parts), skip, fresh, clean)
+
+    def verifies(self, checkpoint: Checkpoint) -> bool:
+        from exactresume.store.sharded import verify_sharded
+
+        try:
+            verify_sharded(checkpoint.path)
+        except (CheckpointError, OSError):
+            return False
+        return True
+
+    def load_newest(self) -> tuple[Checkpoint, dict] | None:
+        """The newest checkpoint whose files verify, with its state; each one passed over is named."""
+        from exactresume.store.sharded import load_sharded
+
+        for checkpoint in reversed(self.checkpoints()):
+            try:
+                return checkpoint, check_checkpoint(checkpoint, load_sharded(checkpoint.path))
+            except CheckpointError as error:
+                self.skipped(checkpoint, error, damaged=True)
+        return None
+
+    def _delete(self, older: list[Checkpoint]) -> None:
+        for checkpoint in older:
+            shutil.rmtree(checkpoint.path, ignore_errors=True)
+        if older:
+            fsync_path(self.folder)
 
 
 def _tensor_bytes(state: Any) -> int:

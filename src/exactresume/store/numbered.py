@@ -29,6 +29,7 @@ from exactresume.store.resume import (
     check_parts,
     check_resume_state,
     check_step,
+    note_one_rank,
     per_rank,
     restore,
     started_fresh,
@@ -85,7 +86,7 @@ class NumberedStore:
     folder: Location
     keep: int | None
     refused: Checkpoint | None = None  # the checkpoint the last load could not load
-    known: int | None = None  # the step this store last loaded or saved: the run it writes has reached it
+    known: int | None = None  # the furthest step this store loaded or saved: the run it writes has reached it
     passed_over: frozenset = frozenset()  # what its last load skipped: never deleted by its retention
     blocked: Checkpoint | None = None  # a checkpoint a save was refused for: every later save is refused
 
@@ -110,7 +111,9 @@ class NumberedStore:
         In the background, it returns once the state is copied (or at once: background.py), and with
         `coalesce` a save asked for while the one before is still being written is skipped (None).
         Under many processes every rank calls it, and every rank skips together."""
+        check_parts(parts)
         check_one_file(parts)
+        note_one_rank(parts, self.world)
         if self.skips(coalesce):
             return None
         parts = per_rank(parts, self.world)
@@ -139,7 +142,7 @@ class NumberedStore:
             path = self.commit(step, snapshot(step, parts))
         except OSError as error:
             raise self.storage_error(step, error) from error
-        self.known = step
+        self.reached(step)
         return path
 
     def busy(self) -> bool:
@@ -209,6 +212,11 @@ class NumberedStore:
                 "the folder first (store.load(parts)), or save into another folder"
             )
         return step
+
+    def reached(self, step: int) -> None:
+        """A save at `step` is durable: the checkpoints up to the furthest step this store loaded or wrote
+        are its run's own (a loop that saves an earlier step again may still save the later ones)."""
+        self.known = step if self.known is None else max(self.known, step)
 
     def continue_from(self, step: int) -> None:
         """The run this store writes was resumed at `step` from elsewhere: its checkpoints up to there are its own."""

@@ -15,18 +15,20 @@ this same code with one part skipped.
 from __future__ import annotations
 
 import copy
+import functools
 import operator
+import os
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exactresume.errors import CheckpointError, FieldError, StorageError, UserError
+from exactresume.errors import CheckpointError, FieldError, StorageError, UserError, notice
 from exactresume.store.fit import check_names, check_tensors
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, RESUME_VERSIONS, check_format
 from exactresume.store.sealed import load_sealed, save_sealed
-from exactresume.world import World
+from exactresume.world import World, launched_by_torchrun
 
 if TYPE_CHECKING:  # PyTorch's own part protocol, DCP's: importing DCP costs a second, so only for types
     from torch.distributed.checkpoint.stateful import Stateful
@@ -290,3 +292,20 @@ def per_rank(parts: Mapping[str, Stateful], world: World) -> dict[str, Stateful]
     """`parts` as every rank saves and restores them: a per-rank part keeps every rank's state."""
     check_parts(parts)
     return {name: PerRank(part, world) if is_per_rank(part) else part for name, part in parts.items()}
+
+
+def note_one_rank(parts: Mapping[str, Stateful], world: World) -> None:
+    """Under torchrun, a save given no world keeps this rank's state of the per-rank parts only: say so,
+    once per process, naming them (the other ranks' states are not in the file)."""
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+    names = [name for name, part in parts.items() if is_per_rank(part)]
+    if world.size == 1 and ranks > 1 and names:
+        _notice_once(
+            f"rank {os.environ['RANK']} of {ranks} saves {', '.join(names)} without world=: the file keeps "
+            "this rank's state of them only; give world=World.from_env() on every rank to keep each rank's"
+        )
+
+
+@functools.cache
+def _notice_once(message: str) -> None:
+    notice(message)

@@ -3,6 +3,7 @@ draws its own batches and its own global RNG stream, and the gradients are avera
 FOLDER:UNTIL:HOW is one run, trained (or resumed) up to step UNTIL, saved as HOW says:
 
 - store: every rank calls `load` and `save` of one CheckpointStore given the run's world, every step;
+- sharded-store: the same with `sharded=True`, every rank writing its shard of each checkpoint;
 - file: every rank calls `save_resume(..., world=)` at UNTIL and `load_resume` (no world) at the start;
 - sharded: `save_resume(..., sharded=True)` at UNTIL and `open_resume(...).restore` (no world).
 
@@ -28,8 +29,8 @@ def train(folder: Path, until: int, how: str, world: World) -> None:
     data = torch.Generator().manual_seed(100 + world.rank)  # and its own batches
     parts = {"model": model, "optimizer": optimizer, "data": GeneratorPart(data, per_rank=True), "rng": GlobalRng()}
     folder.mkdir(parents=True, exist_ok=True)
-    if how == "store":
-        with CheckpointStore(folder / "checkpoints", keep=2, world=world) as store:
+    if how.endswith("store"):
+        with CheckpointStore(folder / "checkpoints", keep=2, world=world, sharded=how == "sharded-store") as store:
             start = store.load(parts) or 0
             steps(model, optimizer, data, range(start + 1, until + 1), world, lambda step: store.save(step, parts))
         return finish(folder, model, data, world)

@@ -49,6 +49,7 @@ class S3CheckpointStore(NumberedStore):
         background: bool = False,
         copy: str | None = None,
         world: World | None = None,
+        sharded: bool = False,  # CheckpointStore's signature: a sharded store on a prefix is refused before
     ):
         self.folder, self.keep, self.notify = location(folder, config), check_keep(keep), notify
         self.faults = FaultPoints.from_environment()

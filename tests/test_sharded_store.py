@@ -1,0 +1,65 @@
+"""A store of sharded checkpoints (`CheckpointStore(folder, sharded=True)`) in one process: the rules of
+a CheckpointStore hold for its folders: keep the newest `keep`, clear a killed save's NAME.tmp/, skip a
+checkpoint whose files do not verify (naming it), never save over one it has not loaded, and refuse
+what it cannot do in one line. Many processes and FSDP2: tests/users/test_store_ranks.py and
+test_fsdp_user.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exactresume import CheckpointStore, UserError
+from exactresume.errors import CheckpointError
+from exactresume.store.access import open_resume
+
+
+def loop(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
+
+
+def train(parts: dict, step: int) -> None:
+    torch.manual_seed(step)
+    parts["optimizer"].zero_grad()
+    parts["model"](torch.randn(3, 4)).sum().backward()
+    parts["optimizer"].step()
+
+
+def test_keep_leftovers_damage_and_fallback(tmp_path):
+    parts, said = loop(0), []
+    with CheckpointStore(tmp_path, keep=2, sharded=True) as store:
+        for step in range(1, 4):
+            train(parts, step)
+            assert store.save(step, parts) == tmp_path / f"step-{step:08d}.dcp"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000002.dcp", "step-00000003.dcp"]
+    (tmp_path / "step-00000004.dcp.tmp").mkdir()  # a save killed before its commit
+    shard = next((tmp_path / "step-00000003.dcp").glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # the newest one damaged
+    resumed = loop(1)
+    with CheckpointStore(tmp_path, keep=2, sharded=True, notify=said.append) as store:
+        assert store.load(resumed) == 2
+    assert not (tmp_path / "step-00000004.dcp.tmp").exists()
+    assert len(said) == 1 and "step-00000003.dcp" in said[0] and "damaged" in said[0], said
+    assert open_resume(tmp_path, notify=said.append).kind == "sharded"  # the same folder, read by open_resume
+    straight = loop(0)
+    train(straight, 1), train(straight, 2)
+    for name, tensor in straight["model"].state_dict().items():
+        assert torch.equal(resumed["model"].state_dict()[name], tensor), name
+
+
+def test_a_folder_it_has_not_loaded_is_not_written_over(tmp_path):
+    CheckpointStore(tmp_path, sharded=True).save(5, loop(0))
+    with pytest.raises(
+        CheckpointError, match="already holds step-00000005.dcp, a checkpoint this store has not loaded"
+    ):
+        CheckpointStore(tmp_path, sharded=True).save(5, loop(1))
+
+
+def test_what_a_sharded_store_cannot_do_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="a sharded store saves in the foreground"):
+        CheckpointStore(tmp_path, sharded=True, background=True)
+    with pytest.raises(UserError, match="a sharded store is a folder on a disk"):
+        CheckpointStore("s3://bucket/run", sharded=True)
