@@ -303,6 +303,8 @@ class ShardedCheckpointStore(CheckpointStore):
 
     def save(self, step: int, parts: Mapping[str, Stateful], coalesce: bool = False) -> Path:
         """Every rank writes its shard of the checkpoint at `step`; rank 0 commits it, then prunes old ones."""
+        from exactresume.store.sharded import save_sharded  # DCP takes a second to import: only when used
+
         check_parts(parts)
         step = self.check_save(step)  # every rank reads the same folder, so every rank decides alike
         if self.world.is_main:
@@ -310,8 +312,6 @@ class ShardedCheckpointStore(CheckpointStore):
             self._ensure_folder()
         self.world.barrier()
         path = self.path_for(step)
-        from exactresume.store.sharded import save_sharded  # DCP takes a second to import: only when used
-
         try:
             self.faults.reached("snapshot")
             save_sharded(path, per_rank(parts, self.world), self.world, step)
