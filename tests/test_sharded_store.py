@@ -6,6 +6,8 @@ test_fsdp_user.py."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -41,11 +43,19 @@ def test_keep_leftovers_damage_and_fallback(tmp_path):
     resumed = loop(1)
     with CheckpointStore(tmp_path, keep=2, sharded=True, notify=said.append) as store:
         assert store.load(resumed) == 2
-    assert not (tmp_path / "step-00000004.dcp.tmp").exists()
-    assert len(said) == 1 and "step-00000003.dcp" in said[0] and "damaged" in said[0], said
+        assert not (tmp_path / "step-00000004.dcp.tmp").exists()
+        assert len(said) == 1 and "step-00000003.dcp" in said[0] and "damaged" in said[0], said
+        for step in (3, 4):  # the damaged one is set aside, not replaced, and keep counts the new ones
+            store.save(step, loop(step))
+    assert "set aside" in said[-1] and "step-00000003.dcp.unreadable" in said[-1], said
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "step-00000003.dcp",
+        "step-00000003.dcp.unreadable",
+        "step-00000004.dcp",
+    ]
     assert open_resume(tmp_path, notify=said.append).kind == "sharded"  # the same folder, read by open_resume
     straight = loop(0)
-    train(straight, 1), train(straight, 2)
+    train(straight, 1), train(straight, 2)  # what was loaded at step 2
     for name, tensor in straight["model"].state_dict().items():
         assert torch.equal(resumed["model"].state_dict()[name], tensor), name
 
@@ -63,3 +73,12 @@ def test_what_a_sharded_store_cannot_do_is_one_line(tmp_path):
         CheckpointStore(tmp_path, sharded=True, background=True)
     with pytest.raises(UserError, match="a sharded store is a folder on a disk"):
         CheckpointStore("s3://bucket/run", sharded=True)
+
+
+def test_an_object_store_without_boto3_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "botocore", None)
+    monkeypatch.setitem(sys.modules, "botocore.exceptions", None)
+    for call in (lambda: CheckpointStore("s3://bucket/run").load(loop(0)), lambda: open_resume("s3://bucket/r.pth")):
+        with pytest.raises(UserError, match=r"s3:// locations need boto3: pip install 'exactresume\[s3\]'"):
+            call()

@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from exactresume import CheckpointStore, UserError, open_resume, save_resume
+from exactresume import CheckpointError, CheckpointStore, UserError, open_resume, save_resume
 
 folder, mode = Path(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous-{mode}", rank=0, world_size=1)
 torch.manual_seed(0 if mode == "straight" else 1)  # the resumed model starts elsewhere
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+width = 32 if mode == "wider" else 16
+model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 2))
 fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 parts = {"model": model, "optimizer": optimizer}
@@ -62,10 +63,15 @@ if mode == "straight":
     torch.save(whole(), folder / "straight.pt")
 elif mode == "resumed":
     train(range(open_resume(folder / "resume.dcp").restore(parts) + 1, 7))
+elif mode == "wider":
+    try:
+        CheckpointStore(folder / "sharded", sharded=True).load(parts)
+    except CheckpointError as error:
+        print("wider refused:", error)
 else:
     with CheckpointStore(folder / "sharded", sharded=True) as store:
         train(range(store.load(parts) + 1, 7))
-if mode != "straight":
+if mode in ("resumed", "store-resumed"):
     straight = torch.load(folder / "straight.pt", weights_only=True)
     print(mode, "equal", all(torch.equal(a, b) for a, b in zip(whole(), straight, strict=True)))
 dist.destroy_process_group()
@@ -80,10 +86,14 @@ def test_a_sharded_model_is_refused_by_the_one_file_saves_and_resumed_by_the_sha
     said = dict(line.split(" ", 1) for line in straight.stdout.splitlines() if line.split(" ")[0] in SAVES)
     assert said["store"].startswith("refused: the part model is sharded over the ranks (0.weight is a DTensor")
     assert said["file"].startswith("refused: the part optimizer is sharded over the ranks")
-    assert all("save_resume(folder, parts, step, sharded=True)" in said[name] for name in ("store", "file"))
+    assert "save it with CheckpointStore(folder, sharded=True, world=World.from_env())" in said["store"]
+    assert "save it with save_resume(folder, parts, step, sharded=True)" in said["file"]
     assert said["sharded"] == f"saved {tmp_path / 'resume.dcp'}"
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "resume.pth").exists()
     assert said["sharded-store"] == f"saved {tmp_path / 'sharded' / 'step-00000003.dcp'}"
     for mode in ("resumed", "store-resumed"):
         resumed = run_python(program, tmp_path, mode)
         assert resumed.returncode == 0 and f"{mode} equal True" in resumed.stdout, resumed.stdout
+    wider = run_python(program, tmp_path, "wider")
+    refused = "wider refused: the part model does not fit " + str(tmp_path / "sharded" / "step-00000003.dcp")
+    assert refused + ": model.0.weight: saved [16, 8], given [32, 8]" in wider.stdout, wider.stdout

@@ -83,7 +83,7 @@ def save_resume(
     if sharded:
         _save_sharded(target, per_rank(parts, world), step, world)
     else:
-        check_one_file(parts)
+        check_one_file(parts, instead="save_resume(folder, parts, step, sharded=True)")
         note_one_rank(parts, world)
         _save_file(target, per_rank(parts, world), step, world)
     world.barrier()

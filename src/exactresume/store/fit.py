@@ -68,6 +68,7 @@ def check_tensors(name: str, saved: Any, part: Any, source: object) -> None:
     """CheckpointError naming the tensors of `saved` that do not fit the part's current state: for a
     module, which copies the saved tensors into its own, and an optimizer, whose state belongs to
     parameters of fixed shapes; any other part may change its tensors' shapes as it likes."""
+    part = getattr(part, "sharded_module", part)  # a module sharded over the ranks (sharded.py), as itself
     if not isinstance(part, (torch.nn.Module, torch.optim.Optimizer)):
         return
     current = part.state_dict()
@@ -94,7 +95,7 @@ def _module_keys(saved: Any, current: Mapping) -> Iterator[str]:
 
 def _tensor_misfits(saved: Any, current: Any, path: str) -> Iterator[tuple[str, str]]:
     """(path, why) wherever both sides hold a plain tensor at `path` and its shape or dtype differs."""
-    if _plain_tensor(saved) and _plain_tensor(current):
+    if _plain_tensor(saved) and isinstance(current, torch.Tensor):  # a DTensor's shape is its whole one
         if saved.shape != current.shape:
             yield path, f"saved {list(saved.shape)}, given {list(current.shape)}"
         elif saved.dtype != current.dtype:
@@ -109,7 +110,8 @@ def _tensor_misfits(saved: Any, current: Any, path: str) -> Iterator[tuple[str, 
 
 
 def _plain_tensor(value: Any) -> bool:
-    # A DTensor's shape is the global one and a sharded load fits it to this rank: only plain tensors here.
+    # A saved DTensor was read into this rank's rows as the run shards it now (a sharded load's
+    # destination): it fits by construction.
     return isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, torch.nn.Parameter)
 
 

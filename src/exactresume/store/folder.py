@@ -307,11 +307,12 @@ class ShardedCheckpointStore(CheckpointStore):
 
         check_parts(parts)
         step = self.check_save(step)  # every rank reads the same folder, so every rank decides alike
+        path = self.path_for(step)
         if self.world.is_main:
             self.hold_lock()
             self._ensure_folder()
+            self._set_aside_if_damaged(path)
         self.world.barrier()
-        path = self.path_for(step)
         try:
             self.faults.reached("snapshot")
             save_sharded(path, per_rank(parts, self.world), self.world, step)
@@ -322,6 +323,15 @@ class ShardedCheckpointStore(CheckpointStore):
             self._retain(step)
         self.world.barrier()
         return path
+
+    def _set_aside_if_damaged(self, path: Path) -> None:
+        """A checkpoint folder at the step about to be saved whose files do not verify is renamed
+        `NAME.unreadable`, not replaced: its bytes may still matter to someone."""
+        if path.is_dir() and not self.verifies(Checkpoint(0, path)):
+            aside = _free_name(path.with_name(path.name + UNREADABLE_SUFFIX))
+            os.replace(path, aside)
+            fsync_path(self.folder)
+            self.notify(f"set aside {path} as {aside.name} before saving its step again (its files do not verify)")
 
     def load(
         self, parts: Mapping[str, Stateful], skip: Collection[str] = (), fresh: Collection[str] = (), clean: bool = True

@@ -112,7 +112,7 @@ class NumberedStore:
         `coalesce` a save asked for while the one before is still being written is skipped (None).
         Under many processes every rank calls it, and every rank skips together."""
         check_parts(parts)
-        check_one_file(parts)
+        check_one_file(parts, instead="CheckpointStore(folder, sharded=True, world=World.from_env())")
         note_one_rank(parts, self.world)
         if self.skips(coalesce):
             return None
@@ -217,6 +217,7 @@ class NumberedStore:
         """A save at `step` is durable: the checkpoints up to the furthest step this store loaded or wrote
         are its run's own (a loop that saves an earlier step again may still save the later ones)."""
         self.known = step if self.known is None else max(self.known, step)
+        self.passed_over = self.passed_over - {self.path_for(step)}  # a checkpoint again: kept or pruned as any
 
     def continue_from(self, step: int) -> None:
         """The run this store writes was resumed at `step` from elsewhere: its checkpoints up to there are its own."""

@@ -62,17 +62,16 @@ def check_parts(parts: Any) -> None:
             raise FieldError(f"parts: {name} ({type(part).__name__}) has no state_dict() / load_state_dict()", "parts")
 
 
-def check_one_file(parts: Mapping[str, Stateful]) -> None:
+def check_one_file(parts: Mapping[str, Stateful], instead: str) -> None:
     """UserError when a part's parameters are sharded over the ranks (FSDP2's DTensors): one file would
-    hold rank 0's shards only, pickled as objects a plain torch.load refuses. Every rank checks, before
-    any collective, so that none is left waiting."""
+    hold rank 0's shards only, pickled as objects a plain torch.load refuses; the line names the call
+    to use `instead`. Every rank checks, before any collective, so that none is left waiting."""
     for name, part in parts.items():
         for where, parameter in _parameters(part):
             if type(parameter).__name__ == "DTensor":
                 raise UserError(
                     f"the part {name} is sharded over the ranks ({where} is a DTensor, FSDP2's): one file "
-                    "cannot hold it; save it with save_resume(folder, parts, step, sharded=True), where "
-                    "every rank writes its shard"
+                    f"cannot hold it; save it with {instead}, where every rank writes its shard"
                 )
 
 

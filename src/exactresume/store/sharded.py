@@ -83,6 +83,11 @@ class ShardedModule:
     def __init__(self, module: torch.nn.Module):
         self.module = module
 
+    @property
+    def sharded_module(self) -> torch.nn.Module:
+        """The module itself, whose tensors a saved state must fit (fit.py)."""
+        return self.module
+
     def state_dict(self) -> dict:
         return self.module.state_dict()
 

@@ -100,12 +100,13 @@ class ObjectStore:
     def call(self, operation: str, what: str, then: Callable[[Any], Any] | None = None, **arguments: Any) -> Any:
         """`client.<operation>(**arguments)`, retried with backoff while the store does not answer; with
         `then`, `then(answer)` (reading its body) is part of each try."""
+        client = self.client  # first: without boto3, the one line that says how to install it
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         started = time.monotonic()
         for attempt in range(self.config.tries):
             try:
-                answer = getattr(self.client, operation)(**arguments)
+                answer = getattr(client, operation)(**arguments)
                 return answer if then is None else then(answer)
             except NoCredentialsError:
                 raise UserError(
