@@ -78,6 +78,8 @@ class CheckpointStore(NumberedStore):
     given `sharded=True`, a ShardedCheckpointStore (below), whose every rank writes its shard.
     """
 
+    checkpoint_names, holds_folders = CHECKPOINT_NAME, False  # step-00000030.pth files
+
     def __new__(cls, folder: Path | str | S3Location, *args: Any, **kwargs: Any) -> CheckpointStore:
         if cls is not CheckpointStore:
             return super().__new__(cls)
@@ -134,10 +136,11 @@ class CheckpointStore(NumberedStore):
         return self.folder / checkpoint_name(step)
 
     def checkpoints(self) -> list[Checkpoint]:
-        """The checkpoint files in the folder, oldest step first (names only; nothing is read)."""
+        """The checkpoints in the folder, oldest step first (names only; nothing is read)."""
         if not self.folder.is_dir():
             return []
-        found = (CHECKPOINT_NAME.match(entry.name) for entry in os.scandir(self.folder) if entry.is_file())
+        entries = (entry for entry in os.scandir(self.folder) if entry.is_dir() == self.holds_folders)
+        found = (self.checkpoint_names.match(entry.name) for entry in entries)
         return sorted((Checkpoint(int(m.group(1)), self.folder / m.group(0)) for m in found if m), key=lambda c: c.step)
 
     def leftovers(self) -> list[Path]:
@@ -152,7 +155,7 @@ class CheckpointStore(NumberedStore):
             self.hold_lock()
         removed = self.leftovers()
         for path in removed:
-            path.unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         if removed:
             fsync_path(self.folder)
         return removed
@@ -265,41 +268,19 @@ def holds_sharded_checkpoints(folder: Path) -> bool:
 class ShardedCheckpointStore(CheckpointStore):
     """Numbered sharded checkpoints in one folder, every rank writing its shard of each."""
 
+    checkpoint_names, holds_folders = SHARDED_CHECKPOINT_NAME, True  # step-00000030.dcp folders
+
     def __init__(
-        self,
-        folder: Path | str,
-        keep: int | None = 3,
-        notify: Callable[[str], None] = notice,
-        lock: FolderLock | None = None,
-        background: bool = False,
-        copy: str | None = None,
-        world: World | None = None,
-        sharded: bool = True,
+        self, folder: Path | str, *args: Any, background: bool = False, world: World | None = None, **kwargs: Any
     ):
+        """A CheckpointStore's arguments; the world is torchrun's unless given."""
         if background:
             raise FieldError("a sharded store saves in the foreground: every rank writes its shard", "background")
-        super().__init__(folder, keep, notify, lock, copy=copy, world=given_world(world, World.from_env()))
+        kwargs.pop("sharded", None)
+        super().__init__(folder, *args, world=given_world(world, World.from_env()), **kwargs)
 
     def path_for(self, step: int) -> Path:
         return self.folder / f"step-{step:08d}.dcp"
-
-    def checkpoints(self) -> list[Checkpoint]:
-        """The checkpoint folders, oldest step first (names only; nothing is read)."""
-        if not self.folder.is_dir():
-            return []
-        found = (SHARDED_CHECKPOINT_NAME.match(entry.name) for entry in os.scandir(self.folder) if entry.is_dir())
-        return sorted((Checkpoint(int(m.group(1)), self.folder / m.group(0)) for m in found if m), key=lambda c: c.step)
-
-    def remove_leftovers(self) -> list[Path]:
-        """Delete what interrupted saves left (NAME.tmp/ folders); returns what was removed."""
-        if self.folder.is_dir():
-            self.hold_lock()
-        removed = self.leftovers()
-        for path in removed:
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        if removed:
-            fsync_path(self.folder)
-        return removed
 
     def save(self, step: int, parts: Mapping[str, Stateful], coalesce: bool = False) -> Path:
         """Every rank writes its shard of the checkpoint at `step`; rank 0 commits it, then prunes old ones."""
