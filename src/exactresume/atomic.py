@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from exactresume.errors import UserError
 
@@ -51,7 +51,7 @@ def atomic_write(
     tmp = tmp_path(path)
     raw = _open_alone(path, tmp)
     try:  # the file stays open, and so locked, until it is renamed or removed
-        _WatchedFile(raw, stage, expected_bytes).run(write)
+        write_through(_WatchedFile(raw, stage, expected_bytes), write)
         _reach(stage, "fsync")
         raw.flush()
         os.fsync(raw.fileno())
@@ -65,6 +65,17 @@ def atomic_write(
         raw.close()
     _reach(stage, "folder-fsync")
     fsync_path(path.parent)
+
+
+def write_through(file: Any, write: Callable[[Any], None]) -> None:
+    """`write(file)`, raising the first error `file` recorded (its `error`) rather than what a writer such
+    as torch.save makes of it (torch.save wraps a file's error in one of its own)."""
+    try:
+        write(file)
+    except Exception:
+        if file.error is not None:
+            raise file.error from None
+        raise
 
 
 def _open_alone(path: Path, tmp: Path) -> BinaryIO:
@@ -108,14 +119,6 @@ class _WatchedFile:
         self.file, self.stage, self.written = file, stage, 0
         self.halfway = expected_bytes // 2 if stage is not None else -1  # -1: never
         self.error: OSError | None = None
-
-    def run(self, write: Callable[[BinaryIO], None]) -> None:
-        try:
-            write(self)
-        except Exception:
-            if self.error is not None:
-                raise self.error from None
-            raise
 
     def write(self, data) -> int:
         try:

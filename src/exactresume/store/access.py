@@ -28,10 +28,9 @@ from exactresume.store.formats import is_sharded_folder, path_kind
 from exactresume.store.locations import Location, S3Location, is_s3, location
 from exactresume.store.resume import (
     capture,
-    check_one_file,
     check_parts,
     check_resume_state,
-    note_one_rank,
+    for_one_file,
     per_rank,
     read_resume_file,
     restore,
@@ -83,9 +82,7 @@ def save_resume(
     if sharded:
         _save_sharded(target, per_rank(parts, world), step, world)
     else:
-        check_one_file(parts, instead="save_resume(folder, parts, step, sharded=True)")
-        note_one_rank(parts, world)
-        _save_file(target, per_rank(parts, world), step, world)
+        _save_file(target, for_one_file(parts, world, "save_resume(folder, parts, step, sharded=True)"), step, world)
     world.barrier()
     return target
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from exactresume.errors import CheckpointError
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format, content_kind, path_kind
 from exactresume.store.listing import format_listing, list_checkpoints
 from exactresume.store.locations import Location, S3Location
-from exactresume.store.resume import RESERVED_NAMES, read_resume_file, saved_step
+from exactresume.store.resume import RESERVED_NAMES, read_resume_file, saved_step, tensors_in
 from exactresume.store.safetensors_weights import DIGEST_KEY, load_verified, tied_names
 from exactresume.store.sealed import load_sealed, read_seal
 
@@ -43,18 +42,6 @@ SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 def _empty_summary() -> dict:
     return {"tensors": 0, "shared": 0, "elements": 0, "bytes": 0, "dtypes": {}}
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested dicts, lists and tuples."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
 
 
 def _add(summary: dict, dtype: str, elements: int, nbytes: int) -> None:
@@ -67,7 +54,7 @@ def summarize(obj: Any, min_dim: int = 0) -> dict:
     """tensors, shared (names whose storage an earlier one holds), elements, bytes, dtypes {dtype: bytes}."""
     seen: set[tuple[int, int]] = set()
     summary = _empty_summary()
-    for tensor in _tensors(obj):
+    for tensor in tensors_in(obj):
         if tensor.dim() < min_dim:
             continue
         summary["tensors"] += 1

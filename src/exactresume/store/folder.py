@@ -47,8 +47,6 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
 from exactresume.config import check_keep
 from exactresume.errors import CheckpointError, FieldError, ReadBackError, UserError, notice
@@ -63,7 +61,7 @@ from exactresume.store.numbered import (
     check_checkpoint,
     checkpoint_name,
 )
-from exactresume.store.resume import check_parts, per_rank
+from exactresume.store.resume import check_parts, per_rank, tensors_in
 from exactresume.store.sealed import load_sealed, verify, write_sealed
 from exactresume.world import World, given_world
 
@@ -280,7 +278,7 @@ class ShardedCheckpointStore(CheckpointStore):
         super().__init__(folder, *args, world=given_world(world, World.from_env()), **kwargs)
 
     def path_for(self, step: int) -> Path:
-        return self.folder / f"step-{step:08d}.dcp"
+        return (self.folder / checkpoint_name(step)).with_suffix(".dcp")
 
     def save(self, step: int, parts: Mapping[str, Stateful], coalesce: bool = False) -> Path:
         """Every rank writes its shard of the checkpoint at `step`; rank 0 commits it, then prunes old ones."""
@@ -351,13 +349,7 @@ class ShardedCheckpointStore(CheckpointStore):
 
 
 def _tensor_bytes(state: Any) -> int:
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(_tensor_bytes(value) for value in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_tensor_bytes(value) for value in state)
-    return 0
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors_in(state))
 
 
 def _free_name(path: Path) -> Path:

@@ -25,11 +25,10 @@ from exactresume.store.locations import Location
 from exactresume.store.resume import (
     STEP_KEY,
     capture,
-    check_one_file,
     check_parts,
     check_resume_state,
     check_step,
-    note_one_rank,
+    for_one_file,
     per_rank,
     restore,
     started_fresh,
@@ -111,12 +110,9 @@ class NumberedStore:
         In the background, it returns once the state is copied (or at once: background.py), and with
         `coalesce` a save asked for while the one before is still being written is skipped (None).
         Under many processes every rank calls it, and every rank skips together."""
-        check_parts(parts)
-        check_one_file(parts, instead="CheckpointStore(folder, sharded=True, world=World.from_env())")
-        note_one_rank(parts, self.world)
+        parts = for_one_file(parts, self.world, "CheckpointStore(folder, sharded=True, world=World.from_env())")
         if self.skips(coalesce):
             return None
-        parts = per_rank(parts, self.world)
         if not self.world.is_main:
             capture(parts, step)  # takes part in gathering the per-rank parts; rank 0 writes
             path = self.path_for(check_step(step))

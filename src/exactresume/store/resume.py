@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import functools
 import operator
-import os
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ from exactresume.errors import CheckpointError, FieldError, StorageError, UserEr
 from exactresume.store.fit import check_names, check_tensors
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, RESUME_VERSIONS, check_format
 from exactresume.store.sealed import load_sealed, save_sealed
-from exactresume.world import World, launched_by_torchrun
+from exactresume.world import World
 
 if TYPE_CHECKING:  # PyTorch's own part protocol, DCP's: importing DCP costs a second, so only for types
     from torch.distributed.checkpoint.stateful import Stateful
@@ -62,17 +61,43 @@ def check_parts(parts: Any) -> None:
             raise FieldError(f"parts: {name} ({type(part).__name__}) has no state_dict() / load_state_dict()", "parts")
 
 
+def for_one_file(parts: Mapping[str, Stateful], world: World, instead: str) -> dict[str, Stateful]:
+    """`parts` as a save of one file by rank 0 of `world` takes them (`per_rank`), once what one file
+    cannot hold is refused (`check_one_file`) and what it leaves out is said (`note_one_rank`)."""
+    check_parts(parts)
+    check_one_file(parts, instead)
+    note_one_rank(parts, world)
+    return per_rank(parts, world)
+
+
 def check_one_file(parts: Mapping[str, Stateful], instead: str) -> None:
     """UserError when a part's parameters are sharded over the ranks (FSDP2's DTensors): one file would
     hold rank 0's shards only, pickled as objects a plain torch.load refuses; the line names the call
     to use `instead`. Every rank checks, before any collective, so that none is left waiting."""
     for name, part in parts.items():
         for where, parameter in _parameters(part):
-            if type(parameter).__name__ == "DTensor":
+            if is_dtensor(parameter):
                 raise UserError(
                     f"the part {name} is sharded over the ranks ({where} is a DTensor, FSDP2's): one file "
                     f"cannot hold it; save it with {instead}, where every rank writes its shard"
                 )
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether `value` is a DTensor (FSDP2's sharded tensor), told without importing DTensor's module."""
+    return type(value).__name__ == "DTensor"
+
+
+def tensors_in(state: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested dicts, lists and tuples."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from tensors_in(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from tensors_in(value)
 
 
 def _parameters(part: Stateful) -> Iterator[tuple[str, torch.Tensor]]:
@@ -296,11 +321,11 @@ def per_rank(parts: Mapping[str, Stateful], world: World) -> dict[str, Stateful]
 def note_one_rank(parts: Mapping[str, Stateful], world: World) -> None:
     """Under torchrun, a save given no world keeps this rank's state of the per-rank parts only: say so,
     once per process, naming them (the other ranks' states are not in the file)."""
-    ranks = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+    torchrun = World.from_env()
     names = [name for name, part in parts.items() if is_per_rank(part)]
-    if world.size == 1 and ranks > 1 and names:
+    if world.size == 1 and torchrun.size > 1 and names:
         _notice_once(
-            f"rank {os.environ['RANK']} of {ranks} saves {', '.join(names)} without world=: the file keeps "
+            f"rank {torchrun.rank} of {torchrun.size} saves {', '.join(names)} without world=: the file keeps "
             "this rank's state of them only; give world=World.from_env() on every rank to keep each rank's"
         )
 

@@ -48,7 +48,7 @@ from exactresume.atomic import fsync_path, tmp_path
 from exactresume.errors import CheckpointError
 from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
 from exactresume.store.formats import check_format
-from exactresume.store.resume import capture, check_resume_state
+from exactresume.store.resume import capture, check_resume_state, is_dtensor, tensors_in
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.world import World
 
@@ -100,24 +100,9 @@ class ShardedModule:
 
 def whole_into_shards(module: torch.nn.Module, state: Any) -> bool:
     """Whether `state` holds whole tensors for a module whose parameters are DTensors."""
-    if not any(_is_dtensor(parameter) for parameter in module.parameters()):
+    if not any(is_dtensor(parameter) for parameter in module.parameters()):
         return False
-    return not any(_is_dtensor(value) for value in _tensors(state))
-
-
-def _is_dtensor(value: Any) -> bool:
-    return type(value).__name__ == "DTensor"
-
-
-def _tensors(state: Any) -> Iterator[Any]:
-    if isinstance(state, dict):
-        for value in state.values():
-            yield from _tensors(value)
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            yield from _tensors(value)
-    elif isinstance(state, torch.Tensor):
-        yield state
+    return not any(is_dtensor(value) for value in tensors_in(state))
 
 
 class MarkedScaler:
@@ -146,7 +131,7 @@ def sharded_parts(parts: Mapping[str, Stateful]) -> dict[str, Stateful]:
         model = _module_of(part, parts) if isinstance(part, torch.optim.Optimizer) else None
         if model is not None:
             wrapped[name] = OptimizerByName(model, part)
-        elif isinstance(part, torch.nn.Module) and any(map(_is_dtensor, part.parameters())):
+        elif isinstance(part, torch.nn.Module) and any(map(is_dtensor, part.parameters())):
             wrapped[name] = ShardedModule(part)
     if "scaler" in parts:
         wrapped["scaler"] = MarkedScaler(parts["scaler"])

@@ -25,6 +25,7 @@ from typing import Any
 
 import xxhash
 
+from exactresume.atomic import write_through
 from exactresume.store.locations import S3Location
 from exactresume.store.s3.client import UPLOAD_THREADS, ObjectInfo, ObjectStore, b64, crc32
 from exactresume.store.sealed import seal_ending
@@ -140,12 +141,7 @@ class SealedUpload:
 
     def save(self, write: Callable[[Any], None]) -> None:
         """`write(self)` (torch.save's), raising the first error of ours it met rather than torch's."""
-        try:
-            write(self)
-        except Exception:
-            if self.error is not None:
-                raise self.error from None
-            raise
+        write_through(self, write)
 
     def write(self, data: bytes | memoryview) -> int:
         try:
