@@ -29,18 +29,25 @@ KINDS = {
     "distributed": "a DistributedSampler and its set_epoch",
     "per-sample": "batch_size=None",
     "stateful": "StatefulDataLoader, generator=, num_workers=2",
+    "stateful-persistent": "StatefulDataLoader, generator=, num_workers=2, persistent_workers",
     "stateful-main": "StatefulDataLoader, generator=, num_workers=0",
     "stateful-global": "StatefulDataLoader, the global RNG",
     "iterable": "an IterableDataset, replayed",
+    "augmented-seeded": "augmentation in persistent workers, seeded by the sample's index and the epoch",
 }
+LATER_STOPS = (20, 27)  # mid-epoch after the first epoch, and the third epoch's first batch
 
 
-def finished_run(folder: Path, kind: str, stops: tuple[int, ...] = (), *options: object) -> dict:
-    """Run the program with `options`, stopped at each of `stops` in turn, then to its end: what it wrote."""
+def finished_run(folder: Path, kind: str, stops: tuple[int, ...] = (), *options: object, last=()) -> dict:
+    """Run the program with `options`, stopped at each of `stops` in turn, then to its end (with `last`
+    options added): what it wrote, and under "printed" what each run printed."""
+    printed = []
     for stop in [*stops, None]:
-        finished = run_python(PROGRAM, folder, kind, *options, *(["--stop", stop] if stop else []))
+        more = ["--stop", stop] if stop else last
+        finished = run_python(PROGRAM, folder, kind, *options, *more)
         assert finished.returncode == 0, finished.stdout
-    return torch.load(folder / "out.pt")
+        printed.append(finished.stdout)
+    return torch.load(folder / "out.pt") | {"printed": printed}
 
 
 def first_difference(straight: dict, resumed: dict) -> str | None:
@@ -58,11 +65,12 @@ def straight_runs(tmp_path_factory):
     """Each kind's straight run, made once for the module when first asked for."""
     made: dict[tuple[str, bool], dict] = {}
 
-    def straight(kind: str, bare: bool = False) -> dict:
-        if (kind, bare) not in made:
+    def straight(kind: str, bare: bool = False, *options: object) -> dict:
+        key = (kind, bare, *options)
+        if key not in made:
             folder = tmp_path_factory.mktemp(f"straight-{kind}")
-            made[kind, bare] = finished_run(folder, kind, (), *(["--bare"] if bare else []))
-        return made[kind, bare]
+            made[key] = finished_run(folder, kind, (), *(["--bare"] if bare else []), *options)
+        return made[key]
 
     return straight
 
@@ -71,6 +79,52 @@ def straight_runs(tmp_path_factory):
 def test_resumed_at_each_stop_equals_straight(kind, straight_runs, tmp_path):
     resumed = finished_run(tmp_path, kind, STOPS)
     assert first_difference(straight_runs(kind), resumed) is None, KINDS[kind]
+
+
+@pytest.mark.parametrize("kind", ["persistent", "stateful-persistent", "augmented-seeded"])
+def test_persistent_workers_resumed_after_the_first_epoch(kind, straight_runs, tmp_path):
+    """A persistent worker iterator opens its sampler once an epoch after the first, a new one twice:
+    torchdata's sampler, which draws its order as it is opened, is opened again from the saved state."""
+    resumed = finished_run(tmp_path, kind, LATER_STOPS)
+    assert first_difference(straight_runs(kind), resumed) is None, KINDS[kind]
+    assert not any("exactresume:" in printed for printed in resumed["printed"])
+
+
+# (kind, workers saved with, workers resumed with, exact): a DataLoader's order never depends on its
+# workers; torchdata's sampler draws its order each time it is opened, and a loader opens it once an
+# epoch in its own process, twice through workers, so from 0 to some or back it changes from the next epoch.
+WORKER_CHANGES = [
+    ("generator", 2, 0, True),
+    ("generator", 2, 1, True),
+    ("generator", 0, 2, True),
+    ("stateful", 2, 1, True),
+    ("stateful", 2, 0, False),
+    ("stateful", 0, 2, False),
+]
+
+
+@pytest.mark.parametrize(("kind", "saved", "resumed", "exact"), WORKER_CHANGES)
+def test_another_worker_count_is_exact_or_said(kind, saved, resumed, exact, straight_runs, tmp_path):
+    run = finished_run(tmp_path, kind, (20,), "--workers", saved, last=("--workers", resumed))
+    said = [line for line in run["printed"][-1].splitlines() if "num_workers" in line]
+    assert (first_difference(straight_runs(kind, False, "--workers", saved), run) is None) is exact
+    if exact:
+        assert said == []
+    else:
+        assert said == [
+            f"exactresume: the StatefulDataLoader over Numbered was saved with num_workers={saved} and now has "
+            f"num_workers={resumed}: its RandomSampler draws a new order each time the loader opens it, and how "
+            "often a loader opens it depends on its workers: the epochs after this one will differ from the "
+            f"saved run's; resume with num_workers={saved} to be exact"
+        ]
+
+
+def test_augmentation_drawn_in_workers_is_said_at_the_first_save(straight_runs, tmp_path):
+    """Noise drawn from a worker's own RNG: a run resumed mid-epoch differs, and each run's first save says why."""
+    run = finished_run(tmp_path, "augmented", (20,))
+    assert first_difference(straight_runs("augmented"), run) is not None
+    said = [line for line in run["printed"][0].splitlines() if line.startswith("exactresume:")]
+    assert len(said) == 1 and "DataLoader over Augmented draws random numbers in its workers" in said[0], said
 
 
 def test_killed_at_random_moments_with_saves_every_step(straight_runs, tmp_path):

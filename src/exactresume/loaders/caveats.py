@@ -6,8 +6,13 @@ change: a resume that cannot be exact is never a silent one.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.utils.data import IterableDataset
+
+if TYPE_CHECKING:
+    from .position import LoaderPosition, LoaderShape
 
 # Samplers whose order is a function of their generator, the global RNG, their epoch and the dataset's
 # length: torch's own and torchdata's (StatefulDataLoader's replacements of the same samplers).
@@ -43,3 +48,41 @@ def known(sampler) -> bool:
     if sampler is None or type(sampler).__module__.startswith(KNOWN_SAMPLER_MODULES):
         return True
     return isinstance(getattr(sampler, "generator", None), torch.Generator)
+
+
+def worker_draws_caveat(loader) -> str:
+    """The line for a dataset whose `__getitem__` draws random numbers in the loader's workers."""
+    return (
+        f"the {loader_name(loader)} draws random numbers in its workers while reading samples (a worker's torch, "
+        "python or numpy RNG moved during a fetch): those RNGs live in the workers and are not saved, so a run "
+        "resumed mid-epoch draws others; draw them from a torch.Generator seeded by the sample's index and the "
+        "epoch (docs/loaders.md, random augmentation), or with num_workers=0"
+    )
+
+
+def worker_caveat(loader, saved: LoaderShape, now: LoaderShape, seen: LoaderPosition) -> str | None:
+    """The line for a resume with other workers than the save, where the order or the draws depend on them."""
+    if saved.workers is None or (saved.workers, saved.persistent) == (now.workers, now.persistent):
+        return None
+    if isinstance(loader.dataset, IterableDataset) and saved.workers != now.workers:
+        why = "an IterableDataset's items are read by each worker in turn, so their order depends on the count"
+    elif seen.worker_draws and saved.workers != now.workers:
+        why = "its workers draw random numbers while reading samples, and each worker now reads other samples"
+    elif seen.drawn_when_opened and _opens(saved) != _opens(now):
+        why = (
+            f"its {type(loader.sampler).__name__} draws a new order each time the loader opens it, and how often "
+            "a loader opens it depends on its workers: the epochs after this one will differ from the saved run's"
+        )
+    else:
+        return None
+    changed = f"was saved with {_setup(saved)} and now has {_setup(now)}"
+    return f"the {loader_name(loader)} {changed}: {why}; resume with {_setup(saved)} to be exact"
+
+
+def _opens(shape: LoaderShape) -> tuple[bool, bool]:
+    """What decides how often a loader opens its sampler: in its own process, or through (persistent) workers."""
+    return shape.workers > 0, shape.persistent and shape.workers > 0
+
+
+def _setup(shape: LoaderShape) -> str:
+    return f"num_workers={shape.workers}" + (", persistent_workers=True" if shape.persistent else "")

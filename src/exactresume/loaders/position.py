@@ -12,7 +12,8 @@ from exactresume.errors import CheckpointError
 from .caveats import loader_name
 from .sources import SourceStates, generators_of
 
-VERSION = 1
+VERSION = 2  # 2 added the shape's workers and the order's opening state; a state of 1 reads as before
+READS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,12 @@ class LoaderShape:
     sampler: str  # the sampler's class, and the batch sampler's: 'RandomSampler', 'BatchSampler'
     replicas: int | None  # a DistributedSampler's num_replicas: the world size it splits for
     generators: int  # how many torch.Generators the order draws from (sources.generators_of)
+    workers: int | None = None  # num_workers (None: saved by a release that did not keep it)
+    persistent: bool = False  # persistent_workers
+
+    # A resume may change these where the order does not depend on them; where it does, the part says so
+    # (caveats.worker_caveat), and nothing is refused here.
+    MAY_CHANGE = ("workers", "persistent")
 
     @classmethod
     def of(cls, loader) -> LoaderShape:
@@ -39,6 +46,8 @@ class LoaderShape:
             sampler=" in ".join(kinds),
             replicas=getattr(loader.sampler, "num_replicas", None),
             generators=len(generators_of(loader)),
+            workers=loader.num_workers,
+            persistent=bool(loader.persistent_workers),
         )
 
     def changes(self, saved: LoaderShape) -> list[str]:
@@ -47,7 +56,7 @@ class LoaderShape:
         return [
             f"its {name} is {now[name]!r}, {value!r} when saved"
             for name, value in asdict(saved).items()
-            if now[name] != value
+            if now[name] != value and name not in self.MAY_CHANGE
         ]
 
 
@@ -58,13 +67,17 @@ class LoaderPosition:
     epoch: int = 0  # the epoch of the current iteration, or of the next when none has started
     consumed: int = 0  # batches handed to the loop in this epoch (never what workers prefetched)
     epoch_start: SourceStates | None = None  # just before the epoch's iter(): the workers' base seed
-    sampler_start: SourceStates | None = None  # just before the sampler drew the epoch's order
+    order_start: SourceStates | None = None  # as the sampler the epoch reads was opened (an eager one draws)
+    sampler_start: SourceStates | None = None  # at its first index (a lazy sampler draws the order then)
     sampler_epoch: int | None = None  # a DistributedSampler's set_epoch value during this epoch
+    # Seen while iterating, kept across epochs: what makes another worker setup at a resume matter.
+    drawn_when_opened: bool = False  # the sampler draws its order as it is opened (torchdata's do)
+    worker_draws: bool = False  # the workers drew random numbers while they read samples
 
     def next_epoch(self) -> None:
         """The epoch is over: the next one starts from the sources as they are then, nothing to restore."""
         self.epoch, self.consumed = self.epoch + 1, 0
-        self.epoch_start = self.sampler_start = self.sampler_epoch = None
+        self.epoch_start = self.order_start = self.sampler_start = self.sampler_epoch = None
 
     def to_state(self, shape: LoaderShape) -> dict:
         return {
@@ -72,8 +85,11 @@ class LoaderPosition:
             "epoch": self.epoch,
             "consumed": self.consumed,
             "epoch_start": None if self.epoch_start is None else self.epoch_start.to_state(),
+            "order_start": None if self.order_start is None else self.order_start.to_state(),
             "sampler_start": None if self.sampler_start is None else self.sampler_start.to_state(),
             "sampler_epoch": self.sampler_epoch,
+            "drawn_when_opened": self.drawn_when_opened,
+            "worker_draws": self.worker_draws,
             "shape": asdict(shape),
         }
 
@@ -88,16 +104,20 @@ class LoaderPosition:
         if not isinstance(state, dict) or not keys <= set(state):
             found = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"the saved state for the {loader_name(loader)} is not a ResumableLoader's: {found}")
-        if state["version"] != VERSION:
+        if state["version"] not in READS:
+            readable = " and ".join(map(str, READS))
             raise CheckpointError(
-                f"the {loader_name(loader)} was saved as version {state['version']}, this reads {VERSION}"
+                f"the {loader_name(loader)} was saved as version {state['version']}, this reads {readable}"
             )
         position = cls(
             epoch=int(state["epoch"]),
             consumed=int(state["consumed"]),
             epoch_start=SourceStates.from_state(state["epoch_start"]),
+            order_start=SourceStates.from_state(state.get("order_start")),
             sampler_start=SourceStates.from_state(state["sampler_start"]),
             sampler_epoch=state["sampler_epoch"],
+            drawn_when_opened=bool(state.get("drawn_when_opened", False)),
+            worker_draws=bool(state.get("worker_draws", False)),
         )
         return position, LoaderShape(**state["shape"])
 

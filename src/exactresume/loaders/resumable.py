@@ -20,7 +20,7 @@ back as the other parts left it, so a `GlobalRng` part loaded after this one is 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +28,11 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from exactresume.errors import CheckpointError, FieldError, notice
 
-from .caveats import caveat, loader_name
+from .caveats import caveat, loader_name, worker_caveat, worker_draws_caveat
 from .position import LoaderPosition, LoaderShape
 from .skipping import SkippingSampler
 from .sources import RandomSources, SourceStates, generators_of
+from .worker_draws import DrawFlag, WatchedDataset
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class EpochPlan:
     """How the epoch being started differs from a fresh one: nothing, unless it resumes a loaded one."""
 
     skip: int = 0  # index lists the sampler leaves out (batches the loop took before the save)
+    order_start: SourceStates | None = None  # the sources as the sampler read was opened, when resuming
     sampler_start: SourceStates | None = None  # set just before the sampler draws, when resuming
     put_back: torch.Tensor | None = None  # the global RNG as the loaded parts left it, set once skipped
 
@@ -62,7 +64,10 @@ class ResumableLoader:
         self.plan = EpochPlan()
         self.resuming = False  # a loaded position waits for the next iteration
         self.cautioned = False
-        self._iterated = _with_index_sampler(loader, self._first_draw, self._skipped)
+        self.draws = DrawFlag()  # set by the workers when a fetch moves their RNGs (worker_draws.py)
+        self._iterated = _with_index_sampler(loader, self._opened, self._first_draw, self._skipped)
+        if loader.num_workers > 0 and not self.iterable:
+            object.__setattr__(self._iterated, "dataset", WatchedDataset(loader.dataset, self.draws))
 
     @property
     def epoch(self) -> int:
@@ -76,12 +81,14 @@ class ResumableLoader:
         position, resuming = self.position, self.resuming
         self.resuming = False
         if resuming:  # even an epoch saved after its last batch: its generators end where its draws left them
-            self.plan = EpochPlan(position.consumed, position.sampler_start, torch.get_rng_state())
+            self.plan = EpochPlan(
+                position.consumed, position.order_start, position.sampler_start, torch.get_rng_state()
+            )
             _set_sampler_epoch(self.loader, position.sampler_epoch)
             self.sources.set(position.epoch_start)  # the workers' base seed is drawn from it at iter()
         else:
             self.plan = EpochPlan()
-            position.consumed, position.sampler_start = 0, None
+            position.consumed, position.order_start, position.sampler_start = 0, None, None
             position.epoch_start, position.sampler_epoch = self.sources.states(), _sampler_epoch(self.loader)
         batches = iter(self._iterated)
         if self.iterable and resuming:
@@ -91,12 +98,27 @@ class ResumableLoader:
             yield batch
         position.next_epoch()
 
-    def _first_draw(self) -> int:
-        """At the sampler's first draw of an epoch: its sources as they were then; how many to skip."""
-        if self.plan.sampler_start is not None:
-            self.sources.set(self.plan.sampler_start)
-        self.position.sampler_start = self.sources.states()
-        return 0 if self.iterable else self.plan.skip
+    def _opened(self) -> SourceStates:
+        return self.sources.states()
+
+    def _first_draw(self, opened: tuple[SourceStates, SourceStates], indices: Iterator, reopen: Callable[[], Iterator]):
+        """At the first index of the sampler the epoch reads, given its sources just before and after it was
+        opened: the indices to read, and how many of them to skip.
+
+        A resumed loader may open its sampler from other states than the saved run did (a persistent
+        worker iterator opens it once an epoch, a new one twice, drawing a seed in between; so does
+        another worker count): a sampler opened from other states is opened again from the saved ones.
+        """
+        plan, (before, after) = self.plan, opened
+        if plan.order_start is not None and not before.same_as(plan.order_start):
+            self.sources.set(plan.order_start)
+            before, indices = plan.order_start, reopen()
+            after = self.sources.states()
+        self.position.drawn_when_opened |= not before.same_as(after)
+        if plan.sampler_start is not None:
+            self.sources.set(plan.sampler_start)
+        self.position.order_start, self.position.sampler_start = before, self.sources.states()
+        return indices, 0 if self.iterable else plan.skip
 
     def _skipped(self) -> None:
         if self.plan.put_back is not None and not self.iterable:
@@ -110,16 +132,24 @@ class ResumableLoader:
 
     def state_dict(self) -> dict:
         self._caution()
+        if self.draws.seen() and not self.position.worker_draws:
+            self.position.worker_draws = True
+            notice(worker_draws_caveat(self.loader))
         return self.position.to_state(LoaderShape.of(self.loader))
 
     def load_state_dict(self, state: dict) -> None:
         """Check the loader against the saved one (CheckpointError, nothing changed); restored at next iter()."""
         position, saved = LoaderPosition.from_state(state, self.loader)
-        changes = LoaderShape.of(self.loader).changes(saved)
+        now = LoaderShape.of(self.loader)
+        changes = now.changes(saved)
         if changes:
             raise CheckpointError(f"the {loader_name(self.loader)} is not the one saved: {'; '.join(changes)}")
         self.position, self.resuming = position, position.epoch_start is not None
         self._caution()
+        changed_workers = worker_caveat(self.loader, saved, now, position)
+        if changed_workers is not None:
+            notice(changed_workers)
+        position.worker_draws = False  # said again at this run's first save if its workers draw too
 
     def _caution(self) -> None:
         """Say once, in one line, when this loader's order cannot be restored exactly."""
@@ -130,13 +160,13 @@ class ResumableLoader:
                 notice(message)
 
 
-def _with_index_sampler(loader: DataLoader, first_draw, skipped) -> DataLoader:
+def _with_index_sampler(loader: DataLoader, opened, first_draw, skipped) -> DataLoader:
     """A shallow copy of `loader` whose index sampler is a SkippingSampler around its own."""
     iterated = copy.copy(loader)
     iterated._iterator = None  # persistent workers of the user's loader stay the user's
     # DataLoader.__setattr__ refuses `batch_sampler` and `sampler` after __init__: set past it, on the copy.
     attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
-    object.__setattr__(iterated, attribute, SkippingSampler(getattr(loader, attribute), first_draw, skipped))
+    object.__setattr__(iterated, attribute, SkippingSampler(getattr(loader, attribute), opened, first_draw, skipped))
     return iterated
 
 

@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 
 class SkippingSampler:
-    """`inner`'s index lists (or indices), less the first `first_draw()` of each epoch.
+    """`inner`'s index lists (or indices), less the first few of each epoch.
 
-    `first_draw` runs when the loader asks for its first index of an epoch, just before a lazy `inner`
-    draws its order (a RandomSampler draws its seed there), and returns how many to leave out;
-    `skipped` runs once they are left out, before the first index is handed to the loader.
+    A loader may open the sampler more than once per epoch (a worker iterator opens it as it is made and
+    again as it primes its workers) and reads only the last one opened. `opened()` runs just before and
+    just after each is opened (an eager `inner` draws its order then: torchdata's samplers do);
+    `first_draw` runs when the loader asks for the first index of the one it reads, before a lazy
+    `inner` draws (torch's RandomSampler), with the two values `opened()` returned and a way to open
+    `inner` again, and returns the indices to read and how many of them to leave out; `skipped` runs
+    once they are left out.
     """
 
-    def __init__(self, inner: Iterable, first_draw: Callable[[], int], skipped: Callable[[], None]):
-        self.inner, self.first_draw, self.skipped = inner, first_draw, skipped
+    def __init__(
+        self,
+        inner: Iterable,
+        opened: Callable[[], Any],
+        first_draw: Callable[[tuple[Any, Any], Iterator, Callable[[], Iterator]], tuple[Iterator, int]],
+        skipped: Callable[[], None],
+    ):
+        self.inner, self.opened, self.first_draw, self.skipped = inner, opened, first_draw, skipped
 
     def __len__(self) -> int:
         return len(self.inner)  # the whole epoch's, as the loader's own len() says
@@ -29,10 +40,12 @@ class SkippingSampler:
     def __iter__(self) -> Iterator:
         # iter() now, where the loader calls it: a sampler that draws its order eagerly (torchdata's) draws
         # here, and one that draws lazily (torch's RandomSampler) at the first next(), as without the wrapper.
-        return self._rest(iter(self.inner))
+        before = self.opened()
+        indices = iter(self.inner)
+        return self._rest((before, self.opened()), indices)
 
-    def _rest(self, indices: Iterator) -> Iterator:
-        skip = self.first_draw()
+    def _rest(self, when_opened: tuple[Any, Any], indices: Iterator) -> Iterator:
+        indices, skip = self.first_draw(when_opened, indices, lambda: iter(self.inner))
         if skip:
             next(itertools.islice(indices, skip, skip), None)  # consumes `skip` items, reads no data
         self.skipped()

@@ -22,6 +22,11 @@ class SourceStates:
     def to_state(self) -> dict:
         return {"global": self.global_rng, "generators": list(self.generators)}
 
+    def same_as(self, other: SourceStates) -> bool:
+        """Whether every source is where it was in `other`: nothing drew from them between the two."""
+        pairs = [(self.global_rng, other.global_rng), *zip(self.generators, other.generators)]
+        return len(self.generators) == len(other.generators) and all(torch.equal(a, b) for a, b in pairs)
+
     @classmethod
     def from_state(cls, state: dict | None) -> SourceStates | None:
         if state is None:

@@ -1,0 +1,82 @@
+"""Random numbers drawn inside a loader's workers, seen as they are drawn.
+
+A worker's RNGs (torch's, python's `random`, numpy's global one) are seeded when the worker starts and
+move with every sample it reads; they live in the worker process, so no part can save them. A dataset
+that draws from them in `__getitem__` (random augmentation) gives a run resumed mid-epoch other
+draws than the straight run's. `WatchedDataset` stands in for a map-style dataset in the workers and
+compares those RNGs before and after each fetch; the first move it sees sets a flag in shared memory
+that the loop's process reads, and from then on it only passes fetches through.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+
+class DrawFlag:
+    """One byte in shared memory: whether any worker of a loader has drawn from its RNGs while fetching."""
+
+    def __init__(self):
+        self.byte = torch.zeros(1, dtype=torch.uint8).share_memory_()  # workers started later share it
+
+    def seen(self) -> bool:
+        return bool(self.byte[0])
+
+    def set(self) -> None:
+        self.byte[0] = 1
+
+
+def _rng_states() -> tuple:
+    numpy = sys.modules.get("numpy")  # a dataset that draws from numpy has imported it
+    numpy_state = None if numpy is None else numpy.random.get_state()[1].tobytes()
+    return torch.get_rng_state(), random.getstate(), numpy_state
+
+
+def _moved(before: tuple, after: tuple) -> bool:
+    return not torch.equal(before[0], after[0]) or before[1:] != after[1:]
+
+
+class WatchedDataset(Dataset):
+    """`dataset`, whose fetches in a worker set `flag` when they move the worker's RNGs."""
+
+    OWN = ("dataset", "flag")
+
+    def __init__(self, dataset: Dataset, flag: DrawFlag):
+        object.__setattr__(self, "dataset", dataset)
+        object.__setattr__(self, "flag", flag)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self._watched(lambda: self.dataset[index])
+
+    def __getitems__(self, indices):
+        # A DataLoader's fetcher asks for a batch through __getitems__ when the dataset has one, else item by item.
+        getitems = getattr(self.dataset, "__getitems__", None)
+        return self._watched(lambda: getitems(indices) if getitems else [self.dataset[index] for index in indices])
+
+    # What a worker_init_fn reads or sets on get_worker_info().dataset (a file per worker) is the dataset's.
+    def __getattr__(self, name: str):
+        if name in self.OWN:  # not set yet: while unpickling in a worker
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
+    def _watched(self, fetch):
+        if self.flag.seen() or get_worker_info() is None:  # in the loop's process, GlobalRng restores the draws
+            return fetch()
+        before = _rng_states()
+        fetched = fetch()
+        if _moved(before, _rng_states()):
+            self.flag.set()
+        return fetched
