@@ -11,17 +11,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import IterableDataset
 
+from .position import loader_name
+
 if TYPE_CHECKING:
     from .position import LoaderPosition, LoaderShape
 
 # Samplers whose order is a function of their generator, the global RNG, their epoch and the dataset's
 # length: torch's own and torchdata's (StatefulDataLoader's replacements of the same samplers).
 KNOWN_SAMPLER_MODULES = ("torch.utils.data", "torchdata.stateful_dataloader")
-
-
-def loader_name(loader) -> str:
-    """'DataLoader over Squares': the loader's class and its dataset's, as a user's code names them."""
-    return f"{type(loader).__name__} over {type(loader.dataset).__name__}"
 
 
 def caveat(loader) -> str | None:

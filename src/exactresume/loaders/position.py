@@ -9,11 +9,15 @@ from dataclasses import asdict, dataclass
 
 from exactresume.errors import CheckpointError
 
-from .caveats import loader_name
 from .sources import SourceStates, generators_of
 
 VERSION = 2  # 2 added the shape's workers and the order's opening state; a state of 1 reads as before
 READS = (1, 2)
+
+
+def loader_name(loader) -> str:
+    """'DataLoader over Squares': the loader's class and its dataset's, as a user's code names them."""
+    return f"{type(loader).__name__} over {type(loader.dataset).__name__}"
 
 
 @dataclass(frozen=True)

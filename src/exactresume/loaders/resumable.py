@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from exactresume.errors import CheckpointError, FieldError, notice
 
-from .caveats import caveat, loader_name, worker_caveat, worker_draws_caveat
-from .position import LoaderPosition, LoaderShape
+from .caveats import caveat, worker_caveat, worker_draws_caveat
+from .position import LoaderPosition, LoaderShape, loader_name
 from .skipping import SkippingSampler
 from .sources import RandomSources, SourceStates, generators_of
 from .worker_draws import DrawFlag, WatchedDataset
