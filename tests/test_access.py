@@ -94,11 +94,14 @@ def test_auto_opens_the_runs_own_folder_or_starts_fresh(saved, tmp_path):
     assert open_resume(AUTO, checkpoints=tmp_path / "never-made", notify=refuse) is None
     (tmp_path / "empty").mkdir()
     assert open_resume(AUTO, checkpoints=tmp_path / "empty", notify=refuse) is None
+    # A folder whose only checkpoint is damaged is no empty folder: a run started fresh there trains over it.
     (tmp_path / "damaged").mkdir()
     (tmp_path / "damaged" / checkpoint_name(5)).write_bytes(b"the first bytes of a checkpoint")
-    messages: list[str] = []
-    assert open_resume(AUTO, checkpoints=tmp_path / "damaged", notify=messages.append) is None
-    assert len(messages) == 1 and "skipping damaged checkpoint" in messages[0] and checkpoint_name(5) in messages[0]
+    with pytest.raises(CheckpointError) as refused:
+        open_resume(AUTO, checkpoints=tmp_path / "damaged", notify=refuse)
+    line = str(refused.value)
+    assert "cannot be loaded" in line and checkpoint_name(5) in line and "move the checkpoints out" in line, line
+    assert "\n" not in line
     with pytest.raises(UserError, match="checkpoint folder"):
         open_resume(AUTO)
 

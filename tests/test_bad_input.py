@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 
 import pytest
 import torch
@@ -43,8 +44,8 @@ NO_SEAL = "no exactresume checksum at the end of the file (truncated, or not wri
 @pytest.mark.parametrize(
     "damage, reason",
     [
-        ("truncate_half", NO_SEAL),
-        ("truncate_tail", NO_SEAL),
+        ("truncate_half", "damaged, truncated: the end of its zip archive is missing"),
+        ("truncate_tail", "damaged, truncated: its last 10 bytes are missing"),
         ("flip_byte", "checksum mismatch, the file is damaged"),
         ("empty", "the file is empty (0 bytes)"),
         ("random", NO_SEAL),
@@ -163,6 +164,19 @@ def test_pickle_payload_does_not_run(tmp_path, kjv_folder, stopped):
     finished = run_cli("diff", tmp_path / "evil.pth", stopped / "final.pth")  # diff reads unsealed files too
     assert_one_line_error(finished, f"{tmp_path / 'evil.pth'}: not a loadable torch file")
     assert not marker.exists()
+
+
+def test_torch_refusals_are_told_whole_naming_what_was_refused(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    torch.save({"weights": torch.ones(2), "payload": Payload()}, tmp_path / "evil.pth")
+    (tmp_path / "noise.pth").write_bytes(random.Random(0).randbytes(4096))
+    for path, refused in ((tmp_path / "evil.pth", "system"), (tmp_path / "noise.pth", "Unsupported operand")):
+        for finished in (call_cli("inspect", path), call_cli("diff", path, path)):
+            assert_one_line_error(finished, f"{path}: not a loadable torch file (", refused)
+            assert "PyTorch 2.6" not in finished.stderr  # torch's advice about its default, not about the file
 
 
 def test_prepare_refusals_are_one_line_with_exit_2(tmp_path):

@@ -3,17 +3,24 @@
 A flipped bit, a zeroed range, a truncation or bytes appended, each at a random place (seeded), in a
 resume file and in each file of a sharded folder (a shard, DCP's index, the commit marker), given to
 `inspect`, `diff` and `train --resume`. The readers are run in this process: the claim is about
-refusals, not about exactness.
+refusals, not about exactness. And a file cut short by every length that takes its seal, then the zip
+end record, is refused by every reader in the same whole line.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from exactresume.errors import CheckpointError
+from exactresume.store.access import open_resume, read_resume
+from exactresume.store.sealed import SEAL_LENGTH
+from exactresume.store.weights import read_weights, save_weights
 from helpers import SMALL, assert_one_line_error, call_cli
 
 KINDS = ("flip", "zero", "truncate", "append")
@@ -62,3 +69,58 @@ def test_every_reader_refuses_a_damaged_checkpoint(stopped, tmp_path, kjv_folder
     out = tmp_path / "resumed"
     assert_one_line_error(call_cli("train", "--out", out, "--data", kjv_folder, *SMALL, "--resume", checkpoint))
     assert not (out / "final.pth").exists() and sorted(path.name for path in copy.rglob("*")) == before
+
+
+CUTS = range(1, 65)  # every cut that takes part of the seal (53 bytes), then the zip end record after it
+CUT_SHORT = re.compile(
+    r"(?P<path>.+): damaged, truncated: (its last \d+ bytes are missing \(of the exactresume checksum at its end\)"
+    r"|the end of its zip archive is missing)"
+)
+
+
+def cli_refusal(*args: object) -> str:
+    """The one line an `exactresume` command refused with (exit 2), less its `exactresume CMD: error: `."""
+    finished = call_cli(*args)
+    assert_one_line_error(finished)
+    return finished.stderr.strip().partition(": error: ")[2]
+
+
+def library_refusal(read, path: Path) -> str:
+    with pytest.raises(CheckpointError) as refused:
+        read(path)
+    return str(refused.value)
+
+
+def assert_cut_short(path: Path, lines: list[str]) -> None:
+    """Every reader refused `path` in the same whole line, saying it is truncated."""
+    assert len(set(lines)) == 1, lines
+    found = CUT_SHORT.fullmatch(lines[0])
+    assert found and found["path"] == str(path), lines[0]
+
+
+def cut_copies(good: Path, copy: Path):
+    """`copy` holding `good` less its last `cut` bytes, for each cut in CUTS (shortened in place: one write)."""
+    shutil.copyfile(good, copy)
+    for cut in CUTS:
+        os.truncate(copy, good.stat().st_size - cut)
+        yield cut
+
+
+def test_a_resume_file_cut_short_by_any_length_is_damaged_for_every_reader(stopped, tmp_path, kjv_folder):
+    good, path = stopped / "resume.pth", tmp_path / "cut.pth"
+    for cut in cut_copies(good, path):
+        lines = [cli_refusal("inspect", path), cli_refusal("diff", path, good)]
+        lines += [library_refusal(read_resume, path), library_refusal(open_resume, path)]
+        if cut in (1, SEAL_LENGTH + 1):  # the seal cut, then the end record: a run refuses it before it starts
+            lines.append(
+                cli_refusal("train", "--out", tmp_path / "out", "--data", kjv_folder, *SMALL, "--resume", path)
+            )
+        assert_cut_short(path, lines)
+
+
+def test_a_weights_file_cut_short_by_any_length_is_damaged_for_every_reader(stopped, tmp_path):
+    good, path = tmp_path / "weights.pth", tmp_path / "cut.pth"
+    save_weights(good, read_weights(stopped / "resume.pth")[0])
+    for _ in cut_copies(good, path):
+        lines = [cli_refusal("inspect", path), cli_refusal("diff", path, good), library_refusal(read_weights, path)]
+        assert_cut_short(path, lines)

@@ -345,10 +345,24 @@ def test_sealed_pickle_payload_does_not_run(tmp_path, kjv_folder, victim):
         "not a loadable",
     )
     assert tree(victim) == before
+    # Its own folder's only checkpoint: refused too, rather than a fresh start that would train over it.
     finished = call_cli(*train_flags(victim, kjv_folder, "--resume", "auto", "--stop-at", 1))
-    assert finished.returncode == 0, finished.stderr
-    assert re.search(rf"skipping damaged checkpoint {re.escape(str(evil))}: not a loadable", finished.stderr)
+    assert_one_line_error(finished, str(evil.parent), checkpoint_name(6), "not a loadable", "move the checkpoints out")
+    assert tree(victim) == before
     assert not marker.exists()
+
+
+def test_auto_resume_over_a_folder_whose_every_checkpoint_is_damaged_stops_rather_than_start_at_step_0(
+    tmp_path, kjv_folder, reference
+):
+    out = tmp_path / "out"
+    shutil.copytree(reference / "checkpoints", out / "checkpoints")
+    for path in (out / "checkpoints").glob("step-*.pth"):
+        path.write_bytes(damaged(path.read_bytes(), "flip:half"))
+    before = tree(out)
+    finished = call_cli(*chaos_flags(out, kjv_folder))
+    assert_one_line_error(finished, str(out / "checkpoints"), "checksum mismatch", "move the checkpoints out")
+    assert tree(out) == before  # no step trained, no log row, no checkpoint written or set aside
 
 
 def test_folder_of_only_tmp_leftovers(tmp_path, kjv_folder, victim):

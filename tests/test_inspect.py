@@ -65,6 +65,13 @@ def test_weights_file(small_run):
     assert list(info["parts"]) == ["model"] and info["parts"]["model"]["dtypes"].keys() == {"float32"}
 
 
+def test_a_resume_file_saved_again_without_its_seal_is_shown_as_resume_refuses_it(tmp_path, small_run):
+    torch.save(torch.load(small_run / "resume.pth", weights_only=True), tmp_path / "resaved.pth")
+    info = inspect_json(tmp_path / "resaved.pth")
+    assert (info["kind"], info["checksum"]) == ("resume", "absent")
+    assert "--resume refuses it" in call_cli("inspect", tmp_path / "resaved.pth").stdout
+
+
 def test_fp16_export_pt(small_run):
     info = inspect_json(small_run / "final_fp16.pt")
     fp32 = inspect_json(small_run / "final.pth")["parts"]["model"]
@@ -151,9 +158,9 @@ def test_human_view_has_a_row_per_part(small_run):
     "damage, reason",
     [
         ("missing", "cannot read {}: No such file or directory"),
-        ("empty", "{}: not a loadable torch file"),
+        ("empty", "{}: the file is empty (0 bytes)"),  # in the words --resume refuses it with
         ("random", "{}: not a loadable torch file"),
-        ("truncated", "{}: not a loadable torch file"),
+        ("truncated", "{}: damaged, truncated: the end of its zip archive is missing"),
         ("flipped", "{}: checksum mismatch, the file is damaged"),
         ("plain_folder", "{} is a folder holding no checkpoint (step-*.pth) and no sharded one"),
         ("bad_metadata", "{}/.metadata is not a readable DCP index"),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from exactresume.errors import StorageError, UserError
+from exactresume.errors import CheckpointError, FieldError, StorageError, UserError
 from exactresume.store.faults import FAULT_ENV, STAGES, Fault
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import LOCK_NAME
@@ -162,6 +165,81 @@ def test_restore_skips_a_damaged_newest_checkpoint_and_says_so(tmp_path, damage)
     assert ("damaged" in said) == (damage in ("truncated", "flipped", "empty")), said
 
 
+def damage(path, how: str) -> None:
+    """`path` damaged `how`: bits flipped, cut short, emptied, or replaced by a sealed file that is not ours."""
+    data = path.read_bytes()
+    if how == "flipped":
+        path.write_bytes(data[:200] + bytes([data[200] ^ 1]) + data[201:])
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 3])
+    elif how == "empty":
+        path.write_bytes(b"")
+    else:
+        save_sealed(path, {"weight": torch.ones(3)})
+
+
+def test_a_folder_whose_every_checkpoint_is_damaged_is_refused_not_started_fresh(tmp_path):
+    parts = make_parts()
+    with quiet_store(tmp_path, keep=None) as store:
+        for step in (10, 20, 30, 40):
+            advance(parts)
+            store.save(step, parts)
+    for step, how in zip((40, 30, 20, 10), ("flipped", "truncated", "empty", "foreign")):
+        damage(tmp_path / checkpoint_name(step), how)
+    before = {name: (tmp_path / name).read_bytes() for name in names(tmp_path)}
+    messages, restored = [], make_parts(seed=5)
+    untouched = {name: tensor.clone() for name, tensor in restored["model"].state_dict().items()}
+    store = quiet_store(tmp_path, messages=messages)
+    with pytest.raises(CheckpointError) as refused:
+        store.load(restored)
+    line = str(refused.value)
+    assert "\n" not in line and messages == []  # one line, not a notice per checkpoint first
+    for needle in ("none of the 4 checkpoints", str(tmp_path), checkpoint_name(40), "and 1 more", "checksum mismatch"):
+        assert needle in line, line
+    assert "move the checkpoints out of the folder" in line, line
+    assert all(torch.equal(t, untouched[n]) for n, t in restored["model"].state_dict().items())
+    # A loop that catches the error and trains from step 0 anyway writes nothing beside them.
+    with pytest.raises(CheckpointError, match="no checkpoint of .* could be loaded"):
+        store.save(10, restored)
+    store.close()
+    assert {name: (tmp_path / name).read_bytes() for name in names(tmp_path)} == before
+    # The way out the line names: moved away, the folder is empty, and a fresh start is on purpose.
+    (tmp_path / "damaged").mkdir()
+    for name in before:
+        (tmp_path / name).rename(tmp_path / "damaged" / name)
+    with quiet_store(tmp_path) as store:
+        assert store.load(restored) is None
+        assert store.save(10, restored) == tmp_path / checkpoint_name(10)
+
+
+def test_the_only_checkpoint_damaged_is_refused_by_a_sharded_store_too(tmp_path):
+    parts = {"model": make_parts()["model"]}
+    with CheckpointStore(tmp_path, sharded=True) as store:
+        store.save(3, parts)
+    shard = next((tmp_path / "step-00000003.dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with CheckpointStore(tmp_path, sharded=True, notify=lambda m: None) as store:
+        with pytest.raises(CheckpointError, match="the only checkpoint in .* cannot be loaded .*step-00000003.dcp"):
+            store.load(parts)
+
+
+def test_a_prefix_whose_every_checkpoint_is_damaged_is_refused(moto_s3):
+    from exactresume.store.locations import S3Config
+
+    moto_s3.create_bucket(Bucket="damaged")
+    parts = {"model": make_parts()["model"]}
+    with CheckpointStore("s3://damaged/run", keep=None, config=S3Config()) as store:
+        for step in (1, 2):
+            store.save(step, parts)
+    for step in (1, 2):
+        key = f"run/{checkpoint_name(step)}"
+        data = moto_s3.get_object(Bucket="damaged", Key=key)["Body"].read()
+        moto_s3.put_object(Bucket="damaged", Key=key, Body=data[:-100])
+    with CheckpointStore("s3://damaged/run", config=S3Config(), notify=lambda m: None) as store:
+        with pytest.raises(CheckpointError, match="none of the 2 checkpoints in s3://damaged/run can be loaded"):
+            store.load(parts)
+
+
 def test_restore_removes_tmp_leftovers(tmp_path):
     (tmp_path / "step-00000004.pth.tmp").write_bytes(b"half a checkpoint")
     store = quiet_store(tmp_path)
@@ -173,6 +251,8 @@ def test_restore_removes_tmp_leftovers(tmp_path):
 def test_reserved_part_names_are_refused(tmp_path):
     with pytest.raises(UserError, match="reserved"):
         quiet_store(tmp_path).save(1, {"version": GlobalRng()})
+    with pytest.raises(UserError, match="reserved"):
+        quiet_store(tmp_path).save(1, {"identity": GlobalRng()})  # a store's identity= is kept under it
 
 
 def test_fault_specs_parse_and_refuse_nonsense():
@@ -228,3 +308,78 @@ def test_open_resume_and_inspect_read_any_store_folder(tmp_path):
     assert [c["status"] for c in info["checkpoints"]] == ["verified", "damaged"]
     assert set(info["checkpoints"][0]["parts"]) == {"model", "optimizer", "data", "rng"}
     assert "a resume continues from step 1" in call_cli("inspect", tmp_path).stdout
+
+
+def test_inspect_lists_the_checkpoints_a_save_set_aside(tmp_path):
+    parts = make_parts()
+    with quiet_store(tmp_path, keep=None) as store:
+        store.save(1, parts)
+        store.save(2, parts)
+    damaged = tmp_path / checkpoint_name(2)
+    damaged.write_bytes(damaged.read_bytes()[:-5])
+    with quiet_store(tmp_path, keep=None) as store:
+        assert store.load(parts) == 1
+        store.save(2, parts)  # the damaged file at its step is renamed, not written over
+    aside = tmp_path / f"{checkpoint_name(2)}.unreadable"
+    assert aside.exists()
+    finished = call_cli("inspect", tmp_path, "--json")
+    assert finished.returncode == 0, finished.stderr  # both checkpoints verify; what was set aside is no checkpoint
+    assert json.loads(finished.stdout)["set_aside"] == [str(aside)]
+    listing = call_cli("inspect", tmp_path).stdout
+    assert "1 set aside as damaged" in listing.splitlines()[0]
+    assert f"  {aside.name}  set aside: damaged" in listing and "never read" in listing
+
+
+def test_an_empty_folder_path_is_refused_rather_than_the_current_folder_used(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FieldError, match="^folder must be a folder's path, got an empty one$"):
+        CheckpointStore("")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("under", ["checkpoints", "runs/checkpoints"])
+def test_a_folder_under_a_file_is_refused_at_once_naming_the_file(tmp_path, under):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a folder")
+    with pytest.raises(UserError) as refused:
+        CheckpointStore(blocker / under)  # not an empty folder that loads as a fresh start, then fails to save
+    assert str(refused.value) == (
+        f"{blocker / under} cannot be a folder of checkpoints: {blocker} is a file, not a folder"
+    )
+
+
+def read_only(monkeypatch, folder: Path, code: int) -> None:
+    """`folder` as a read-only one: every open in it that writes or creates fails with `code`. Tests run as
+    root here, whom chmod does not stop, so the refusal is made where the store meets the system."""
+    real_open = os.open
+
+    def open_reading_only(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and Path(path).resolve().is_relative_to(folder):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_reading_only)
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS], ids=["EACCES", "EROFS"])
+def test_a_read_only_folder_is_read_and_each_refusal_gives_the_advice_that_fits(tmp_path, monkeypatch, code):
+    parts = make_parts()
+    with quiet_store(tmp_path) as store:
+        store.save(1, parts)
+    read_only(monkeypatch, tmp_path.resolve(), code)
+    reason = f"{os.strerror(code)} ({errno.errorcode[code]})"
+    with pytest.raises(StorageError) as cleaning:
+        quiet_store(tmp_path).load(make_parts())
+    assert str(cleaning.value) == (
+        f"could not write the lock file of {tmp_path}: {reason}; {tmp_path} is not writable, and a reader, "
+        "which writes nothing there, loads with store.load(parts, clean=False)"
+    )
+    reader = quiet_store(tmp_path)
+    assert reader.load(make_parts(), clean=False) == 1  # as the advice says
+    with pytest.raises(StorageError) as saving:
+        reader.save(2, parts)
+    assert str(saving.value) == (
+        f"could not write the checkpoint at step 2 in {tmp_path}: {reason}; {tmp_path / checkpoint_name(1)} is "
+        f"intact; {tmp_path} is not writable, so no checkpoint can be saved there: give the store a writable folder"
+    )
+    assert names(tmp_path) == [checkpoint_name(1)]

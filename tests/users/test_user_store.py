@@ -230,6 +230,42 @@ def test_a_damaged_newest_checkpoint_is_set_aside_not_written_over(run, straight
     assert_same_weights(run / "final.pt", straight)
 
 
+def test_a_folder_whose_every_checkpoint_is_damaged_stops_the_script_rather_than_start_over(run):
+    for step in (10, 20, 30):
+        checkpoint = run / step_file(step)
+        damaged = bytearray(checkpoint.read_bytes())
+        damaged[len(damaged) // 2] ^= 0x01
+        checkpoint.write_bytes(bytes(damaged))
+    before = fingerprints(run)
+    refused = run_python(PROGRAM, run, "--steps", 40)
+    assert refused.returncode == 2, refused.stdout
+    line = last_line_with(refused.stdout, "load refused:")
+    for needle in ("none of the 3 checkpoints", step_file(30), "checksum mismatch", "move the checkpoints out"):
+        assert needle in line, line
+    assert "skipping" not in refused.stdout and "model unchanged: True" in refused.stdout
+    # A script that catches the error and trains from step 0 anyway: its first save refuses.
+    blind = run_python(PROGRAM, run, "--steps", 40, "--start-over-on-error")
+    assert blind.returncode == 2 and "no checkpoint of" in last_line_with(blind.stdout, "CheckpointError:")
+    assert fingerprints(run) == before
+
+
+def test_a_script_started_with_another_seed_is_refused_by_its_identity(tmp_path):
+    folder = tmp_path / "run"
+    assert run_python(PROGRAM, folder, "--identity", "--steps", 20).returncode == 0
+    before = fingerprints(folder)
+    other = run_python(PROGRAM, folder, "--identity", "--seed", 1, "--steps", 30)
+    assert other.returncode == 2, other.stdout
+    line = last_line_with(other.stdout, "load refused:")
+    for needle in (step_file(20), "seed: saved 0, given 1", "nothing was loaded", "any_identity=True"):
+        assert needle in line, line
+    assert "model unchanged: True" in other.stdout and fingerprints(folder) == before
+    blind = run_python(PROGRAM, folder, "--identity", "--seed", 1, "--steps", 30, "--start-over-on-error")
+    assert blind.returncode == 2 and "not known to be this store's run" in blind.stdout, blind.stdout
+    assert fingerprints(folder) == before
+    same = run_python(PROGRAM, folder, "--identity", "--steps", 30)
+    assert same.returncode == 0 and "trained steps 21 to 30" in same.stdout, same.stdout
+
+
 def test_diff_and_inspect_read_what_the_store_and_save_resume_wrote(run, tmp_path):
     assert "model unchanged" not in run_python(PROGRAM, run, "--save-step", 31).stdout
     same = call_cli("diff", run / step_file(30), run / step_file(30))

@@ -13,6 +13,10 @@ parts and returns that step.
 
     resumed = open_resume("auto", checkpoints="runs/a/checkpoints")   # None: nothing yet, start fresh
     step = resumed.restore(parts) if resumed is not None else 0
+
+Each load given `identity=` (a dict: the seed, the total steps, ...) refuses a state saved by a run
+of another identity, or by one that gave none, before any part is loaded; each save given one keeps
+it with the state (identity.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING
 from exactresume.errors import CheckpointError, FieldError, StorageError, notice
 from exactresume.store.folder import CheckpointStore, holds_sharded_checkpoints
 from exactresume.store.formats import is_sharded_folder, path_kind
+from exactresume.store.identity import check_identity, refuse_another_run
 from exactresume.store.locations import Location, S3Location, is_s3, location
 from exactresume.store.resume import (
     capture,
@@ -68,8 +73,10 @@ def save_resume(
     step: int | None = None,
     sharded: bool = False,
     world: World | None = None,
+    identity: dict | None = None,
 ) -> Location:
-    """Write `parts` (saved at `step`) as one resume file, atomically, with its checksum; returns where.
+    """Write `parts` (saved at `step`, by the run `identity` names) as one resume file, atomically, with
+    its checksum; returns where.
 
     `path` is a file, or an `s3://` object (committed whole: s3/files.py). Every rank of `world`
     calls it (default: one process; with `sharded`, torchrun's world): rank 0 writes the file, which
@@ -79,36 +86,42 @@ def save_resume(
     target = location(path)
     world = given_world(world, World.from_env() if sharded else World())
     check_parts(parts)
+    identity = check_identity(identity)
     if sharded:
-        _save_sharded(target, per_rank(parts, world), step, world)
+        _save_sharded(target, per_rank(parts, world), step, world, identity)
     else:
-        _save_file(target, for_one_file(parts, world, "save_resume(folder, parts, step, sharded=True)"), step, world)
+        one_file = for_one_file(parts, world, "save_resume(folder, parts, step, sharded=True)")
+        _save_file(target, one_file, step, world, identity)
     world.barrier()
     return target
 
 
-def _save_file(target: Location, parts: Mapping[str, Stateful], step: int | None, world: World) -> None:
+def _save_file(
+    target: Location, parts: Mapping[str, Stateful], step: int | None, world: World, identity: dict | None
+) -> None:
     if not world.is_main:
         capture(parts, step)  # takes part in gathering the per-rank parts; rank 0 writes
     elif isinstance(target, S3Location):
         from exactresume.store.s3.client import ObjectStore  # boto3: only where an object store is used
         from exactresume.store.s3.files import publish_leased  # under the prefix's lease
 
-        publish_leased(ObjectStore(target.config), target, capture(parts, step))
+        publish_leased(ObjectStore(target.config), target, capture(parts, step, identity))
     else:
-        save_resume_file(target, parts, step)
+        save_resume_file(target, parts, step, identity)
 
 
-def _save_sharded(target: Location, parts: Mapping[str, Stateful], step: int | None, world: World) -> None:
+def _save_sharded(
+    target: Location, parts: Mapping[str, Stateful], step: int | None, world: World, identity: dict | None
+) -> None:
     if isinstance(target, S3Location):
         from exactresume.store.s3.sharded import save_sharded_s3  # DCP takes a second to import: only when used
 
-        save_sharded_s3(target, parts, world, step)
+        save_sharded_s3(target, parts, world, step, identity)
         return
     from exactresume.store.sharded import save_sharded
 
     try:
-        save_sharded(target, parts, world, step)
+        save_sharded(target, parts, world, step, identity)
     except OSError as error:
         raise StorageError.from_os_error(str(target), error, "; what was there before is intact") from error
 
@@ -130,12 +143,16 @@ def load_resume(
     skip: Collection[str] = (),
     fresh: Collection[str] = (),
     world: World | None = None,
+    identity: dict | None = None,
 ) -> int | None:
     """Verify the resume file (or `s3://` object) at `path` and load it into `parts`, all or nothing
     (`skip` and `fresh` as in resume.restore; each rank of `world`, by default torchrun's, its own
-    entry of the per-rank parts); the step it was saved at (None: saved without one)."""
+    entry of the per-rank parts; with `identity`, only a file saved by that run); the step it was saved
+    at (None: saved without one)."""
     parts = per_rank(parts, given_world(world, World.from_env()))  # a mistake in the call first
+    identity = check_identity(identity)
     state = read_resume(path)
+    refuse_another_run(state, identity, path)
     for name in restore(state, parts, skip, fresh, source=path):
         notice(started_fresh(path, name))
     return saved_step(state)
@@ -164,11 +181,14 @@ class Resumed:
         skip: Collection[str] = (),
         fresh: Collection[str] = (),
         world: World | None = None,
+        identity: dict | None = None,
     ) -> int:
         """Load the state into `parts`, all or nothing (`skip` and `fresh` as in resume.restore; the config
-        part first: a different run is refused; each rank of `world`, by default torchrun's, its own
-        entry of the per-rank parts); the step it continues from."""
+        part first: a different run is refused, and with `identity` a state saved by another identity;
+        each rank of `world`, by default torchrun's, its own entry of the per-rank parts); the step it
+        continues from."""
         parts = per_rank(parts, given_world(world, World.from_env()))
+        refuse_another_run(self.state, check_identity(identity), self.path)
         if self.kind == "sharded":
             from exactresume.store.sharded import sharded_parts  # DCP takes a second to import: only when used
 
@@ -201,8 +221,8 @@ def open_resume(
 
     A checkpoint folder gives its newest checkpoint that verifies (the damaged ones skipped on the way
     are passed to `notify`); one that lacks a part in `needs` is refused, not passed over. AUTO reads
-    the folder `checkpoints` (a run's own) the same way, and gives None when it holds no valid
-    checkpoint: a fresh start.
+    the folder `checkpoints` (a run's own) the same way, and gives None when it holds no checkpoint:
+    a fresh start; when every checkpoint it holds is damaged, it refuses rather than start over them.
     Anything else that is not a complete resume state raises a one-line CheckpointError.
     `destination` tells a sharded folder's reader where this rank's shards go (parallel/fsdp.py).
     """
@@ -251,7 +271,7 @@ def _newest_in(folder: Location, needs: Collection[str], notify, required: bool)
     skipped: list[str] = []
     sharded = not is_s3(folder) and holds_sharded_checkpoints(folder)
     store = CheckpointStore(folder, keep=None, notify=skipped.append, sharded=sharded, world=World())
-    found = store.load_newest()
+    found = store.load_newest() if required else store.newest_loadable()  # a run's own: never fresh over damage
     if found is None and required:
         what = "uncommitted object(s)" if is_s3(folder) else ".tmp leftover(s)"
         details = [f"only {len(store.leftovers())} {what} of interrupted saves"] if store.leftovers() else []

@@ -150,7 +150,7 @@ class BackgroundWriter:
         self.wait()
         step = self.store.check_save(step)
         self.store.faults.reached("snapshot")
-        state = capture(parts, step)
+        state = capture(parts, step, self.store.identity)
         if self.copy == BEFORE_RETURN:
             state, self._guard = self.staging.copy(state), None
         else:

@@ -275,6 +275,8 @@ CHECKSUM_TEXT = {
     "absent": "none recorded (nothing to verify)",
     "mismatch": "recorded, but the files do not match it",
 }
+# A resume file as exactresume never writes one: inspect shows it, and says that --resume refuses it.
+UNSEALED_RESUME_TEXT = "none recorded, yet exactresume seals every resume file it writes; --resume refuses it"
 COMMIT_TEXT = {
     "verified": "commit.pth lists every file with its checksum, all match",
     "missing": "no commit.pth: the save did not finish (or was not made by exactresume); --resume refuses it",
@@ -303,7 +305,9 @@ def format_inspection(info: dict) -> str:
     """The human view of `inspect_checkpoint`'s result: header lines, then one row per part."""
     if info["kind"] == "store":
         return format_listing(info)
-    lines = [f"{info['path']}: {info['description']}", f"  checksum   {CHECKSUM_TEXT[info['checksum']]}"]
+    unsealed_resume = info["kind"] == "resume" and info["checksum"] == "absent"
+    checksum = UNSEALED_RESUME_TEXT if unsealed_resume else CHECKSUM_TEXT[info["checksum"]]
+    lines = [f"{info['path']}: {info['description']}", f"  checksum   {checksum}"]
     if info.get("commit"):
         lines.append(f"  commit     {info['commit']}: {COMMIT_TEXT[info['commit']].format(**info)}")
     lines += _config_lines(info["config"])

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from exactresume.errors import CheckpointError
+from exactresume.store.identity import IDENTITY_KEY
 
-OWN_KEYS = ("format", "version", "checkpoint_step")  # beside the parts in every file; resume.RESERVED_NAMES
+# beside the parts in every file (the identity in those saved with one); resume.RESERVED_NAMES
+OWN_KEYS = ("format", "version", "checkpoint_step", IDENTITY_KEY)
 SHOWN = 4  # names listed in a message before "and N more"
 
 

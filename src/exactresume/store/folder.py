@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
 from exactresume.config import check_keep
-from exactresume.errors import CheckpointError, FieldError, ReadBackError, UserError, notice
+from exactresume.errors import CheckpointError, FieldError, ReadBackError, StorageError, UserError, notice
 from exactresume.store.faults import FaultPoints
 from exactresume.store.locations import S3Location, is_s3
 from exactresume.store.lock import FolderLock
@@ -67,6 +67,8 @@ from exactresume.world import World, given_world
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
+
+NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})  # a folder one may read but not write
 
 
 class CheckpointStore(NumberedStore):
@@ -108,21 +110,30 @@ class CheckpointStore(NumberedStore):
         copy: str | None = None,
         world: World | None = None,
         sharded: bool = False,
+        identity: dict | None = None,
     ):
         if not isinstance(folder, (str, os.PathLike)):
             raise FieldError(f"folder must be a path, got a {type(folder).__name__}", "folder")
+        if not os.fspath(folder):  # Path("") is the current folder: a store there is never what was meant
+            raise FieldError("folder must be a folder's path, got an empty one", "folder")
         self.folder, self.keep, self.notify = Path(folder), check_keep(keep), notify
-        if self.folder.exists() and not self.folder.is_dir():
-            raise UserError(f"{self.folder} is a file, not a folder of checkpoints: give a folder's path")
+        _refuse_a_file_in_the_way(self.folder)
         self.faults = FaultPoints.from_environment()
         self.lock, self.owns_lock = lock, lock is None  # a caller's lock on a folder that holds this one
-        self._set_saving(background, copy, world)
+        self._set_saving(background, copy, world, identity)
 
     def hold_lock(self) -> None:
-        """Lock the folder for this store's writes (at once if it is free, else UserError)."""
-        if self.lock is None:
+        """Lock the folder for this store's writes (at once if it is free, else UserError); the OSError of a
+        lock file that cannot be written, for the write the lock was for to tell (a save, a clean-up)."""
+        if self.lock is not None:
+            return
+        try:
             with self._one_writer():
                 self.lock = FolderLock.acquire(self.folder)
+        except StorageError as refused:
+            if isinstance(refused.__cause__, OSError):
+                raise refused.__cause__ from None
+            raise
 
     def release(self) -> None:
         """Let another store write the folder."""
@@ -147,10 +158,19 @@ class CheckpointStore(NumberedStore):
             return []
         return sorted(self.folder / entry.name for entry in os.scandir(self.folder) if entry.name.endswith(TMP_SUFFIX))
 
+    def set_aside(self) -> list[Path]:
+        """Checkpoints a save renamed `NAME.unreadable` rather than write over them: kept, never read."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(self.folder / entry.name for entry in os.scandir(self.folder) if _is_set_aside(entry.name))
+
     def remove_leftovers(self) -> list[Path]:
         """Delete the `.tmp` leftovers of interrupted saves; returns what was removed."""
         if self.folder.is_dir():
-            self.hold_lock()
+            try:
+                self.hold_lock()
+            except OSError as error:
+                raise self._cleaning_refused(error) from error
         removed = self.leftovers()
         for path in removed:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
@@ -175,6 +195,30 @@ class CheckpointStore(NumberedStore):
         self._verify_written(path)
         self._retain(step)
         return path
+
+    def storage_error(self, step: int, error: OSError) -> StorageError:
+        """The line for a save the storage refused; in a folder this process may not write, no save can
+        succeed, and it says so (not the reader's way round it: a reader saves nothing)."""
+        refused = super().storage_error(step, error)
+        if error.errno not in NOT_WRITABLE:
+            return refused
+        told = StorageError(
+            f"{refused}; {self.folder} is not writable, so no checkpoint can be saved there: "
+            "give the store a writable folder"
+        )
+        told.errno = refused.errno
+        return told
+
+    def _cleaning_refused(self, error: OSError) -> StorageError:
+        """The line for a load that could not lock the folder to remove leftovers; where the folder is one
+        this process may not write, the reader's way: a load that writes nothing."""
+        after = ""
+        if error.errno in NOT_WRITABLE:
+            after = (
+                f"; {self.folder} is not writable, and a reader, which writes nothing there, loads with "
+                "store.load(parts, clean=False)"
+            )
+        return StorageError.from_os_error(f"the lock file of {self.folder}", error, after)
 
     def _ensure_folder(self) -> None:
         if not self.folder.is_dir():
@@ -288,13 +332,16 @@ class ShardedCheckpointStore(CheckpointStore):
         step = self.check_save(step)  # every rank reads the same folder, so every rank decides alike
         path = self.path_for(step)
         if self.world.is_main:
-            self.hold_lock()
-            self._ensure_folder()
-            self._set_aside_if_damaged(path)
+            try:
+                self.hold_lock()
+                self._ensure_folder()
+                self._set_aside_if_damaged(path)
+            except OSError as error:
+                raise self.storage_error(step, error) from error
         self.world.barrier()
         try:
             self.faults.reached("snapshot")
-            save_sharded(path, per_rank(parts, self.world), self.world, step)
+            save_sharded(path, per_rank(parts, self.world), self.world, step, self.identity)
         except OSError as error:
             raise self.storage_error(step, error) from error
         self.reached(step)
@@ -313,13 +360,18 @@ class ShardedCheckpointStore(CheckpointStore):
             self.notify(f"set aside {path} as {aside.name} before saving its step again (its files do not verify)")
 
     def load(
-        self, parts: Mapping[str, Stateful], skip: Collection[str] = (), fresh: Collection[str] = (), clean: bool = True
+        self,
+        parts: Mapping[str, Stateful],
+        skip: Collection[str] = (),
+        fresh: Collection[str] = (),
+        clean: bool = True,
+        any_identity: bool = False,
     ) -> int | None:
         """As a CheckpointStore's `load`, each rank reading the newest checkpoint that verifies whole."""
         from exactresume.store.sharded import sharded_parts
 
         check_parts(parts)
-        return super().load(sharded_parts(parts), skip, fresh, clean)
+        return super().load(sharded_parts(parts), skip, fresh, clean, any_identity)
 
     def verifies(self, checkpoint: Checkpoint) -> bool:
         from exactresume.store.sharded import verify_sharded
@@ -348,8 +400,28 @@ class ShardedCheckpointStore(CheckpointStore):
             fsync_path(self.folder)
 
 
+def _refuse_a_file_in_the_way(folder: Path) -> None:
+    """A store whose folder is a file, or lies under one, could never save: refused before it loads as
+    empty (a fresh start) and fails only at its first save."""
+    for place in (folder, *folder.parents):
+        if os.path.isdir(place):
+            return
+        if not os.path.exists(place):
+            continue
+        if place == folder:
+            raise UserError(f"{folder} is a file, not a folder of checkpoints: give a folder's path")
+        raise UserError(f"{folder} cannot be a folder of checkpoints: {place} is a file, not a folder")
+
+
 def _tensor_bytes(state: Any) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors_in(state))
+
+
+def _is_set_aside(name: str) -> bool:
+    """`step-….pth.unreadable` or `step-….dcp.unreadable`, or `….unreadable.N` when that name was taken (_free_name)."""
+    checkpoint, found, number = name.partition(UNREADABLE_SUFFIX)
+    named = CHECKPOINT_NAME.match(checkpoint) or SHARDED_CHECKPOINT_NAME.match(checkpoint)
+    return bool(found and named and (not number or re.fullmatch(r"\.\d+", number)))
 
 
 def _free_name(path: Path) -> Path:

@@ -14,6 +14,7 @@ from typing import Any
 from exactresume.errors import CheckpointError
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import Location, S3Location
+from exactresume.store.numbered import UNREADABLE_SUFFIX
 from exactresume.store.resume import RESERVED_NAMES, check_resume_state
 from exactresume.store.sealed import load_sealed
 
@@ -50,11 +51,13 @@ def _checkpoint(step: int, path: Location, summarize) -> dict:
 def list_checkpoints(folder: Location, summarize) -> dict:
     """The folder's checkpoints (oldest first), each verified; `summarize(value)` sizes one part."""
     store = CheckpointStore(folder, keep=None, notify=lambda message: None)
-    found = store.checkpoints()
+    found, set_aside = store.checkpoints(), _set_aside(store, folder)
     if not found:
         leftovers = store.leftovers()
         what = "uncommitted object(s)" if isinstance(folder, S3Location) else ".tmp leftover(s)"
-        detail = f": only {len(leftovers)} {what} of interrupted saves" if leftovers else ""
+        details = [f"{len(leftovers)} {what} of interrupted saves"] if leftovers else []
+        details += [f"{len(set_aside)} damaged checkpoint(s) set aside as {UNREADABLE_SUFFIX}"] if set_aside else []
+        detail = f": only {' and '.join(details)}" if details else ""
         raise CheckpointError(f"{folder} is a folder holding no checkpoint (step-*.pth) and no sharded one{detail}")
     checkpoints = [_checkpoint(c.step, c.path, summarize) for c in found]
     for checkpoint, file in zip(checkpoints, found):
@@ -63,19 +66,27 @@ def list_checkpoints(folder: Location, summarize) -> dict:
     return {
         "path": str(folder),
         "kind": "store",
-        "description": _description(checkpoints, valid),
+        "description": _description(checkpoints, valid, set_aside),
         "checksum": "verified" if len(valid) == len(checkpoints) else "mismatch",
         "newest_valid_step": valid[-1] if valid else None,
         "leftovers": [str(path) for path in store.leftovers()],
+        "set_aside": [str(path) for path in set_aside],
         "checkpoints": checkpoints,
     }
 
 
-def _description(checkpoints: list[dict], valid: list[int]) -> str:
+def _set_aside(store: CheckpointStore, folder: Location) -> list[Path]:
+    """The damaged checkpoints a save renamed NAME.unreadable (a folder on a disk only: an object store's
+    saves write over nothing)."""
+    return [] if isinstance(folder, S3Location) else store.set_aside()
+
+
+def _description(checkpoints: list[dict], valid: list[int], set_aside: list[Path]) -> str:
     count = f"{len(checkpoints)} checkpoint" + ("s" if len(checkpoints) != 1 else "")
     damaged = len(checkpoints) - len(valid)
     newest = f"a resume continues from step {valid[-1]}" if valid else "none verifies: a resume is refused"
-    return f"checkpoint folder: {count}" + (f", {damaged} damaged" if damaged else "") + f"; {newest}"
+    aside = f", {len(set_aside)} set aside as damaged" if set_aside else ""
+    return f"checkpoint folder: {count}" + (f", {damaged} damaged" if damaged else "") + aside + f"; {newest}"
 
 
 def format_listing(info: dict[str, Any]) -> str:
@@ -91,5 +102,9 @@ def format_listing(info: dict[str, Any]) -> str:
     lines += [
         f"  {Path(path).name}  leftover of an interrupted save (removed by the next writer)"
         for path in info["leftovers"]
+    ]
+    lines += [
+        f"  {Path(path).name}  set aside: damaged, renamed by a save of its step rather than written over; never read"
+        for path in info.get("set_aside", [])
     ]
     return "\n".join(lines)

@@ -8,7 +8,11 @@ checkpoint through its own `load_newest`. This module holds the names, the step 
 `save` is the one way a run saves its checkpoints, whatever the store's options: synchronous or in
 the background (`background=True`: background.py), one process or many (`world=`: every rank calls
 `save` and `load`, the per-rank parts keep every rank's state, rank 0 writes), on a disk or under
-an `s3://` prefix.
+an `s3://` prefix. A store given `identity=` saves it with each checkpoint and loads none of another
+run (identity.py).
+
+`load` never starts a run fresh over checkpoints it could not load: a folder whose every checkpoint
+is damaged is refused, naming them, rather than read as empty.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from exactresume.errors import CheckpointError, FieldError, StorageError, UserError
 from exactresume.store.background import BEFORE_RETURN, BackgroundWriter
+from exactresume.store.identity import check_identity, refuse_another_run
 from exactresume.store.locations import Location
 from exactresume.store.resume import (
     STEP_KEY,
@@ -40,6 +45,7 @@ if TYPE_CHECKING:
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})\.pth$")
 UNREADABLE_SUFFIX = ".unreadable"  # a file set aside rather than written over (folder.py)
+NAMED = 3  # checkpoints a refusal names before "and N more"
 
 
 def checkpoint_name(step: int) -> str:
@@ -55,13 +61,13 @@ class Checkpoint:
     path: Location
 
 
-def snapshot(step: int, parts: Mapping[str, Stateful]) -> dict:
-    """The state to write: every part's state_dict and the step.
+def snapshot(step: int, parts: Mapping[str, Stateful], identity: dict | None = None) -> dict:
+    """The state to write: every part's state_dict, the step, and the run's identity when it has one.
 
     The tensors are references to the live ones, not copies: fine while `save` runs before the next
     step; a writer in the background works on a copy (background.py).
     """
-    return capture(parts, step)
+    return capture(parts, step, identity)
 
 
 def check_checkpoint(checkpoint: Checkpoint, state: Any) -> dict:
@@ -75,16 +81,19 @@ def check_checkpoint(checkpoint: Checkpoint, state: Any) -> dict:
 class NumberedStore:
     """`save` and `load` over a store's own stages (`commit`, `remove_leftovers`, `load_newest`).
 
-    A checkpoint that `load` found but could not load into the parts given (their names or tensors
-    differ) is never written over or deleted by this store: every `save` refuses until a `load`
-    succeeds (with `skip=` / `fresh=`) or the file is moved away. Nor does a save at a step that a
-    verified checkpoint of the folder has reached, unless this store loaded or wrote it: a loop that
-    forgot to load cannot write over its own run.
+    A checkpoint that `load` found but could not load (the parts given differ, it is another run's, or
+    every checkpoint of the folder is damaged) is never written over or deleted by this store: every
+    `save` refuses until a `load` succeeds (with `skip=` / `fresh=` / `any_identity=`) or the file is
+    moved away. Nor does a save at a step that a verified checkpoint of the folder has reached, unless
+    this store loaded or wrote it: a loop that forgot to load cannot write over its own run.
     """
 
     folder: Location
     keep: int | None
+    identity: dict | None = None  # the run's, saved with each checkpoint and checked by `load` (identity.py)
     refused: Checkpoint | None = None  # the checkpoint the last load could not load
+    refusal: str = ""  # the line each save says while `refused` is in the folder
+    held_skips: list[Skipped] | None = None  # what `load_newest` passed over, not said yet
     known: int | None = None  # the furthest step this store loaded or saved: the run it writes has reached it
     passed_over: frozenset = frozenset()  # what its last load skipped: never deleted by its retention
     blocked: Checkpoint | None = None  # a checkpoint a save was refused for: every later save is refused
@@ -93,9 +102,12 @@ class NumberedStore:
     writer: BackgroundWriter | None = None  # with background=True, on the rank that writes
     coalesced: int = 0  # saves skipped by `coalesce` because the one before was still being written
 
-    def _set_saving(self, background: bool, copy: str | None, world: World | None) -> None:
-        """The options every store takes: saves in the background (copying as `copy` says), and the
-        processes that save together (`world`; rank 0 writes)."""
+    def _set_saving(
+        self, background: bool, copy: str | None, world: World | None, identity: dict | None = None
+    ) -> None:
+        """The options every store takes: saves in the background (copying as `copy` says), the processes
+        that save together (`world`; rank 0 writes), and the run's `identity` (identity.py)."""
+        self.identity = check_identity(identity)
         if not isinstance(background, bool):
             raise FieldError(f"background must be True or False, got {background!r}", "background")
         if copy is not None and not background:
@@ -135,7 +147,7 @@ class NumberedStore:
         step = self.check_save(step)
         try:
             self.faults.reached("snapshot")
-            path = self.commit(step, snapshot(step, parts))
+            path = self.commit(step, snapshot(step, parts, self.identity))
         except OSError as error:
             raise self.storage_error(step, error) from error
         self.reached(step)
@@ -195,11 +207,7 @@ class NumberedStore:
         """The step to save at, or a one-line error when this store must not save (see the class)."""
         step = check_step(step)
         if self.refused is not None and self.refused.path in [c.path for c in self.checkpoints()]:
-            raise CheckpointError(
-                f"{self.refused.path} could not be loaded into the parts given, so this store saves nothing "
-                "that could write over or delete it: load it as the load's error says (skip=, fresh=, or the "
-                "parts it was saved from), or move it out of the folder"
-            )
+            raise CheckpointError(self.refusal)
         ahead = self.blocked or self.unknown_from(step)
         if ahead is not None:
             self.blocked = ahead  # a loop that catches this and goes on must not prune the run later
@@ -257,39 +265,134 @@ class NumberedStore:
         skip: Collection[str] = (),
         fresh: Collection[str] = (),
         clean: bool = True,
+        any_identity: bool = False,
     ) -> int | None:
         """Load the newest checkpoint that verifies into `parts`, all or nothing: its step, or None when there is none.
 
-        Damaged checkpoints are skipped (each named to `notify`). When the parts given differ from the
-        checkpoint's, this raises a CheckpointError naming both sides, loads nothing and falls back to
-        no older file: `skip` names parts (given or saved) to leave as they are, `fresh` parts new
-        since the save, which then start as they are. With `clean` (the writer) it first locks the
-        folder and removes the leftovers of interrupted saves; without (a reader) it takes no lock.
-        Under many processes every rank calls it, each restores its own entry of the per-rank parts,
-        and only rank 0 cleans.
+        Damaged checkpoints are skipped (each named to `notify`); when every one is, this raises a
+        CheckpointError naming them rather than give None, on which a loop would start fresh over them.
+        When the parts given differ from the checkpoint's, or it was saved by a run of another identity
+        than the store's (unless `any_identity`), this raises a CheckpointError naming both sides, loads
+        nothing and falls back to no older file: `skip` names parts (given or saved) to leave as they
+        are, `fresh` parts new since the save, which then start as they are. With `clean` (the writer)
+        it first locks the folder and removes the leftovers of interrupted saves; without (a reader) it
+        takes no lock. Under many processes every rank calls it, each restores its own entry of the
+        per-rank parts, and only rank 0 cleans.
         """
         check_parts(parts)  # a mistake in the call is named before anything is read or cleaned
         parts = per_rank(parts, self.world)
         if clean and self.world.is_main:
             self.remove_leftovers()
-        found = self.load_newest()
+        found = self.newest_loadable()
         if found is None:
             return None
         checkpoint, state = found
+        if not any_identity:
+            self._check_run(checkpoint, state)
         try:
             starting = restore(state, parts, skip=skip, fresh=fresh, source=checkpoint.path)
         except CheckpointError:
-            self.refused = checkpoint
+            self._refuse_saves(checkpoint, _misfit_saves(checkpoint))
             raise
         self.refused, self.blocked, self.known = None, None, checkpoint.step
         for name in starting:
             self.notify(started_fresh(checkpoint.path, name))
         return checkpoint.step
 
+    def newest_loadable(self) -> tuple[Checkpoint, dict] | None:
+        """`load_newest`, but a folder whose every checkpoint it passes over is refused (CheckpointError
+        naming them), not taken for an empty one: None only when there is no checkpoint at all. Each
+        checkpoint passed over on the way to an older one is named to `notify`."""
+        self.held_skips = []
+        try:
+            found = self.load_newest()
+        finally:
+            held, self.held_skips = self.held_skips, None
+        if found is None and held:
+            self._refuse_saves(held[0].checkpoint, _damaged_saves(self.folder))
+            raise none_loadable(self.folder, held)
+        for skipped in held:
+            self.notify(skipped.line())
+        return found
+
+    def _check_run(self, checkpoint: Checkpoint, state: dict) -> None:
+        """CheckpointError when `checkpoint` is not this store's run by its identity; saves refuse then."""
+        try:
+            refuse_another_run(state, self.identity, checkpoint.path, ANOTHER_RUN_WAY_OUT)
+        except CheckpointError:
+            self._refuse_saves(checkpoint, _another_run_saves(checkpoint))
+            raise
+
+    def _refuse_saves(self, checkpoint: Checkpoint, refusal: str) -> None:
+        """Every save says `refusal` while `checkpoint` is in the folder (see the class)."""
+        self.refused, self.refusal = checkpoint, refusal
+
     def skipped(self, checkpoint: Checkpoint, error: CheckpointError, damaged: bool) -> None:
-        """Say that `checkpoint` was passed over on the way to an older one, and why; keep it from retention."""
+        """Say that `checkpoint` was passed over on the way to an older one, and why; keep it from retention.
+        Inside `newest_loadable` it is said only once an older one is found."""
         self.passed_over = self.passed_over | {checkpoint.path}
-        self.notify(f"skipping {'damaged ' if damaged else ''}checkpoint {error}")
+        if self.held_skips is not None:
+            self.held_skips.append(Skipped(checkpoint, error, damaged))
+        else:
+            self.notify(Skipped(checkpoint, error, damaged).line())
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint a load passed over, and why: its bytes do not verify (`damaged`), or it is not one
+    this release reads."""
+
+    checkpoint: Checkpoint
+    error: CheckpointError
+    damaged: bool
+
+    def line(self) -> str:
+        return f"skipping {'damaged ' if self.damaged else ''}checkpoint {self.error}"
+
+
+ANOTHER_RUN_WAY_OUT = (
+    "call store.load(parts, any_identity=True) (later saves record the store's identity), or use another folder"
+)
+
+
+def _another_run_saves(checkpoint: Checkpoint) -> str:
+    return (
+        f"{checkpoint.path} is not known to be this store's run (its identity), so this store saves nothing that "
+        "could write over or delete it: load it with store.load(parts, any_identity=True), or use another folder"
+    )
+
+
+def _misfit_saves(checkpoint: Checkpoint) -> str:
+    return (
+        f"{checkpoint.path} could not be loaded into the parts given, so this store saves nothing "
+        "that could write over or delete it: load it as the load's error says (skip=, fresh=, or the "
+        "parts it was saved from), or move it out of the folder"
+    )
+
+
+def _damaged_saves(folder: Location) -> str:
+    return (
+        f"no checkpoint of {folder} could be loaded, so this store saves nothing beside them: move them out "
+        "of the folder to start fresh, or use another folder"
+    )
+
+
+def none_loadable(folder: Location, passed: list[Skipped]) -> CheckpointError:
+    """The one line for a folder none of whose checkpoints loads (`passed`, newest first): a run started
+    fresh there would train, and save, over them."""
+    names = [skipped.checkpoint.path.name for skipped in passed]
+    newest = passed[0]
+    reason = str(newest.error).removeprefix(f"{newest.checkpoint.path}: ")  # the line names the folder once
+    if len(names) == 1:
+        what = f"the only checkpoint in {folder} cannot be loaded ({names[0]}: {reason})"
+    else:
+        more = f" and {len(names) - NAMED} more" if len(names) > NAMED else ""
+        listed = ", ".join(names[:NAMED]) + more
+        what = f"none of the {len(names)} checkpoints in {folder} can be loaded ({listed}; the newest: {reason})"
+    return CheckpointError(
+        f"{what}; nothing was loaded, rather than start fresh over {'it' if len(names) == 1 else 'them'}: to start "
+        "fresh on purpose, move the checkpoints out of the folder (or delete them), or use another folder"
+    )
 
 
 __all__ = [
@@ -299,5 +402,6 @@ __all__ = [
     "check_checkpoint",
     "UNREADABLE_SUFFIX",
     "checkpoint_name",
+    "none_loadable",
     "snapshot",
 ]

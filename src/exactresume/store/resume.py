@@ -26,6 +26,7 @@ import torch
 from exactresume.errors import CheckpointError, FieldError, StorageError, UserError, notice
 from exactresume.store.fit import check_names, check_tensors
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, RESUME_VERSIONS, check_format
+from exactresume.store.identity import IDENTITY_KEY, with_identity
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.world import World
 
@@ -36,17 +37,18 @@ if TYPE_CHECKING:  # PyTorch's own part protocol, DCP's: importing DCP costs a s
 PART_NAMES = ("config", "model", "optimizer", "scaler", "step", "gen_state", "rng")
 OPTIONAL_PARTS = ("scaler",)  # held only by runs that have one; the config says which
 STEP_KEY = "checkpoint_step"  # beside the parts in every file: the step it was saved at
-RESERVED_NAMES = ("format", "version", STEP_KEY)  # our own keys: no part may take them
+RESERVED_NAMES = ("format", "version", STEP_KEY, IDENTITY_KEY)  # our own keys: no part may take them
 PER_RANK_KEY = "per_rank"
 
 
-def capture(parts: Mapping[str, Stateful], step: int | None = None) -> dict:
-    """The resume state of `parts` (and the step it is saved at) as one dict: tensors and plain values only."""
+def capture(parts: Mapping[str, Stateful], step: int | None = None, identity: dict | None = None) -> dict:
+    """The resume state of `parts` (and the step it is saved at, and the run's identity: identity.py) as
+    one dict: tensors and plain values only."""
     check_parts(parts)
     header = {"format": RESUME_FORMAT, "version": RESUME_VERSION}
     if step is not None:
         header[STEP_KEY] = check_step(step)
-    return header | {name: part.state_dict() for name, part in parts.items()}
+    return with_identity(header, identity) | {name: part.state_dict() for name, part in parts.items()}
 
 
 def check_parts(parts: Any) -> None:
@@ -241,10 +243,13 @@ def saved_step(state: Mapping) -> int | None:
     return int(step) if isinstance(step, int) else None
 
 
-def save_resume_file(path: Path, parts: Mapping[str, Stateful], step: int | None = None) -> Path:
-    """Write `parts` (saved at `step`) as one local resume file, atomically, with its checksum; returns `path`.
-    A write the storage refuses is a StorageError, and what was at `path` is left as it was."""
-    state = capture(parts, step)
+def save_resume_file(
+    path: Path, parts: Mapping[str, Stateful], step: int | None = None, identity: dict | None = None
+) -> Path:
+    """Write `parts` (saved at `step`, by the run `identity` names) as one local resume file, atomically,
+    with its checksum; returns `path`. A write the storage refuses is a StorageError, and what was at
+    `path` is left as it was."""
+    state = capture(parts, step, identity)
     try:
         save_sealed(Path(path), state)
     except OSError as error:

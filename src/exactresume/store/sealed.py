@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 import struct
 import threading
 from pathlib import Path
@@ -35,10 +36,13 @@ import xxhash
 from exactresume.atomic import atomic_write
 from exactresume.errors import CheckpointError
 from exactresume.store.onepass import NOT_READ, load_verified
+from exactresume.store.torch_refusal import torch_refusal
 
 SEAL_PREFIX = b"exactresume-xxh3-128:"
 SEAL_LENGTH = len(SEAL_PREFIX) + 32  # prefix + 128-bit digest in hex
 END_OF_CENTRAL_DIRECTORY = b"PK\x05\x06"
+ZIP_START = b"PK\x03\x04"  # a zip archive's first record, as torch.save writes it
+SEAL_DIGITS = re.compile(rb"[0-9a-f]*")  # what follows the prefix in a seal: the digest in hex
 EOCD_SIZE = 22  # the zip end record without its comment; its last two bytes are the comment length
 PIECE = 1 << 20  # the hash reads the written file back a megabyte at a time, into one buffer
 
@@ -162,16 +166,51 @@ def _digest(file: BinaryIO) -> str:
 
 
 def _recorded_seal(path: Path, file: BinaryIO) -> str:
-    """The digest the file's seal records, or CheckpointError for an empty or unsealed file."""
-    if os.fstat(file.fileno()).st_size == 0:
-        raise CheckpointError(f"{path}: the file is empty (0 bytes)")
+    """The digest the file's seal records, or CheckpointError for an empty, damaged or unsealed file."""
     recorded = _read_seal(file)
     if recorded is None:
-        _refuse_appended(path, file)
+        _refuse_damaged_end(path, file)
         raise CheckpointError(
             f"{path}: no exactresume checksum at the end of the file (truncated, or not written by exactresume)"
         )
     return recorded
+
+
+def _refuse_damaged_end(path: Path, file: BinaryIO) -> None:
+    """A file without a seal at its end that is damaged all the same, told from its bytes alone, so that
+    every reader, sealed or not, refuses it in the same words: empty, cut short, or appended to."""
+    if os.fstat(file.fileno()).st_size == 0:
+        raise CheckpointError(f"{path}: the file is empty (0 bytes)")
+    cut = _cut_short(file)
+    if cut is not None:
+        raise CheckpointError(f"{path}: damaged, truncated: {cut}")
+    _refuse_appended(path, file)
+
+
+def _cut_short(file: BinaryIO) -> str | None:
+    """What is missing from the end of a zip archive cut short (None: its end is whole).
+
+    A seal cut short leaves the zip end record whole, and torch.load reads the file still: the record's
+    comment length says 53 bytes of seal follow, and fewer do. A longer cut takes the end record itself,
+    which every zip archive ends with."""
+    size = file.seek(0, os.SEEK_END)
+    file.seek(max(0, size - TAIL_SEARCHED - EOCD_SIZE - SEAL_LENGTH))
+    tail = file.read()
+    found = tail.rfind(END_OF_CENTRAL_DIRECTORY)
+    if found < 0 or len(tail) - found < EOCD_SIZE:
+        file.seek(0)
+        return "the end of its zip archive is missing" if file.read(len(ZIP_START)) == ZIP_START else None
+    comment = tail[found + EOCD_SIZE :]
+    declared = struct.unpack("<H", tail[found + EOCD_SIZE - 2 : found + EOCD_SIZE])[0]
+    if declared == SEAL_LENGTH and len(comment) < SEAL_LENGTH and _begins_a_seal(comment):
+        return f"its last {SEAL_LENGTH - len(comment)} bytes are missing (of the exactresume checksum at its end)"
+    return None
+
+
+def _begins_a_seal(comment: bytes) -> bool:
+    """Whether `comment` is the first bytes of a seal (none at all included)."""
+    prefix, digits = comment[: len(SEAL_PREFIX)], comment[len(SEAL_PREFIX) :]
+    return SEAL_PREFIX.startswith(prefix) and SEAL_DIGITS.fullmatch(digits) is not None
 
 
 def _refuse_appended(path: Path, file: BinaryIO) -> None:
@@ -240,12 +279,11 @@ def load_sealed(path: Path, require_seal: bool = True) -> Any:
         with open(path, "rb") as file:
             if require_seal or _read_seal(file) is not None:
                 return _load_sealed_file(path, file)
-            _refuse_appended(path, file)  # a file without a seal at its end may still have been sealed
+            _refuse_damaged_end(path, file)  # a file without a seal at its end may still have been sealed
             return _torch_load(file)
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error.strerror or error}") from None
     except CheckpointError:
         raise
     except Exception as error:  # the unpickler's many refusals: bad zip, forbidden global, ...
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"{path}: not a loadable torch file ({reason[:200]})") from None
+        raise CheckpointError(f"{path}: not a loadable torch file ({torch_refusal(error)})") from None

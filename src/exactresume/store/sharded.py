@@ -150,10 +150,13 @@ def _module_of(optimizer: torch.optim.Optimizer, parts: Mapping[str, Stateful]) 
 # ---- saving -----------------------------------------------------------------------------------
 
 
-def save_sharded(folder: Path, parts: Mapping[str, Stateful], world: World, step: int | None = None) -> None:
-    """Every rank writes its shard (saved at `step`) into FOLDER.tmp/; rank 0 commits it and puts it at `folder`."""
+def save_sharded(
+    folder: Path, parts: Mapping[str, Stateful], world: World, step: int | None = None, identity: dict | None = None
+) -> None:
+    """Every rank writes its shard (saved at `step`, by the run `identity` names) into FOLDER.tmp/; rank 0
+    commits it and puts it at `folder`."""
     staging = tmp_path(folder)
-    state = capture(sharded_parts(parts), step)
+    state = capture(sharded_parts(parts), step, identity)
     if world.is_main:
         shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
         staging.mkdir(parents=True)

@@ -2,7 +2,7 @@
 scheduler, checkpoints every 10 steps in a CheckpointStore. Its flags play the versions of the
 script a user writes over time (a part added or renamed, another width) and the mistakes they make.
 
-    python user_loop.py FOLDER [--steps 30] [--parts model,opt] [--width 32] [--fresh sched]
+    python user_loop.py FOLDER [--steps 30] [--parts model,opt] [--width 32] [--fresh sched] [--seed 0 --identity]
 """
 
 import argparse
@@ -20,6 +20,8 @@ flags.add_argument("--width", type=int, default=32)
 flags.add_argument("--fresh", default="")
 flags.add_argument("--skip", default="")
 flags.add_argument("--keep", type=int, default=3)
+flags.add_argument("--seed", type=int, default=0)
+flags.add_argument("--identity", action="store_true")  # the store is told the run's seed (identity=)
 flags.add_argument("--start-over-on-error", action="store_true")  # catch the load's error and train from 0
 flags.add_argument("--no-load", action="store_true")  # the script that forgot to resume
 flags.add_argument("--ignore-save-errors", action="store_true")  # ... and that goes on when a save is refused
@@ -27,7 +29,7 @@ flags.add_argument("--save-step", type=int)  # one save at this step (a mistake 
 flags.add_argument("--file-size-limit", type=int)  # the test's stand-in for a full disk: RLIMIT_FSIZE
 args = flags.parse_args()
 
-torch.manual_seed(0)
+torch.manual_seed(args.seed)
 model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 1))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
@@ -39,7 +41,7 @@ names = lambda text: [name for name in text.split(",") if name]  # noqa: E731
 weights_before = [p.detach().clone() for p in model.parameters()]
 
 try:
-    store = CheckpointStore(args.folder, keep=args.keep)
+    store = CheckpointStore(args.folder, keep=args.keep, identity={"seed": args.seed} if args.identity else None)
     try:
         start = 0 if args.no_load else store.load(parts, skip=names(args.skip), fresh=names(args.fresh)) or 0
     except UserError as error:

@@ -50,13 +50,14 @@ class S3CheckpointStore(NumberedStore):
         copy: str | None = None,
         world: World | None = None,
         sharded: bool = False,  # CheckpointStore's signature: a sharded store on a prefix is refused before
+        identity: dict | None = None,
     ):
         self.folder, self.keep, self.notify = location(folder, config), check_keep(keep), notify
         self.faults = FaultPoints.from_environment()
         self.objects = ObjectStore(self.folder.config)
         self.objects.before_part = lambda number: self.faults.reached("upload")
         self.wait_lock, self.lease = wait_lock, None
-        self._set_saving(background, copy, world)
+        self._set_saving(background, copy, world, identity)
 
     def hold_lock(self) -> None:
         """Take the prefix's lease for this store's writes (waiting up to `wait_lock` s), else UserError."""

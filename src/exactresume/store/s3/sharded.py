@@ -47,13 +47,20 @@ from exactresume.store.sharded import (
 from exactresume.world import World
 
 
-def save_sharded_s3(target: S3Location, parts: Mapping[str, Stateful], world: World, step: int | None = None) -> None:
-    """Every rank writes and uploads its shard (saved at `step`); rank 0 commits once all have, under
-    the lease of the folder's prefix (s3/lease.py), checked before the old commit goes and the new one is written."""
+def save_sharded_s3(
+    target: S3Location,
+    parts: Mapping[str, Stateful],
+    world: World,
+    step: int | None = None,
+    identity: dict | None = None,
+) -> None:
+    """Every rank writes and uploads its shard (saved at `step`, by the run `identity` names); rank 0
+    commits once all have, under the lease of the folder's prefix (s3/lease.py), checked before the old
+    commit goes and the new one is written."""
     import torch.distributed.checkpoint as dcp
 
     objects = ObjectStore(target.config)
-    state = capture(sharded_parts(parts), step)
+    state = capture(sharded_parts(parts), step, identity)
     with contextlib.ExitStack() as held:
         lease = _unpublish(objects, target, world, held)  # from here until the new commit, the prefix is not trusted
         with local_folder(state_bytes(state) // world.size) as staging:
