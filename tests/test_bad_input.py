@@ -148,6 +148,16 @@ def test_bad_flag_is_one_line(tmp_path):
     assert_one_line_error(finished, f"cannot read {tmp_path / 'a.pth'}: No such file or directory")
 
 
+@pytest.mark.parametrize(
+    "command", [("inspect", ""), ("diff", "", "b.pth"), ("train", "--out", ""), ("export", "a.pth", "-o", "")]
+)
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    finished = call_cli(*command)
+    assert_one_line_error(finished, "a path cannot be empty")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_pickle_payload_does_not_run(tmp_path, kjv_folder, stopped):
     marker = tmp_path / "pwned"
 

@@ -90,33 +90,40 @@ def test_persistent_workers_resumed_after_the_first_epoch(kind, straight_runs, t
     assert not any("exactresume:" in printed for printed in resumed["printed"])
 
 
-# (kind, workers saved with, workers resumed with, exact): a DataLoader's order never depends on its
-# workers; torchdata's sampler draws its order each time it is opened, and a loader opens it once an
-# epoch in its own process, twice through workers, so from 0 to some or back it changes from the next epoch.
+# (kind, workers saved with, workers resumed with, what the resumed run says: None when it is exact).
+# A DataLoader's order does not depend on the worker count; torchdata's sampler draws its order each time
+# it is opened, and a loader opens it once an epoch in its own process, twice through workers, so from 0
+# to some or back it changes from the next epoch; persistent workers draw their base seed once per process,
+# from the generator the order is drawn from too, and other loaders once per epoch.
 WORKER_CHANGES = [
-    ("generator", 2, 0, True),
-    ("generator", 2, 1, True),
-    ("generator", 0, 2, True),
-    ("stateful", 2, 1, True),
-    ("stateful", 2, 0, False),
-    ("stateful", 0, 2, False),
+    ("generator", 2, 0, None),
+    ("generator", 2, 1, None),
+    ("generator", 0, 2, None),
+    ("stateful", 2, 1, None),
+    ("stateful", 2, 0, "its RandomSampler draws a new order each time the loader opens it"),
+    ("stateful", 0, 2, "its RandomSampler draws a new order each time the loader opens it"),
+    ("persistent", 2, 1, None),
+    ("persistent", 2, 0, "it draws its workers' base seed from the generator its order is drawn from"),
 ]
 
 
-@pytest.mark.parametrize(("kind", "saved", "resumed", "exact"), WORKER_CHANGES)
-def test_another_worker_count_is_exact_or_said(kind, saved, resumed, exact, straight_runs, tmp_path):
+@pytest.mark.parametrize(("kind", "saved", "resumed", "why"), WORKER_CHANGES)
+def test_another_worker_count_is_exact_or_said(kind, saved, resumed, why, straight_runs, tmp_path):
     run = finished_run(tmp_path, kind, (20,), "--workers", saved, last=("--workers", resumed))
     said = [line for line in run["printed"][-1].splitlines() if "num_workers" in line]
-    assert (first_difference(straight_runs(kind, False, "--workers", saved), run) is None) is exact
-    if exact:
+    assert (first_difference(straight_runs(kind, False, "--workers", saved), run) is None) is (why is None)
+    if why is None:
         assert said == []
     else:
-        assert said == [
-            f"exactresume: the StatefulDataLoader over Numbered was saved with num_workers={saved} and now has "
-            f"num_workers={resumed}: its RandomSampler draws a new order each time the loader opens it, and how "
-            "often a loader opens it depends on its workers: the epochs after this one will differ from the "
-            f"saved run's; resume with num_workers={saved} to be exact"
-        ]
+        persistent = ", persistent_workers=True" if kind == "persistent" else ""
+        setup = f"num_workers={saved}{persistent if saved else ''}"
+        assert len(said) == 1 and said[0].startswith(f"exactresume: the {build_name(kind)} was saved with {setup} ")
+        assert f"now has num_workers={resumed}{persistent if resumed else ''}: {why}" in said[0]
+        assert said[0].endswith(f"; resume with {setup} to be exact")
+
+
+def build_name(kind: str) -> str:
+    return ("StatefulDataLoader" if kind.startswith("stateful") else "DataLoader") + " over Numbered"
 
 
 def test_augmentation_drawn_in_workers_is_said_at_the_first_save(straight_runs, tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from exactresume import summaries
 from exactresume.commands.config_flags import (
@@ -21,7 +20,7 @@ from exactresume.commands.config_flags import (
     config_from_args,
 )
 from exactresume.commands.output import add_output_flags, emit
-from exactresume.commands.places import add_data_flag
+from exactresume.commands.places import add_data_flag, given_path
 from exactresume.commands.writer import add_writer_flags, lock_out
 from exactresume.errors import UserError
 
@@ -36,12 +35,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--ablation-dropout", type=float, default=0.1, help="dropout of the setup that measures the rng part"
     )
     ablation.add_argument(
-        "--markdown", type=Path, metavar="JSON", help="train nothing: print the table of this ablation.json"
+        "--markdown", type=given_path, metavar="JSON", help="train nothing: print the table of this ablation.json"
     )
     ablation.add_argument(
-        "--readme", type=Path, help="with --markdown: write the table between the ablation markers of this file"
+        "--readme", type=given_path, help="with --markdown: write the table between the ablation markers of this file"
     )
-    groups[OUTPUTS_GROUP].add_argument("--out", type=Path, help="output folder")
+    groups[OUTPUTS_GROUP].add_argument("--out", type=given_path, help="output folder")
     add_output_flags(groups[OUTPUTS_GROUP], progress=False)
     add_writer_flags(groups[OUTPUTS_GROUP])
 

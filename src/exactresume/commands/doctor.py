@@ -12,6 +12,7 @@ import argparse
 import shlex
 from pathlib import Path
 
+from exactresume.commands.places import given_path
 from exactresume.errors import UserError
 
 DOCTOR_HELP = (
@@ -35,7 +36,7 @@ def add_flags(doctor: argparse.ArgumentParser) -> None:
     )
     doctor.add_argument(
         "--out",
-        type=Path,
+        type=given_path,
         default=Path("doctor"),
         help="folder for doctor.json, report.md, verdict.txt, traces, logs, the files moved aside",
     )

@@ -6,21 +6,20 @@ exactresume export runs/a/resume.pth -o model.safetensors
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from exactresume.commands.output import add_output_flags, emit
-from exactresume.commands.places import DEFAULT_DATA
+from exactresume.commands.places import DEFAULT_DATA, given_path
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", type=Path, help="a resume file or a weights file")
-    parser.add_argument("-o", "--out", type=Path, required=True, help="the file to write")
+    parser.add_argument("source", type=given_path, help="a resume file or a weights file")
+    parser.add_argument("-o", "--out", type=given_path, required=True, help="the file to write")
     parser.add_argument(
         "--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="dtype of the exported weights"
     )
     parser.add_argument("--format", choices=("pt", "safetensors"), help="container (default: from OUT's suffix)")
     parser.add_argument("--clamp", action="store_true", help="saturate values beyond fp16's ±65504 instead of refusing")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder with val.npy for the logit check")
+    parser.add_argument("--data", type=given_path, default=DEFAULT_DATA, help="folder with val.npy for the logit check")
     add_output_flags(parser, progress=False)
 
 

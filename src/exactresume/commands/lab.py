@@ -6,7 +6,6 @@ exactresume lab --out runs/lab --ablate
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from exactresume import summaries
 from exactresume.commands.config_flags import (
@@ -19,7 +18,7 @@ from exactresume.commands.config_flags import (
     config_from_args,
 )
 from exactresume.commands.output import add_output_flags, emit, progress_mode
-from exactresume.commands.places import add_data_flag
+from exactresume.commands.places import add_data_flag, given_path
 from exactresume.commands.train import add_process_flag
 from exactresume.commands.writer import add_writer_flags, lock_out
 from exactresume.errors import UserError
@@ -36,7 +35,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="also run the ablation of every resume part (ablation.json, a table in the report)",
     )
     outputs = groups[OUTPUTS_GROUP]
-    outputs.add_argument("--out", type=Path, required=True, help="output folder")
+    outputs.add_argument("--out", type=given_path, required=True, help="output folder")
     outputs.add_argument("--lang", choices=("ko", "en", "zh"), default="ko", help="language of the report's body")
     add_output_flags(outputs)
     add_writer_flags(outputs)

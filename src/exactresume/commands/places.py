@@ -13,7 +13,9 @@ DEFAULT_DATA = Path("data/kjv")
 
 
 def add_data_flag(group) -> None:
-    group.add_argument("--data", type=Path, default=DEFAULT_DATA, help="prepared data folder (exactresume prepare)")
+    group.add_argument(
+        "--data", type=given_path, default=DEFAULT_DATA, help="prepared data folder (exactresume prepare)"
+    )
 
 
 def add_s3_flags(group) -> None:
@@ -68,6 +70,13 @@ def resume_source(text: str) -> Path | str:
     return text if text == "auto" or text.startswith("s3://") else Path(text)
 
 
+def given_path(text: str) -> Path:
+    """A path flag's value; an empty one is refused (Path("") would be the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("a path cannot be empty")
+    return Path(text)
+
+
 def any_location(text: str) -> Path | str:
     """A path, or an `s3://` location (kept as text until --s3-endpoint is known)."""
-    return text if text.startswith("s3://") else Path(text)
+    return text if text.startswith("s3://") else given_path(text)

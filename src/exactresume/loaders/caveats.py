@@ -70,6 +70,11 @@ def worker_caveat(loader, saved: LoaderShape, now: LoaderShape, seen: LoaderPosi
             f"its {type(loader.sampler).__name__} draws a new order each time the loader opens it, and how often "
             "a loader opens it depends on its workers: the epochs after this one will differ from the saved run's"
         )
+    elif _keeps_iterator(saved) != _keeps_iterator(now) and _seed_source(loader) is not None:
+        why = (
+            f"it draws its workers' base seed from {_seed_source(loader)} once per process with persistent "
+            "workers and once per epoch without: the epochs after this one will differ from the saved run's"
+        )
     else:
         return None
     changed = f"was saved with {_setup(saved)} and now has {_setup(now)}"
@@ -79,6 +84,22 @@ def worker_caveat(loader, saved: LoaderShape, now: LoaderShape, seen: LoaderPosi
 def _opens(shape: LoaderShape) -> tuple[bool, bool]:
     """What decides how often a loader opens its sampler: in its own process, or through (persistent) workers."""
     return shape.workers > 0, shape.persistent and shape.workers > 0
+
+
+def _keeps_iterator(shape: LoaderShape) -> bool:
+    """Whether the loader keeps one iterator (and its workers) across epochs, drawing one base seed in all."""
+    return shape.persistent and shape.workers > 0
+
+
+def _seed_source(loader) -> str | None:
+    """Where each new iterator draws its workers' base seed, when what it draws from reads on: the global
+    RNG (dropout, a sampler without a generator), or a generator the order is drawn from too; else None."""
+    if loader.generator is None:
+        return "the global RNG"
+    samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+    if any(getattr(sampler, "generator", None) is loader.generator for sampler in samplers):
+        return "the generator its order is drawn from"
+    return None
 
 
 def _setup(shape: LoaderShape) -> str:
