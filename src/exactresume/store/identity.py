@@ -24,7 +24,7 @@ from exactresume.errors import CheckpointError, FieldError
 
 IDENTITY_KEY = "identity"  # beside the parts in a file saved with identity=; no part may take the name
 LOAD_ANYWAY = "pass identity=None, or give this run's own file"  # the way out of a one-file load
-_ABSENT = object()  # a field on one side only
+ABSENT = object()  # a field on one side only
 _LONGEST = 40  # characters of a value shown in a refusal
 
 
@@ -89,25 +89,30 @@ def refuse_another_run(state: Mapping, identity: dict | None, source: object, an
         differences = differing_fields(saved, identity)
         if not differences:
             return
-        reason = f"{source} was saved by another run: {'; '.join(differences)}"
+        reason = f"{source} was saved by another run: {'; '.join(map(_told, differences))}"
     raise CheckpointError(f"{reason}; nothing was loaded. To load it anyway, {anyway}")
 
 
-def differing_fields(saved: Mapping, given: Mapping, prefix: str = "") -> list[str]:
-    """'field: saved X, given Y' for every field that differs, nested dicts as dotted names; a field on
-    one side only says so."""
+def differing_fields(saved: Mapping, given: Mapping, missing: Any = ABSENT, prefix: str = "") -> list[tuple]:
+    """(dotted field, saved value, given value) for every leaf that differs between two nested dicts; a
+    field on one side only has `missing` on the other (ABSENT: it differs; None: as a field set to None)."""
     differences = []
     for key in sorted(set(saved) | set(given)):
-        old, new = saved.get(key, _ABSENT), given.get(key, _ABSENT)
+        old, new = saved.get(key, missing), given.get(key, missing)
         if isinstance(old, dict) and isinstance(new, dict):
-            differences += differing_fields(old, new, f"{prefix}{key}.")
-        elif old is _ABSENT or new is _ABSENT or old != new:
-            differences.append(f"{prefix}{key}: saved {_shown(old)}, given {_shown(new)}")
+            differences += differing_fields(old, new, missing, f"{prefix}{key}.")
+        elif old != new:  # ABSENT equals nothing but itself
+            differences.append((f"{prefix}{key}", old, new))
     return differences
 
 
+def _told(difference: tuple) -> str:
+    field, old, new = difference
+    return f"{field}: saved {_shown(old)}, given {_shown(new)}"
+
+
 def _shown(value: Any) -> str:
-    if value is _ABSENT:
+    if value is ABSENT:
         return "nothing"
     text = repr(value)
     return text if len(text) <= _LONGEST else text[: _LONGEST - 3] + "..."

@@ -137,12 +137,15 @@ def _read_seal(file: BinaryIO) -> str | None:
 TAIL_SEARCHED = 1 << 16  # how far back from the end a zip reader looks for the end record
 
 
-def _bytes_after_seal(file: BinaryIO) -> int:
-    """How many bytes follow an exactresume seal that is not at the end of the file (0: none found)."""
+def _tail(file: BinaryIO) -> bytes:
+    """The end of the file where a zip reader looks for the end record (with room for a seal after it)."""
     size = file.seek(0, os.SEEK_END)
-    start = max(0, size - TAIL_SEARCHED - EOCD_SIZE - SEAL_LENGTH)
-    file.seek(start)
-    tail = file.read()
+    file.seek(max(0, size - TAIL_SEARCHED - EOCD_SIZE - SEAL_LENGTH))
+    return file.read()
+
+
+def _bytes_after_seal(tail: bytes) -> int:
+    """How many bytes follow an exactresume seal that is not at the end of `tail` (0: none found)."""
     found = tail.rfind(END_OF_CENTRAL_DIRECTORY)
     while found >= 0:
         record = tail[found : found + EOCD_SIZE + SEAL_LENGTH]
@@ -181,21 +184,21 @@ def _refuse_damaged_end(path: Path, file: BinaryIO) -> None:
     every reader, sealed or not, refuses it in the same words: empty, cut short, or appended to."""
     if os.fstat(file.fileno()).st_size == 0:
         raise CheckpointError(f"{path}: the file is empty (0 bytes)")
-    cut = _cut_short(file)
+    tail = _tail(file)
+    cut = _cut_short(tail, file)
     if cut is not None:
         raise CheckpointError(f"{path}: damaged, truncated: {cut}")
-    _refuse_appended(path, file)
+    extra = _bytes_after_seal(tail)  # a seal followed by more bytes: appended to after it was sealed
+    if extra:
+        raise CheckpointError(f"{path}: {extra:,} bytes follow its exactresume checksum: damaged (appended to)")
 
 
-def _cut_short(file: BinaryIO) -> str | None:
+def _cut_short(tail: bytes, file: BinaryIO) -> str | None:
     """What is missing from the end of a zip archive cut short (None: its end is whole).
 
     A seal cut short leaves the zip end record whole, and torch.load reads the file still: the record's
     comment length says 53 bytes of seal follow, and fewer do. A longer cut takes the end record itself,
-    which every zip archive ends with."""
-    size = file.seek(0, os.SEEK_END)
-    file.seek(max(0, size - TAIL_SEARCHED - EOCD_SIZE - SEAL_LENGTH))
-    tail = file.read()
+    which every zip archive ends with. `tail` is the file's (_tail)."""
     found = tail.rfind(END_OF_CENTRAL_DIRECTORY)
     if found < 0 or len(tail) - found < EOCD_SIZE:
         file.seek(0)
@@ -211,13 +214,6 @@ def _begins_a_seal(comment: bytes) -> bool:
     """Whether `comment` is the first bytes of a seal (none at all included)."""
     prefix, digits = comment[: len(SEAL_PREFIX)], comment[len(SEAL_PREFIX) :]
     return SEAL_PREFIX.startswith(prefix) and SEAL_DIGITS.fullmatch(digits) is not None
-
-
-def _refuse_appended(path: Path, file: BinaryIO) -> None:
-    """A file whose seal is followed by more bytes was appended to after it was sealed: damaged."""
-    extra = _bytes_after_seal(file)
-    if extra:
-        raise CheckpointError(f"{path}: {extra:,} bytes follow its exactresume checksum: damaged (appended to)")
 
 
 def _verify(path: Path, file: BinaryIO) -> None:

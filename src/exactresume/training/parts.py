@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from exactresume.errors import CheckpointError, FieldError
+from exactresume.store.identity import differing_fields
 
 
 class StepCounter:
@@ -123,7 +124,7 @@ class RunIdentity:
         return self.identity
 
     def load_state_dict(self, state: dict) -> None:
-        differences = differing_fields(with_defaults(state, self.defaults), self.identity)
+        differences = differing_fields(with_defaults(state, self.defaults), self.identity, missing=None)
         refused = [difference for difference in differences if difference[0] not in self.allowed]
         if refused:
             raise CheckpointError(f"the resume file was made by a different run: {'; '.join(map(describe, refused))}")
@@ -133,18 +134,6 @@ class RunIdentity:
 def with_defaults(saved: dict, defaults: dict) -> dict:
     """`saved` with the fields it lacks in each section taken from `defaults` (saved values win)."""
     return {key: defaults.get(key, {}) | value if isinstance(value, dict) else value for key, value in saved.items()}
-
-
-def differing_fields(saved: dict, current: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted field, saved value, current value) for every leaf that differs between two nested dicts."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        old, new = saved.get(key), current.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            out += differing_fields(old, new, f"{prefix}{key}.")
-        elif old != new:
-            out.append((f"{prefix}{key}", old, new))
-    return out
 
 
 def describe(difference: tuple[str, Any, Any]) -> str:
