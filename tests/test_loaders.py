@@ -134,6 +134,17 @@ def test_augmentation_drawn_in_workers_is_said_at_the_first_save(straight_runs, 
     assert len(said) == 1 and "DataLoader over Augmented draws random numbers in its workers" in said[0], said
 
 
+def test_a_save_between_epochs_keeps_the_generators(tmp_path):
+    """Saved after an epoch's `for` ended, with a generator the script makes anew: the next epochs' order is
+    the straight run's, not the first epoch's again."""
+    program = PROGRAM.parent / "between_epochs.py"
+    for role in ("straight", "resumed"):
+        assert run_python(program, tmp_path, role).returncode == 0
+    straight, resumed = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    assert len(straight) == len(resumed) == 4
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
 def test_killed_at_random_moments_with_saves_every_step(straight_runs, tmp_path):
     """SIGKILL at random moments (during saves too), each run resuming the last; then a run to the end."""
     chooser = random.Random(37)  # six steps, in order, each run resuming the one before; a few ms into each

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from .position import LoaderPosition, LoaderShape
 
 # Samplers whose order is a function of their generator, the global RNG, their epoch and the dataset's
-# length: torch's own and torchdata's (StatefulDataLoader's replacements of the same samplers).
-KNOWN_SAMPLER_MODULES = ("torch.utils.data", "torchdata.stateful_dataloader")
+# length: torch's own and torchdata's (StatefulDataLoader's replacements of the same samplers), and
+# Accelerate's, which shard or seed those (BatchSamplerShard, SeedableRandomSampler).
+KNOWN_SAMPLER_MODULES = ("torch.utils.data", "torchdata.stateful_dataloader", "accelerate.data_loader")
 
 
 def caveat(loader) -> str | None:
@@ -48,12 +49,12 @@ def known(sampler) -> bool:
 
 
 def worker_draws_caveat(loader) -> str:
-    """The line for a dataset whose `__getitem__` draws random numbers in the loader's workers."""
+    """The line for a dataset (`__getitem__`) or collate function that draws random numbers in the loader's workers."""
     return (
-        f"the {loader_name(loader)} draws random numbers in its workers while reading samples (a worker's torch, "
-        "python or numpy RNG moved during a fetch): those RNGs live in the workers and are not saved, so a run "
-        "resumed mid-epoch draws others; draw them from a torch.Generator seeded by the sample's index and the "
-        "epoch (docs/loaders.md, random augmentation), or with num_workers=0"
+        f"the {loader_name(loader)} draws random numbers in its workers while reading or collating samples (a "
+        "worker's torch, python or numpy RNG moved during a fetch): those RNGs live in the workers and are not "
+        "saved, so a run resumed mid-epoch draws others; draw them from a torch.Generator seeded by the sample's "
+        "index and the epoch (docs/loaders.md, random augmentation), or with num_workers=0"
     )
 
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 from exactresume.errors import CheckpointError
 
 from .sources import SourceStates, generators_of
 
-VERSION = 2  # 2 added the shape's workers and the order's opening state; a state of 1 reads as before
-READS = (1, 2)
+# 2 added the shape's workers and the order's opening state, 3 the generators between epochs; older states
+# read as before
+VERSION = 3
+READS = (1, 2, 3)
 
 
 def loader_name(loader) -> str:
@@ -77,11 +81,15 @@ class LoaderPosition:
     # Seen while iterating, kept across epochs: what makes another worker setup at a resume matter.
     drawn_when_opened: bool = False  # the sampler draws its order as it is opened (torchdata's do)
     worker_draws: bool = False  # the workers drew random numbers while they read samples
+    # Between epochs: the generators as the last epoch left them, set back before the next one draws. The
+    # global RNG is not kept here: the loop draws from it between epochs, and a GlobalRng part restores it.
+    generators_after: tuple[torch.Tensor, ...] | None = None
 
-    def next_epoch(self) -> None:
-        """The epoch is over: the next one starts from the sources as they are then, nothing to restore."""
+    def next_epoch(self, generators: tuple[torch.Tensor, ...]) -> None:
+        """The epoch is over, its draws left the loader's generators at `generators`: nothing else to restore."""
         self.epoch, self.consumed = self.epoch + 1, 0
         self.epoch_start = self.order_start = self.sampler_start = self.sampler_epoch = None
+        self.generators_after = generators
 
     def to_state(self, shape: LoaderShape) -> dict:
         return {
@@ -94,6 +102,7 @@ class LoaderPosition:
             "sampler_epoch": self.sampler_epoch,
             "drawn_when_opened": self.drawn_when_opened,
             "worker_draws": self.worker_draws,
+            "generators_after": None if self.generators_after is None else list(self.generators_after),
             "shape": asdict(shape),
         }
 
@@ -122,8 +131,13 @@ class LoaderPosition:
             sampler_epoch=state["sampler_epoch"],
             drawn_when_opened=bool(state.get("drawn_when_opened", False)),
             worker_draws=bool(state.get("worker_draws", False)),
+            generators_after=_tuple_or_none(state.get("generators_after")),
         )
         return position, LoaderShape(**state["shape"])
+
+
+def _tuple_or_none(states: list | None) -> tuple[torch.Tensor, ...] | None:
+    return None if states is None else tuple(states)
 
 
 def length_or_none(dataset) -> int | None:

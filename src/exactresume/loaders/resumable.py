@@ -20,6 +20,7 @@ back as the other parts left it, so a `GlobalRng` part loaded after this one is 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from .caveats import caveat, worker_caveat, worker_draws_caveat
 from .position import LoaderPosition, LoaderShape, loader_name
 from .skipping import SkippingSampler
 from .sources import RandomSources, SourceStates, generators_of
-from .worker_draws import DrawFlag, WatchedDataset
+from .worker_draws import DrawFlag, WatchedCollate, WatchedDataset
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,13 @@ class ResumableLoader:
         self.resuming = False  # a loaded position waits for the next iteration
         self.cautioned = False
         self.draws = DrawFlag()  # set by the workers when a fetch moves their RNGs (worker_draws.py)
-        self._iterated = _with_index_sampler(loader, self._opened, self._first_draw, self._skipped)
+        # A framework that fetches ahead of its loop watches each fetch (exactresume.integrations).
+        self.fetch_hook: Callable[[int], None] | None = None
+        self.finished: LoaderPosition | None = None  # the last epoch, as it ended, until the next begins
+        self._iterated = _with_index_sampler(loader, self._opened, self._first_draw, self._skipped, self._fetching)
         if loader.num_workers > 0 and not self.iterable:
             object.__setattr__(self._iterated, "dataset", WatchedDataset(loader.dataset, self.draws))
+            object.__setattr__(self._iterated, "collate_fn", WatchedCollate(loader.collate_fn, self.draws))
 
     @property
     def epoch(self) -> int:
@@ -84,11 +89,15 @@ class ResumableLoader:
             self.plan = EpochPlan(
                 position.consumed, position.order_start, position.sampler_start, torch.get_rng_state()
             )
-            _set_sampler_epoch(self.loader, position.sampler_epoch)
+            set_sampler_epoch(self.loader, position.sampler_epoch)
             self.sources.set(position.epoch_start)  # the workers' base seed is drawn from it at iter()
         else:
             self.plan = EpochPlan()
+            self.finished = None
+            if position.generators_after is not None:  # saved between epochs: the last one's draws, set back
+                self.sources.set_generators(position.generators_after)
             position.consumed, position.order_start, position.sampler_start = 0, None, None
+            position.generators_after = None
             position.epoch_start, position.sampler_epoch = self.sources.states(), _sampler_epoch(self.loader)
         batches = iter(self._iterated)
         if self.iterable and resuming:
@@ -96,7 +105,8 @@ class ResumableLoader:
         for batch in batches:
             position.consumed += 1  # before the loop gets it: a save inside the loop body counts it
             yield batch
-        position.next_epoch()
+        self.finished = dataclasses.replace(position)
+        position.next_epoch(self.sources.states().generators)
 
     def _opened(self) -> SourceStates:
         return self.sources.states()
@@ -120,6 +130,10 @@ class ResumableLoader:
         self.position.order_start, self.position.sampler_start = before, self.sources.states()
         return indices, 0 if self.iterable else plan.skip
 
+    def _fetching(self, number: int) -> None:
+        if self.fetch_hook is not None:
+            self.fetch_hook(number)
+
     def _skipped(self) -> None:
         if self.plan.put_back is not None and not self.iterable:
             self.sources.set_global(self.plan.put_back)
@@ -136,6 +150,25 @@ class ResumableLoader:
             self.position.worker_draws = True
             notice(worker_draws_caveat(self.loader))
         return self.position.to_state(LoaderShape.of(self.loader))
+
+    def state_taken(self, taken: int) -> dict:
+        """The state as a loop that took `taken` batches of its epoch sees it, where a framework fetches
+        ahead of its loop (the epoch it reads may have ended under it, the next not begun) or stops
+        asking at the epoch's length: once the loop took the whole epoch, the state is the next epoch's,
+        as a save between epochs gives."""
+        ended = self.finished is not None and self.position.epoch_start is None
+        position = self.finished if ended else self.position
+        if not 0 <= taken <= position.consumed:
+            raise CheckpointError(
+                f"the loop took {taken} batches of an epoch the {loader_name(self.loader)} handed out "
+                f"{position.consumed} of"
+            )
+        if ended and taken == position.consumed:
+            return self.state_dict()
+        position = dataclasses.replace(position, consumed=taken)
+        if taken == _batches(self.loader):
+            position.next_epoch(self.sources.states().generators)
+        return position.to_state(LoaderShape.of(self.loader))
 
     def load_state_dict(self, state: dict) -> None:
         """Check the loader against the saved one (CheckpointError, nothing changed); restored at next iter()."""
@@ -160,14 +193,23 @@ class ResumableLoader:
                 notice(message)
 
 
-def _with_index_sampler(loader: DataLoader, opened, first_draw, skipped) -> DataLoader:
+def _with_index_sampler(loader: DataLoader, opened, first_draw, skipped, fetching) -> DataLoader:
     """A shallow copy of `loader` whose index sampler is a SkippingSampler around its own."""
     iterated = copy.copy(loader)
     iterated._iterator = None  # persistent workers of the user's loader stay the user's
     # DataLoader.__setattr__ refuses `batch_sampler` and `sampler` after __init__: set past it, on the copy.
     attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
-    object.__setattr__(iterated, attribute, SkippingSampler(getattr(loader, attribute), opened, first_draw, skipped))
+    sampler = SkippingSampler(getattr(loader, attribute), opened, first_draw, skipped, fetching)
+    object.__setattr__(iterated, attribute, sampler)
     return iterated
+
+
+def _batches(loader: DataLoader) -> int | None:
+    """The batches an epoch of `loader` holds, or None where it cannot say (an IterableDataset's)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _epoch_holder(loader: DataLoader):
@@ -183,7 +225,7 @@ def _sampler_epoch(loader: DataLoader) -> int | None:
     return None if holder is None else int(getattr(holder, "epoch", 0))
 
 
-def _set_sampler_epoch(loader: DataLoader, epoch: int | None) -> None:
+def set_sampler_epoch(loader: DataLoader, epoch: int | None) -> None:
     holder = _epoch_holder(loader)
     if holder is not None and epoch is not None:
         holder.set_epoch(epoch)

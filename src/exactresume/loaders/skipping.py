@@ -22,7 +22,9 @@ class SkippingSampler:
     `first_draw` runs when the loader asks for the first index of the one it reads, before a lazy
     `inner` draws (torch's RandomSampler), with the two values `opened()` returned and a way to open
     `inner` again, and returns the indices to read and how many of them to leave out; `skipped` runs
-    once they are left out.
+    once they are left out; `fetching(number)` runs as the loader asks for each index list it reads, the
+    epoch's batch `number` counting from 1 (the left-out ones counted): without workers, just before its
+    data is read; and once more, for the one after the last, as the epoch ends.
     """
 
     def __init__(
@@ -31,8 +33,10 @@ class SkippingSampler:
         opened: Callable[[], Any],
         first_draw: Callable[[tuple[Any, Any], Iterator, Callable[[], Iterator]], tuple[Iterator, int]],
         skipped: Callable[[], None],
+        fetching: Callable[[int], None],
     ):
         self.inner, self.opened, self.first_draw, self.skipped = inner, opened, first_draw, skipped
+        self.fetching = fetching
 
     def __len__(self) -> int:
         return len(self.inner)  # the whole epoch's, as the loader's own len() says
@@ -49,4 +53,8 @@ class SkippingSampler:
         if skip:
             next(itertools.islice(indices, skip, skip), None)  # consumes `skip` items, reads no data
         self.skipped()
-        yield from indices
+        number = skip
+        for number, item in enumerate(indices, start=skip + 1):
+            self.fetching(number)
+            yield item
+        self.fetching(number + 1)  # the loader asks for one more, and learns the epoch is over

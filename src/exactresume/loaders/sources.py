@@ -35,19 +35,23 @@ class SourceStates:
 
 
 def generators_of(loader) -> list[torch.Generator]:
-    """Each torch.Generator the loader's order may draw from, once: the loader's own, its sampler's,
-    and its batch sampler's sampler's (a custom batch sampler around a RandomSampler)."""
+    """Each torch.Generator the loader's order may draw from, once: the loader's own, its sampler's, its
+    batch sampler's sampler's (a custom batch sampler around a RandomSampler), and so on down the samplers
+    a batch sampler wraps (Accelerate's BatchSamplerShard around a BatchSampler around a RandomSampler)."""
     found: list[torch.Generator] = []
-    holders = (
-        loader,
-        getattr(loader, "sampler", None),
-        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-    )
-    for holder in holders:
+    for holder in _samplers_under(loader):
         generator = getattr(holder, "generator", None)
         if isinstance(generator, torch.Generator) and not any(generator is seen for seen in found):
             found.append(generator)
     return found
+
+
+def _samplers_under(holder, depth: int = 4) -> list:
+    """`holder`, then what its `sampler` and `batch_sampler` hold, depth first, `depth` levels down."""
+    if holder is None or depth == 0:
+        return []
+    below = [_samplers_under(getattr(holder, name, None), depth - 1) for name in ("sampler", "batch_sampler")]
+    return [holder, *below[0], *below[1]]
 
 
 class RandomSources:
@@ -61,7 +65,10 @@ class RandomSources:
 
     def set(self, states: SourceStates) -> None:
         torch.set_rng_state(states.global_rng)
-        for generator, state in zip(self.generators, states.generators):
+        self.set_generators(states.generators)
+
+    def set_generators(self, states: tuple[torch.Tensor, ...]) -> None:
+        for generator, state in zip(self.generators, states):
             generator.set_state(state)
 
     def set_global(self, state: torch.Tensor) -> None:

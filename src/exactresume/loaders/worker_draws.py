@@ -2,10 +2,11 @@
 
 A worker's RNGs (torch's, python's `random`, numpy's global one) are seeded when the worker starts and
 move with every sample it reads; they live in the worker process, so no part can save them. A dataset
-that draws from them in `__getitem__` (random augmentation) gives a run resumed mid-epoch other
-draws than the straight run's. `WatchedDataset` stands in for a map-style dataset in the workers and
-compares those RNGs before and after a worker's first fetches; the first move it sees sets a flag in
-shared memory that the loop's process reads. Reading the three states costs about 0.15 ms a fetch, so
+that draws from them in `__getitem__` (random augmentation), or a collate function that does (a
+masking collator), gives a run resumed mid-epoch other draws than the straight run's. `WatchedDataset`
+stands in for a map-style dataset in the workers, and `WatchedCollate` for its collate function; each
+compares those RNGs before and after a worker's first fetches, and the first move it sees sets a flag
+in shared memory that the loop's process reads. Reading the three states costs about 0.15 ms a fetch, so
 each worker checks its first WATCHED fetches only: a dataset that draws at all draws from the first
 (a random choice of whether to augment is a draw too), and then fetches pass through untouched.
 """
@@ -78,12 +79,27 @@ class WatchedDataset(Dataset):
             setattr(self.dataset, name, value)
 
     def _watched(self, fetch):
-        # In the loop's process (no worker info) GlobalRng restores the draws: nothing to watch there.
-        if self.unwatched == 0 or get_worker_info() is None or self.flag.seen():
-            return fetch()
-        self.unwatched -= 1
-        before = _rng_states()
-        fetched = fetch()
-        if _moved(before, _rng_states()):
-            self.flag.set()
-        return fetched
+        return _watched(self, fetch)
+
+
+class WatchedCollate:
+    """`collate_fn`, whose calls in a worker set `flag` when they move the worker's RNGs."""
+
+    def __init__(self, collate_fn, flag: DrawFlag):
+        self.collate_fn, self.flag, self.unwatched = collate_fn, flag, WATCHED
+
+    def __call__(self, samples):
+        return _watched(self, lambda: self.collate_fn(samples))
+
+
+def _watched(watch, fetch):
+    """`fetch()`; in a worker, for `watch`'s first fetches, whether it moved the worker's RNGs."""
+    # In the loop's process (no worker info) GlobalRng restores the draws: nothing to watch there.
+    if watch.unwatched == 0 or get_worker_info() is None or watch.flag.seen():
+        return fetch()
+    object.__setattr__(watch, "unwatched", watch.unwatched - 1)
+    before = _rng_states()
+    fetched = fetch()
+    if _moved(before, _rng_states()):
+        watch.flag.set()
+    return fetched
