@@ -157,3 +157,12 @@ def test_the_doctor_costs_are_rendered_from_their_json():
     assert page.split(BEGIN, 1)[1].split(END, 1)[0] == "\n" + render(figures)
     scripts = {"hf_trainer.py", "accelerate_loop.py", "lightning_checkpoint.py"}
     assert set(figures["rows"]) == {"exactresume train"} | scripts
+
+
+def test_the_integration_costs_are_rendered_from_their_json():
+    from bench.integrations import BEGIN, END, GOALS, render
+
+    figures = json.loads((ROOT / "docs" / "integrations.json").read_text())
+    page = (ROOT / "docs" / "frameworks.md").read_text()
+    assert page.split(BEGIN, 1)[1].split(END, 1)[0] == "\n" + render(figures)
+    assert figures["goals"] == GOALS and figures["settings"]["samples"] == 1_000_000

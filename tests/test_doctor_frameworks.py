@@ -50,7 +50,12 @@ CASES = {
     "lightning_checkpoint": Case("lightning_checkpoint", "epoch=0-step=4.ckpt", 4, copied_as="last.ckpt"),
     "torchrun_rank_sampler": Case("torchrun_rank_sampler", "step-6.pt", 6, launcher=tuple(TORCHRUN)),
     "dataloader_base_seed": Case("dataloader_base_seed", "step-4.pt", 4),
+    # exactresume's one line for each framework (docs/frameworks.md), on the scripts above
+    "lightning_exact": Case("lightning_checkpoint", "epoch=0-step=4.ckpt", 4, ("--exact",), copied_as="last.ckpt"),
+    "accelerate_exact": Case("accelerate_loop", "step_4", 4, ("--exact",)),
+    "hf_trainer_masking_exact": Case("hf_trainer", "checkpoint-4", 4, ("--mask-tokens", "--exact")),
 }
+EXACT = ("lightning_exact", "accelerate_exact", "hf_trainer_masking_exact")
 
 
 COLD = "hf_trainer"  # its doctor runs as the user runs it, a cold process each; the others fork theirs (--warm)
@@ -146,6 +151,7 @@ def test_the_trainer_restores_the_rng_after_the_first_batch(frameworks):
     assert found["cause"] == "batch_randomness" and found["first_step"] == 5, found["headline"]
     assert "restored the RNG state only after it had drawn its first batch" in found["headline"]
     assert any("no TrainingArguments setting" in fix for fix in found["fixes"])
+    assert any("exactresume.trainer_resume(Trainer(...))" in fix for fix in found["fixes"])  # the line that cures it
 
 
 def test_accelerate_names_the_sampler_that_draws(frameworks):
@@ -157,6 +163,7 @@ def test_accelerate_names_the_sampler_that_draws(frameworks):
     assert "RandomSampler drawing its seed from the global torch RNG" in found["headline"]
     assert any("use_seedable_sampler=True" in fix for fix in found["fixes"])
     assert any("generator=torch.Generator()" in fix for fix in found["fixes"])
+    assert any("exactresume.accelerate_resume(accelerator, loader)" in fix for fix in found["fixes"])
     fixed = frameworks["accelerate_loop"]["fixed"]["0"]
     assert fixed["same_batch"] == [True] * 4 and fixed["weights_equal"]  # by hand: those fixes make it exact
 
@@ -168,8 +175,19 @@ def test_lightning_steps_are_filed_under_their_own_step(frameworks):
     assert found["causes"] == ["data_position_lost", "rng_lost"] and found["first_step"] == 5, found["headline"]
     assert any("drew step 1's batch" in line for line in found["evidence"])
     assert any("StatefulDataLoader" in fix for fix in found["fixes"])
+    assert any("exactresume.lightning_resume()" in fix for fix in found["fixes"])
     straight = frameworks["lightning_checkpoint"]["facts"]["runs"]["straight"]["steps"]
     assert len({step["batch"] for step in straight}) == 8  # each closure step holds its own batch
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_with_the_line_the_doctor_says_exact(frameworks, name):
+    """The scripts whose resume the doctor faults above, with exactresume's line for their framework."""
+    truth = frameworks[name]["truth"]["0"]
+    assert truth["same_batch"] == [True] * 4 and truth["weights_equal"], truth  # by hand
+    found = diagnosis(frameworks, name)
+    assert frameworks[name]["code"] == 0 and found["cause"] == "exact", found["headline"]
+    assert found["missing"] == []
 
 
 def test_torchrun_names_the_rank_whose_sampler_parts(frameworks):

@@ -16,8 +16,9 @@ import importlib
 __version__ = "0.3.0"
 
 # public name -> the module that holds it. What a loop of one's own needs (the store, the parts, the
-# errors, the one-file calls, the doctor's check), and what a script driving the built-in trainer needs
-# (its config, building and training a run); the pieces in between are the package's own.
+# errors, the one-file calls, the doctor's check), the one line for each framework (which imports the
+# framework when called), and what a script driving the built-in trainer needs (its config, building and
+# training a run); the pieces in between are the package's own.
 PUBLIC = {
     "ModelConfig": "exactresume.config",
     "TrainConfig": "exactresume.config",
@@ -49,6 +50,9 @@ PUBLIC = {
     "build_run": "exactresume.training.loop",
     "train": "exactresume.training.loop",
     "check_resume": "exactresume.doctor.check",
+    "lightning_resume": "exactresume.integrations.lightning",
+    "trainer_resume": "exactresume.integrations.transformers",
+    "accelerate_resume": "exactresume.integrations.accelerate",
     "ResumeCheck": "exactresume.doctor.check",
 }
 # The built-in trainer's names, and the doctor's (its verdict draws with numpy and matplotlib), need the

@@ -2,7 +2,9 @@
 every --save-every steps (save_steps), resumed with trainer.train(resume_from_checkpoint=True).
 Exact as written. With --mask-tokens, a data collator masks tokens at random from the torch RNG: on a
 mid-epoch resume the Trainer restores the RNG only after it has fetched the first batch, so every
-batch after the resume is masked otherwise (a real bug of the Trainer's, not of this script)."""
+batch after the resume is masked otherwise (a real bug of the Trainer's, not of this script). With --exact,
+exactresume's one line, trainer_resume(trainer); --workers sets dataloader_num_workers, --accumulate
+gradient_accumulation_steps."""
 
 import argparse
 import os
@@ -19,6 +21,10 @@ parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--save-every", type=int, default=2)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--mask-tokens", action="store_true", help="a collator that masks 15%% of the inputs")
+parser.add_argument("--exact", action="store_true", help="exactresume's line: trainer_resume(trainer)")
+parser.add_argument("--workers", type=int, default=0)
+parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--kill-in-save", type=int, help="SIGKILL this process as it writes this step's checkpoint")
 parser.add_argument("--record", help="write each step's batch and the final weights here (to check by hand)")
 args = parser.parse_args()
 torch.set_num_threads(1)
@@ -56,10 +62,25 @@ training = TrainingArguments(
     use_cpu=True,
     disable_tqdm=True,
     seed=0,
+    dataloader_num_workers=args.workers,
+    gradient_accumulation_steps=args.accumulate,
 )
 trainer = Trainer(
     model=model, args=training, train_dataset=Sentences(), data_collator=masking_collator if args.mask_tokens else None
 )
+if args.kill_in_save:  # killed after the model is written, as the optimizer's state is: a folder cut short
+    save = torch.save
+
+    def save_or_die(obj, file, *more, **options):
+        if f"checkpoint-{args.kill_in_save}" in str(file):
+            os.kill(os.getpid(), 9)
+        return save(obj, file, *more, **options)
+
+    torch.save = save_or_die
+if args.exact:
+    from exactresume.integrations.transformers import trainer_resume
+
+    trainer = trainer_resume(trainer)
 batches = []
 if args.record:
     model.register_forward_pre_hook(

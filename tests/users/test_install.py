@@ -54,6 +54,13 @@ def parts(seed):
     generator = GeneratorPart(torch.Generator().manual_seed(seed))
     return {{"model": model, "optimizer": optimizer, "rng": GlobalRng(), "step": StepCounter(seed), "data": generator}}
 
+from exactresume import accelerate_resume, lightning_resume, trainer_resume  # no framework installed: importable
+try:
+    lightning_resume()
+    raise SystemExit("lightning_resume() without Lightning: no error")
+except UserError as error:
+    assert "pip install lightning" in str(error), error
+
 saved = parts(1)
 assert "numpy" not in saved["rng"].state_dict()
 with CheckpointStore(folder / "store") as store:

@@ -8,21 +8,39 @@ against the outer one.
 
 from __future__ import annotations
 
+# exactresume's one line for each framework (exactresume.integrations), named first where it cures the cause.
+LIGHTNING_LINE = (
+    "add exactresume's callback, Trainer(callbacks=[..., exactresume.lightning_resume()]): the checkpoints "
+    "ModelCheckpoint writes then keep the loader's position and the RNG, and fit(ckpt_path=) resumes them exactly"
+)
+ACCELERATE_LINE = (
+    "after prepare(), loader = exactresume.accelerate_resume(accelerator, loader), and iterate it without "
+    "skip_first_batches: save_state() then keeps its position and the RNG, and after load_state() it continues "
+    "exactly where the loop stopped"
+)
+TRAINER_LINE = (
+    "trainer = exactresume.trainer_resume(Trainer(...)): its checkpoints then keep the loader's position and "
+    "the RNG as they were at each fetch, and train(resume_from_checkpoint=True) resumes them exactly"
+)
+
 FIXES: dict[tuple[str, str | None], str] = {
     ("data_position_lost", "accelerate"): (
-        "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)) and "
+        f"{ACCELERATE_LINE}; "
+        "or Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)) and "
         "loader.set_epoch(epoch) as each epoch begins (the loader of skip_first_batches too): the order is then "
         "a function of the seed and the epoch; or DataLoaderConfiguration(use_stateful_dataloader=True) "
         "(torchdata), whose position save_state() and load_state() keep"
     ),
     ("data_position_lost", "lightning"): (
-        "Lightning restarts a plain DataLoader from its epoch's first batch after a mid-epoch checkpoint (its "
+        f"{LIGHTNING_LINE}; "
+        "or: Lightning restarts a plain DataLoader from its epoch's first batch after a mid-epoch checkpoint (its "
         "warning: 'your dataloader is not resumable'): give fit() a DataLoader with state_dict() and "
         "load_state_dict(), such as torchdata's StatefulDataLoader, whose state Lightning keeps in the checkpoint; "
         "or checkpoint at epoch ends only, ModelCheckpoint(every_n_epochs=1)"
     ),
     ("data_position_lost", "transformers"): (
-        "the Trainer keeps the order itself (a seedable sampler, and skip_first_batches on resume) unless "
+        f"{TRAINER_LINE}; "
+        "or: the Trainer keeps the order itself (a seedable sampler, and skip_first_batches on resume) unless "
         "TrainingArguments(ignore_data_skip=True) or a DataLoader of your own (a get_train_dataloader override) "
         "draws it: keep that DataLoader's sampler state in the checkpoint"
     ),
@@ -81,13 +99,15 @@ FIXES: dict[tuple[str, str | None], str] = {
         "after the iterator is made"
     ),
     ("rng_after_iterator", "accelerate"): (
-        "give the DataLoader you prepare its own generator, DataLoader(..., generator=torch.Generator()"
+        f"{ACCELERATE_LINE}; "
+        "or give the DataLoader you prepare its own generator, DataLoader(..., generator=torch.Generator()"
         ".manual_seed(SEED)): making its iterator (skip_first_batches makes a new one) then leaves the RNG "
         "load_state() restored alone"
     ),
     ("batch_randomness", "transformers"): (
-        "no TrainingArguments setting changes this: on a mid-epoch resume the Trainer loads rng_state.pth only "
-        "after it has fetched the first batch; draw the collator's (or dataset's) randomness from a "
+        f"{TRAINER_LINE}; "
+        "without it, no TrainingArguments setting changes this: on a mid-epoch resume the Trainer loads "
+        "rng_state.pth only after it has fetched the first batch; draw the collator's (or dataset's) randomness from a "
         "torch.Generator seeded by the sample or batch index, not from the global RNG"
     ),
     ("batch_randomness", None): (
@@ -95,7 +115,8 @@ FIXES: dict[tuple[str, str | None], str] = {
         "from a torch.Generator seeded by the sample or batch index"
     ),
     ("rng_lost", "lightning"): (
-        "Lightning's checkpoint holds no RNG state and no Trainer flag adds it: save torch.get_rng_state() in the "
+        f"{LIGHTNING_LINE}; "
+        "or: Lightning's checkpoint holds no RNG state and no Trainer flag adds it: save torch.get_rng_state() in the "
         "LightningModule's on_save_checkpoint(checkpoint) and set it back in on_load_checkpoint(checkpoint)"
     ),
     ("scheduler_lost", "accelerate"): (

@@ -1,0 +1,177 @@
+"""Each framework's line (exactresume.integrations) given what it cannot take: one line on stderr saying
+what and what to do, and the run left as the framework alone runs it; a damaged state of ours is named
+and never trusted. In this process, with the frameworks' own objects (exactness: test_integrations.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from exactresume import accelerate_resume, lightning_resume, trainer_resume
+from exactresume.integrations.read_through import ReadThrough
+from exactresume.integrations.transformers import newest_complete
+from exactresume.store.sealed import save_sealed
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def data_loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4, shuffle=True)
+
+
+def lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("exactresume:")]
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+def test_accelerate_takes_the_prepared_loader_only(accelerator, capsys):
+    raw = data_loader()
+    assert accelerate_resume(accelerator, raw) is raw
+    said = lines(capsys)
+    assert len(said) == 1 and "takes what accelerator.prepare(loader) returns, got a DataLoader" in said[0], said
+    assert "the run goes on as Accelerate alone runs it" in said[0]
+
+
+def test_accelerate_given_the_loader_twice(accelerator, capsys):
+    loader = accelerate_resume(accelerator, accelerator.prepare(data_loader()))
+    assert accelerate_resume(accelerator, loader) is loader
+    said = lines(capsys)
+    assert len(said) == 1 and "given this loader twice; the first one acts" in said[0], said
+    assert isinstance(loader.base_dataloader, ReadThrough)
+
+
+def test_accelerate_stands_aside_for_its_own_stateful_loader(capsys):
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    stateful = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    loader = stateful.prepare(data_loader())
+    assert accelerate_resume(stateful, loader) is loader
+    said = lines(capsys)
+    assert len(said) == 1 and "use_stateful_dataloader=True" in said[0], said
+    assert not isinstance(loader.base_dataloader, ReadThrough)
+
+
+def test_accelerate_names_a_damaged_state_and_resumes_as_its_own(accelerator, tmp_path, capsys):
+    loader = accelerate_resume(accelerator, accelerator.prepare(data_loader()))
+    next(iter(loader))
+    accelerator.save_state(tmp_path / "step_1")
+    state_file = tmp_path / "step_1" / "exactresume-rank0.pt"
+    damaged = bytearray(state_file.read_bytes())
+    damaged[len(damaged) // 3] ^= 0x10
+    state_file.write_bytes(bytes(damaged))
+    accelerator.load_state(tmp_path / "step_1")
+    said = lines(capsys)
+    assert len(said) == 1 and "exactresume-rank0.pt" in said[0] and "this resume is Accelerate's own" in said[0], said
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels=None):
+        loss = (self.linear(x).squeeze(-1) - labels).square().mean()
+        return {"loss": loss}
+
+
+def trainer(tmp_path: Path, **arguments):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **arguments)
+    return Trainer(model=Tiny(), args=args, train_dataset=[{"x": torch.randn(4), "labels": 0.0}] * 8)
+
+
+def test_the_trainer_line_on_what_is_not_a_trainer(capsys):
+    thing = object()
+    assert trainer_resume(thing) is thing
+    said = lines(capsys)
+    assert len(said) == 1 and "this is not a Trainer it knows" in said[0], said
+
+
+def test_the_trainer_line_given_twice_or_with_ignore_data_skip(tmp_path, capsys):
+    once = trainer(tmp_path / "a")
+    assert trainer_resume(trainer_resume(once)) is once
+    skipping = trainer(tmp_path / "b", ignore_data_skip=True)
+    assert trainer_resume(skipping) is skipping
+    said = lines(capsys)
+    assert len(said) == 2, said
+    assert "given this Trainer twice; the first one acts" in said[0]
+    assert "ignore_data_skip=True" in said[1] and "the run goes on as the Trainer alone runs it" in said[1]
+    assert not hasattr(skipping, "_exactresume")
+
+
+def test_the_newest_whole_checkpoint_passes_over_a_damaged_state(tmp_path, capsys):
+    for step in (1, 2, 3):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if step != 3:  # checkpoint-3: cut short before trainer_state.json
+            (folder / "trainer_state.json").write_text("{}")
+        save_sealed(folder / "exactresume-rank0.pt", {"step": step})
+    state_file = tmp_path / "checkpoint-2" / "exactresume-rank0.pt"
+    damaged = bytearray(state_file.read_bytes())
+    damaged[40] ^= 0x01
+    state_file.write_bytes(bytes(damaged))
+    assert newest_complete(tmp_path, "exactresume-rank0.pt") == str(tmp_path / "checkpoint-1")
+    said = lines(capsys)
+    assert len(said) == 2, said
+    assert "checkpoint-3 is not a whole checkpoint (its trainer_state.json is missing" in said[0]
+    assert "checkpoint-2 is not a whole checkpoint" in said[1] and "checksum" in said[1]
+    assert state_file.read_bytes() == bytes(damaged)  # left as it is
+
+
+class Regression:
+    """A LightningModule over one loader or two (made with the Lightning in use)."""
+
+    @staticmethod
+    def make(loaders):
+        import pytorch_lightning as pl
+
+        class Module(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(4, 1)
+
+            def training_step(self, batch, batch_index):
+                inputs = batch[0][0] if isinstance(batch, list) and isinstance(batch[0], list) else batch[0]
+                return self.net(inputs).square().mean()
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+            def train_dataloader(self):
+                return loaders
+
+        return Module()
+
+
+def fit(tmp_path: Path, loaders, callbacks) -> None:
+    import pytorch_lightning as pl
+
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    pl.Trainer(max_steps=3, callbacks=callbacks, accelerator="cpu", default_root_dir=tmp_path, **quiet).fit(
+        Regression.make(loaders)
+    )
+
+
+def test_lightning_with_two_training_loaders_stands_aside(tmp_path, capsys):
+    fit(tmp_path, [data_loader(), data_loader()], [lightning_resume()])
+    said = lines(capsys)
+    assert len(said) == 1 and "resumes one training DataLoader" in said[0], said
+    assert "the run goes on as Lightning alone runs it" in said[0]
+
+
+def test_lightning_given_the_callback_twice(tmp_path, capsys):
+    fit(tmp_path, data_loader(), [lightning_resume(), lightning_resume()])
+    said = lines(capsys)
+    assert len(said) == 1 and "it is given twice; the first one acts" in said[0], said
