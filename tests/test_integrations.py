@@ -44,6 +44,7 @@ class Framework:
     batches_per_step: int = 1
     ranks: int = 1  # processes: each records its own batches, RECORD-0.pt, RECORD-1.pt
     launcher: tuple[str, ...] = ()  # torchrun's arguments, before the script (Lightning launches its own)
+    said: str | None = None  # the one line a resume of it says (what it cannot do without reading)
 
     def name_at(self, step: int) -> str:
         batches_per_epoch = SAMPLES // BATCH // self.ranks
@@ -65,6 +66,15 @@ FRAMEWORKS = {
         "hf_trainer", "checkpoint-{step}", ("--exact", "--mask-tokens", "--accumulate", "2"), (2, 3), None, None, 2
     ),
     "accelerate": Framework("accelerate_loop", "step_{step}", ("--exact", "--mask")),
+    # a datasets stream through a shuffle buffer: exact, by reading the batches the loop took again
+    "trainer_stream": Framework(
+        "hf_trainer",
+        "checkpoint-{step}",
+        ("--exact", "--mask-tokens", "--stream"),
+        (3,),
+        None,
+        said="reads an IterableDataset, which has no index to skip to",
+    ),
     # two processes, 3 batches an epoch each: mid-epoch and the epoch's last batch
     "lightning_ddp": Framework(
         "lightning_checkpoint",
@@ -155,7 +165,9 @@ def test_each_stop_resumes_exactly(proofs, name):
         expected = (STEPS - int(step)) * framework.batches_per_step * framework.ranks
         assert found["batches"] == [expected, expected], (step, found)
         assert all(found["same_batch"]) and found["weights_equal"], (step, found)
-        assert proofs[name]["notices"][step] == [], proofs[name]["notices"][step]
+        notices = proofs[name]["notices"][step]
+        expected = [framework.said] if framework.said else []
+        assert [next((said for said in expected if said in line), line) for line in notices] == expected, notices
 
 
 @pytest.mark.parametrize("name", [name for name, framework in FRAMEWORKS.items() if framework.twice])

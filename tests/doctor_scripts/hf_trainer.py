@@ -24,6 +24,9 @@ parser.add_argument("--mask-tokens", action="store_true", help="a collator that 
 parser.add_argument("--exact", action="store_true", help="exactresume's line: trainer_resume(trainer)")
 parser.add_argument("--workers", type=int, default=0)
 parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument(
+    "--stream", action="store_true", help="a datasets streaming IterableDataset, shuffle buffer and all"
+)
 parser.add_argument("--kill-in-save", type=int, help="SIGKILL this process as it writes this step's checkpoint")
 parser.add_argument("--record", help="write each step's batch and the final weights here (to check by hand)")
 args = parser.parse_args()
@@ -65,8 +68,16 @@ training = TrainingArguments(
     dataloader_num_workers=args.workers,
     gradient_accumulation_steps=args.accumulate,
 )
+dataset = Sentences()
+if args.stream:  # the same rows, streamed from 4 shards through a shuffle buffer of 8
+    from datasets import Dataset
+
+    rows = {"input_ids": dataset.ids.tolist(), "labels": dataset.ids.tolist()}
+    dataset = (
+        Dataset.from_dict(rows).with_format("torch").to_iterable_dataset(num_shards=4).shuffle(seed=0, buffer_size=8)
+    )
 trainer = Trainer(
-    model=model, args=training, train_dataset=Sentences(), data_collator=masking_collator if args.mask_tokens else None
+    model=model, args=training, train_dataset=dataset, data_collator=masking_collator if args.mask_tokens else None
 )
 if args.kill_in_save:  # killed after the model is written, as the optimizer's state is: a folder cut short
     save = torch.save
