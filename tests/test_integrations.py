@@ -66,6 +66,7 @@ FRAMEWORKS = {
         "hf_trainer", "checkpoint-{step}", ("--exact", "--mask-tokens", "--accumulate", "2"), (2, 3), None, None, 2
     ),
     "accelerate": Framework("accelerate_loop", "step_{step}", ("--exact", "--mask")),
+    "trainer_workers": Framework("hf_trainer", "checkpoint-{step}", ("--exact", "--workers", "2"), (3,), None),
     # a datasets stream through a shuffle buffer: exact, by reading the batches the loop took again
     "trainer_stream": Framework(
         "hf_trainer",

@@ -187,8 +187,15 @@ def _resumes_itself(state: LoopState, num_batches: int) -> bool:
     position = state.loader.position
     if state.loader.resuming and position.consumed == num_batches:
         return True
+    iterable = state.loader.iterable
     notice(
-        f"{NAME}: the Trainer leaves out {num_batches} batches and the checkpoint's state {position.consumed}; "
-        "this run resumes and goes on as the Trainer alone runs it"
+        f"{NAME}: the Trainer would leave out {num_batches} batches of the epoch it resumes, and the loop had taken "
+        f"{position.consumed} of the loader's epoch {position.epoch}"
+        + (
+            " (the Trainer counts an IterableDataset's batches from the run's start, across its passes)"
+            if iterable
+            else ""
+        )
+        + "; this run resumes and goes on as the Trainer alone runs it"
     )
     return False
