@@ -47,7 +47,7 @@ def test_accelerate_given_the_loader_twice(accelerator, capsys):
     loader = accelerate_resume(accelerator, accelerator.prepare(data_loader()))
     assert accelerate_resume(accelerator, loader) is loader
     said = lines(capsys)
-    assert len(said) == 1 and "given this loader twice; the first one acts" in said[0], said
+    assert len(said) == 1 and "given this loader twice; the first call acts and this one does nothing" in said[0], said
     assert isinstance(loader.base_dataloader, ReadThrough)
 
 
@@ -106,7 +106,7 @@ def test_the_trainer_line_given_twice_or_with_ignore_data_skip(tmp_path, capsys)
     assert trainer_resume(skipping) is skipping
     said = lines(capsys)
     assert len(said) == 2, said
-    assert "given this Trainer twice; the first one acts" in said[0]
+    assert "given this Trainer twice; the first call acts and this one does nothing" in said[0]
     assert "ignore_data_skip=True" in said[1] and "the run goes on as the Trainer alone runs it" in said[1]
     assert not hasattr(skipping, "_exactresume")
 
@@ -174,4 +174,4 @@ def test_lightning_with_two_training_loaders_stands_aside(tmp_path, capsys):
 def test_lightning_given_the_callback_twice(tmp_path, capsys):
     fit(tmp_path, data_loader(), [lightning_resume(), lightning_resume()])
     said = lines(capsys)
-    assert len(said) == 1 and "it is given twice; the first one acts" in said[0], said
+    assert len(said) == 1 and "it is given twice; the first one acts and this one does nothing" in said[0], said

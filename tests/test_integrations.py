@@ -61,6 +61,10 @@ FRAMEWORKS = {
     "lightning": Framework(
         "lightning_checkpoint", "epoch={epoch}-step={step}.ckpt", ("--exact", "--workers", "2"), copied_as="last.ckpt"
     ),
+    # validated every 4 steps, after step 4's checkpoint is saved: a resume from it does not validate again
+    "lightning_validating": Framework(
+        "lightning_checkpoint", "epoch={epoch}-step={step}.ckpt", ("--exact", "--validate"), (4,), None, "last.ckpt"
+    ),
     "trainer": Framework("hf_trainer", "checkpoint-{step}", ("--exact", "--mask-tokens")),
     "trainer_accumulating": Framework(  # 2 batches a step: 3 steps an epoch
         "hf_trainer", "checkpoint-{step}", ("--exact", "--mask-tokens", "--accumulate", "2"), (2, 3), None, None, 2

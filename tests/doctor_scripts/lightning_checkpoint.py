@@ -15,6 +15,7 @@ parser.add_argument("--save-every", type=int, default=2)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--exact", action="store_true", help="add exactresume's callback")
 parser.add_argument("--workers", type=int, default=0)
+parser.add_argument("--validate", action="store_true", help="validate every 4 steps, on a loader without generator=")
 parser.add_argument("--devices", type=int, default=1, help="processes: above 1, DDP through Lightning's own launcher")
 parser.add_argument("--kill-in-save", type=int, help="SIGKILL this process half-way through writing last.ckpt")
 parser.add_argument("--record", help="write each step's batch and the final weights here (to check by hand)")
@@ -33,6 +34,10 @@ class Regression(pl.LightningModule):
     def training_step(self, batch, batch_index):
         x, y = batch
         self.batches.append(x.clone())
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_index):
+        x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
@@ -77,8 +82,14 @@ trainer = pl.Trainer(
     enable_progress_bar=False,
     enable_model_summary=False,
     default_root_dir=args.out,
+    **({"val_check_interval": 4, "num_sanity_val_steps": 0} if args.validate else {}),
 )
-trainer.fit(model, loader, ckpt_path="last" if args.resume else None)
+validation = {}
+if (
+    args.validate
+):  # its iterator draws its workers' base seed from the global RNG, as every DataLoader without generator=
+    validation = {"val_dataloaders": torch.utils.data.DataLoader(data, batch_size=16)}
+trainer.fit(model, loader, ckpt_path="last" if args.resume else None, **validation)
 if args.record:  # under DDP, each rank's own: RECORD-0.pt, RECORD-1.pt
     record = f"{args.record}-{trainer.global_rank}.pt" if args.devices > 1 else args.record
     torch.save({"batches": model.batches, "weights": model.state_dict()}, record)

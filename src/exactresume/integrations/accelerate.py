@@ -34,7 +34,8 @@ def accelerate_resume(accelerator, loader):
             raise UserError(f"this Accelerate has no save_state hooks (it supports Accelerate {SUPPORTED} on)")
         state = shards.read_through(loader)
     except UserError as error:
-        notice(f"{NAME}: {error}; the run goes on as Accelerate alone runs it")
+        twice = "twice" in str(error)
+        notice(f"{NAME}: {error}" + ("" if twice else "; the run goes on as Accelerate alone runs it"))
         return loader
     made = getattr(accelerator, COUNT, 0)  # loaders made resumable on this accelerator before: each its own file
     setattr(accelerator, COUNT, made + 1)
@@ -45,18 +46,21 @@ def accelerate_resume(accelerator, loader):
 
 
 def _save(state: LoopState, path: Path) -> None:
-    if state.loader.resuming:
+    if state.loader.resuming:  # its position is the loaded one: kept, a resume from it would be wrong
         notice(
             f"{NAME}: the loop did not read the loader since load_state (did it read another, as skip_first_batches "
-            "makes?): the state saved is the loaded one; iterate the loader accelerate_resume returned"
+            f"makes?): nothing of it is saved in {path.parent}, which resumes as Accelerate's own; iterate the "
+            "loader accelerate_resume returned"
         )
+        return
     save_sealed(path, state.state_dict(shards.taken(state)))
 
 
 def _load(loader, state: LoopState, path: Path) -> None:
     if not path.exists():
         notice(
-            f"{NAME}: {path.parent} was saved without it, so it resumes as Accelerate resumes it: the loader from "
+            f"{NAME}: {path.parent} holds no {path.name} (saved without it, or its save cut short), so it resumes "
+            "as Accelerate resumes it: the loader from "
             "its epoch's first batch (unless skip_first_batches), the RNG before the loader draws from it"
         )
         return

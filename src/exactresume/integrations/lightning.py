@@ -76,6 +76,7 @@ class _Hooks:
         self.taken = 0  # batches the loop has taken of the loader's current iteration
         self.counted = 1  # the loader's iteration they are counted in
         self.off = False  # the callback stands aside; the run is Lightning's own
+        self.before_validation: torch.Tensor | None = None  # torch's RNG at the last training batch's end
         made = next(_MADE)
         self.key = STATE_KEY if made == 0 else f"{STATE_KEY}-{made + 1}"
 
@@ -92,7 +93,8 @@ class _Hooks:
             self._stand_aside(f"this Lightning's fit loop is not one it knows (it supports Lightning {SUPPORTED} on)")
             return
         if getattr(fit_loop, INSTALLED, False):
-            self._stand_aside("it is given twice; the first one acts")
+            self.off, self.loops, self.pending = True, [], None
+            notice(f"{NAME}: it is given twice; the first one acts and this one does nothing")
             return
 
         def install_then_load() -> None:  # in setup_data, once the loaders are built, before their first fetch
@@ -133,7 +135,16 @@ class _Hooks:
         self.loops = [state]
         combined.flattened = [ReadThrough(state)]
 
+    # Lightning saves a step's checkpoint before that step's validation runs, and a resume does not run it
+    # again: what validation draws from torch's RNG (its loaders' worker seeds, drawn before any validation
+    # hook) is set back to where the last training batch left it, so training draws as if it had not run.
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.before_validation is not None:
+            torch.set_rng_state(self.before_validation)
+            self.before_validation = None
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.before_validation = torch.get_rng_state() if self.loops else None
         # Counted here, not from batch_idx: Lightning's count goes on across a resume its loader restarted.
         if self.loops and self.loops[0].iterations != self.counted:
             self.taken, self.counted = 0, self.loops[0].iterations

@@ -26,7 +26,7 @@ def read_through(shard) -> LoopState:
     """Read `shard`'s DataLoader through a ResumableLoader; a UserError where it cannot be."""
     base = getattr(shard, "base_dataloader", None)
     if isinstance(base, ReadThrough):
-        raise UserError("it is given this loader twice; the first one acts")
+        raise UserError("it is given this loader twice; the first call acts and this one does nothing")
     if base is None or not isinstance(base, torch.utils.data.DataLoader):
         raise UserError(f"it takes what accelerator.prepare(loader) returns, got a {type(shard).__name__}")
     if getattr(shard, "use_stateful_dataloader", False):

@@ -43,7 +43,8 @@ def trainer_resume(trainer):
     try:
         _check(trainer)
     except UserError as error:
-        notice(f"{NAME}: {error}; the run goes on as the Trainer alone runs it")
+        twice = "twice" in str(error)
+        notice(f"{NAME}: {error}" + ("" if twice else "; the run goes on as the Trainer alone runs it"))
         return trainer
     _TrainerHooks(trainer)
     return trainer
@@ -51,7 +52,7 @@ def trainer_resume(trainer):
 
 def _check(trainer) -> None:
     if getattr(trainer, INSTALLED, None) is not None:
-        raise UserError("it is given this Trainer twice; the first one acts")
+        raise UserError("it is given this Trainer twice; the first call acts and this one does nothing")
     module = sys.modules.get(type(trainer).__module__)
     trainer_module = sys.modules.get("transformers.trainer")
     missing = [name for name in USED if not callable(getattr(trainer, name, None))]
@@ -130,7 +131,8 @@ class _TrainerHooks:
             save_sealed(Path(output_dir) / self._state_file, self.state.state_dict(shards.taken(self.state)))
 
     def _load_rng_state(self, checkpoint) -> None:
-        if not self.loaded:  # ours sets the RNG at the fetches after the save, or before the next epoch
+        # Ours sets the RNG at the fetches after the save, or before the next epoch; once it stood aside, the Trainer's.
+        if not self.loaded or self.state is None or self.state.off:
             self.load_rng_state(checkpoint)
 
 
