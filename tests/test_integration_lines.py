@@ -75,6 +75,22 @@ def test_accelerate_names_a_damaged_state_and_resumes_as_its_own(accelerator, tm
     assert len(said) == 1 and "exactresume-rank0.pt" in said[0] and "this resume is Accelerate's own" in said[0], said
 
 
+def test_accelerate_saves_nothing_of_a_loader_the_loop_did_not_read_since_load_state(tmp_path, capsys):
+    """As after skip_first_batches, whose new loader the loop reads instead: the loaded position is not saved again."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)  # its own: the module's holds the other tests' loaders
+    loader = accelerate_resume(accelerator, accelerator.prepare(data_loader()))
+    next(iter(loader))
+    accelerator.save_state(tmp_path / "step_1")
+    accelerator.load_state(tmp_path / "step_1")
+    capsys.readouterr()
+    accelerator.save_state(tmp_path / "step_2")
+    said = lines(capsys)
+    assert len(said) == 1 and "the loop did not read the loader since load_state" in said[0], said
+    assert "nothing of it is saved" in said[0] and not (tmp_path / "step_2" / "exactresume-rank0.pt").exists()
+
+
 class Tiny(torch.nn.Module):
     def __init__(self):
         super().__init__()
