@@ -35,5 +35,5 @@ class ReadThrough:
         return getattr(self.loop_state.loader.loader, name)
 
     @property
-    def __class__(self):  # noqa: D105 - isinstance(x, DataLoader) holds, as for the loader it stands for
+    def __class__(self):  # isinstance(x, DataLoader) holds, as for the loader it stands for
         return type(self.loop_state.loader.loader)
