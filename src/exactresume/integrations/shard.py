@@ -58,7 +58,7 @@ def taken(state: LoopState) -> int:
     """The batches of the current epoch the loop took from the shard: the ResumableLoader handed out one
     more, unless the epoch has ended under the shard."""
     loader = state.loader
-    if loader.finished is not None and loader.position.epoch_start is None:
+    if loader.between_epochs:
         return loader.finished.consumed
     return max(loader.position.consumed - 1, 0)
 

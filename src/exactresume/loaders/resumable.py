@@ -151,12 +151,17 @@ class ResumableLoader:
             notice(worker_draws_caveat(self.loader))
         return self.position.to_state(LoaderShape.of(self.loader))
 
+    @property
+    def between_epochs(self) -> bool:
+        """Whether the epoch ended under the loop (its iterator ran out) and the next has not begun."""
+        return self.finished is not None and self.position.epoch_start is None
+
     def state_taken(self, taken: int) -> dict:
         """The state as a loop that took `taken` batches of its epoch sees it, where a framework fetches
         ahead of its loop (the epoch it reads may have ended under it, the next not begun) or stops
         asking at the epoch's length: once the loop took the whole epoch, the state is the next epoch's,
         as a save between epochs gives."""
-        ended = self.finished is not None and self.position.epoch_start is None
+        ended = self.between_epochs
         position = self.finished if ended else self.position
         if not 0 <= taken <= position.consumed:
             raise CheckpointError(
