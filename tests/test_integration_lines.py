@@ -91,6 +91,29 @@ def test_accelerate_saves_nothing_of_a_loader_the_loop_did_not_read_since_load_s
     assert "nothing of it is saved" in said[0] and not (tmp_path / "step_2" / "exactresume-rank0.pt").exists()
 
 
+def saved_folders(project: Path, line: bool) -> list[str]:
+    """What three save_state calls leave under automatic_checkpoint_naming with total_limit=2."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    naming = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True, total_limit=2)
+    accelerator = Accelerator(cpu=True, project_config=naming)
+    loader = accelerator.prepare(data_loader())
+    if line:
+        loader = accelerate_resume(accelerator, loader)
+    for _ in zip(range(3), loader):
+        accelerator.save_state()
+    return sorted(str(path.relative_to(project)) for path in project.rglob("*") if path.is_dir())
+
+
+def test_accelerate_saves_whole_folders_where_automatic_naming_puts_them(tmp_path):
+    """Each folder staged outside checkpoints/ (whose every entry Accelerate's own load_state takes for a
+    checkpoint), renamed into place whole, the oldest beyond total_limit pruned as Accelerate prunes."""
+    own = saved_folders(tmp_path / "own", line=False)
+    assert own == ["checkpoints", "checkpoints/checkpoint_1", "checkpoints/checkpoint_2"]
+    assert saved_folders(tmp_path / "line", line=True) == own
+
+
 class Tiny(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -59,7 +59,10 @@ class Framework:
 
 FRAMEWORKS = {
     "lightning": Framework(
-        "lightning_checkpoint", "epoch={epoch}-step={step}.ckpt", ("--exact", "--workers", "2"), copied_as="last.ckpt"
+        "lightning_checkpoint",
+        "epoch={epoch}-step={step}.ckpt",
+        ("--exact", "--workers", "2", "--persistent", "--generator"),
+        copied_as="last.ckpt",
     ),
     # validated every 4 steps, after step 4's checkpoint is saved: a resume from it does not validate again
     "lightning_validating": Framework(
@@ -197,17 +200,20 @@ def other_sides(root: Path, name: str, straight: Path) -> tuple[str, dict]:
     found = {"ours_resumed_plain": resume_copy(plain, straight, 3, folder / "ours-plain")}
     run(plain, folder / "plain", folder / "plain", "--steps", "4")  # the last --steps wins
     found["plain_resumed_with_line"] = resume_copy(framework, folder / "plain", 3, folder / "plain-ours")
-    if name != "accelerate":  # Accelerate writes a save_state folder in place: see docs/frameworks.md
-        killed = run_killed(framework, folder / "killed", 5)
-        found["killed"] = killed | compare(framework, straight, folder / "killed-resumed", 4)
+    killed = run_killed(framework, folder / "killed", 5)
+    found["killed"] = killed | compare(framework, straight, folder / "killed-resumed", 4)
+    found["killed_plain"] = run_killed(plain, folder / "killed-plain", 5, resumes=False)
     return name, found
 
 
-def run_killed(framework: Framework, out: Path, step: int) -> dict:
+def run_killed(framework: Framework, out: Path, step: int, resumes: bool = True) -> dict:
     """Killed (SIGKILL) while the framework writes step's checkpoint, then resumed in the same folder."""
     script = SCRIPTS / f"{framework.script}.py"
-    flags = ["--out", out, "--steps", STEPS, "--save-every", 1, *framework.flags, "--kill-in-save", step]
-    killed = run_python(script, *flags, env=OFFLINE, preload=FRAMEWORKS_PRELOADED)
+    flags = ["--out", out, "--steps", STEPS, "--save-every", 1, *framework.flags]
+    killed = run_python(script, *flags, "--kill-in-save", step, env=OFFLINE, preload=FRAMEWORKS_PRELOADED)
+    if not resumes:  # the framework's own resume, expected to fail: its code and its last words
+        failed = run_python(script, *flags, "--resume", env=OFFLINE, preload=FRAMEWORKS_PRELOADED)
+        return {"killed_code": killed.returncode, "code": failed.returncode, "last": failed.stdout.strip()[-300:]}
     printed = run(framework, out, out.with_name("killed-resumed"), "--resume")
     return {
         "killed_code": killed.returncode,
@@ -237,10 +243,20 @@ def test_a_checkpoint_saved_without_the_line_is_said_and_resumed(sides, name):
     assert len(lines) == 1 and "saved without it" in lines[0], lines
 
 
-@pytest.mark.parametrize("name", ["lightning", "trainer"])
+# What the framework's own resume meets after the kill, without the line (tests/doctor_scripts say how it is killed)
+CUT_SHORT = {
+    "lightning": "OSError",  # half of last.ckpt
+    "trainer": "trainer_state.json",  # a checkpoint folder without it
+    "accelerate": "optimizer.bin",  # a save_state folder with the weights and nothing after
+}
+
+
+@pytest.mark.parametrize("name", SAVED_WITHOUT)
 def test_killed_while_the_framework_writes_then_resumed(sides, name):
-    """Without the line the same kill leaves a checkpoint the framework's resume fails on (a truncated
-    last.ckpt; a checkpoint folder without trainer_state.json): tests/doctor_scripts say how it is killed."""
+    """Without the line, the same kill leaves a checkpoint the framework's own resume fails on; with it,
+    the resume takes the last whole checkpoint and ends where the straight run ends."""
+    plain = sides[name]["killed_plain"]
+    assert plain["killed_code"] == -9 and plain["code"] != 0 and CUT_SHORT[name] in plain["last"], plain
     found = sides[name]["killed"]
     assert found["killed_code"] == -9
     assert all(found["same_batch"]) and found["weights_equal"] and found["batches"][0] == found["batches"][1] > 0

@@ -134,12 +134,14 @@ def test_augmentation_drawn_in_workers_is_said_at_the_first_save(straight_runs, 
     assert len(said) == 1 and "DataLoader over Augmented draws random numbers in its workers" in said[0], said
 
 
-def test_a_save_between_epochs_keeps_the_generators(tmp_path):
+@pytest.mark.parametrize("loader", ["generator", "persistent"])
+def test_a_save_between_epochs_keeps_the_generators(tmp_path, loader):
     """Saved after an epoch's `for` ended, with a generator the script makes anew: the next epochs' order is
-    the straight run's, not the first epoch's again."""
+    the straight run's, not the first epoch's again. With persistent workers and the global RNG: the resumed
+    run's first iterator draws a base seed the straight run's kept iterator did not, before the order."""
     program = PROGRAM.parent / "between_epochs.py"
     for role in ("straight", "resumed"):
-        assert run_python(program, tmp_path, role).returncode == 0
+        assert run_python(program, tmp_path, role, loader).returncode == 0
     straight, resumed = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
     assert len(straight) == len(resumed) == 4
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))

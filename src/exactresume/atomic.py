@@ -4,14 +4,19 @@ The bytes go to `PATH.tmp`, are flushed and fsynced, the temporary file is renam
 `os.replace`, and the folder is fsynced so the rename itself survives a power cut. The temporary file
 is held with an exclusive flock while it is written: a second process writing the same path at the
 same moment is refused, rather than writing into the same temporary file and publishing mixed bytes.
+
+A folder of files is written elsewhere, each file made durable (`fsync_tree`), and put at its name in
+one rename (`replace_folder`), over the old folder where there is one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -163,3 +168,36 @@ def ensure_writable_folder(folder: Path) -> Path:
 def write_json(path: Path, values: dict) -> None:
     """`values` as indented JSON, written atomically."""
     atomic_write_bytes(path, (json.dumps(values, indent=2) + "\n").encode())
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under `folder`, and `folder`: what a rename of it publishes is then durable."""
+    for path in sorted(folder.rglob("*"), reverse=True):  # the deepest first, each folder after what it holds
+        fsync_path(path)
+    fsync_path(folder)
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Put folder `new` at `target` in one rename: a reader sees the old folder or the new one."""
+    if not target.exists():
+        os.rename(new, target)
+    elif _exchange(new, target):
+        shutil.rmtree(new)  # it now holds the old folder
+    else:  # no atomic exchange on this system: move the old folder aside for the instant of the rename
+        old = target.with_name(target.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+        os.rename(new, target)
+        shutil.rmtree(old)
+    fsync_path(target.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux's renameat2(RENAME_EXCHANGE); False where unsupported."""
+    at_fdcwd, rename_exchange = -100, 2
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0

@@ -23,6 +23,7 @@ parser.add_argument("--fixed", action="store_true", help="apply the fixes the do
 parser.add_argument("--exact", action="store_true", help="exactresume's line: accelerate_resume(accelerator, loader)")
 parser.add_argument("--workers", type=int, default=0)
 parser.add_argument("--mask", action="store_true", help="a collate function that draws from the global RNG")
+parser.add_argument("--kill-in-save", type=int, help="SIGKILL this process as save_state writes this step's folder")
 parser.add_argument("--record", help="write each step's batch and the final weights here (to check by hand)")
 args = parser.parse_args()
 torch.set_num_threads(1)
@@ -44,6 +45,15 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dr
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.1, total_iters=args.steps)
 model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+if args.kill_in_save:  # killed after the weights are written, as the optimizer's state is: a folder cut short
+    save = torch.save
+
+    def save_or_die(obj, file, *more, **options):
+        if f"step_{args.kill_in_save}" in str(file):
+            os.kill(os.getpid(), 9)
+        return save(obj, file, *more, **options)
+
+    torch.save = save_or_die
 if args.exact:
     from exactresume.integrations.accelerate import accelerate_resume
 

@@ -1,6 +1,7 @@
 """PyTorch Lightning as its docs show it: a LightningModule, ModelCheckpoint(every_n_train_steps=...),
 and trainer.fit(..., ckpt_path="last") to resume. With --exact, the one line of exactresume's callback;
---workers gives the loader worker processes."""
+--workers gives the loader worker processes (--persistent: kept across epochs), --generator the loader a
+torch.Generator of its own."""
 
 import argparse
 
@@ -15,6 +16,8 @@ parser.add_argument("--save-every", type=int, default=2)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--exact", action="store_true", help="add exactresume's callback")
 parser.add_argument("--workers", type=int, default=0)
+parser.add_argument("--persistent", action="store_true", help="persistent_workers=True")
+parser.add_argument("--generator", action="store_true", help="the loader's own generator= (seeded)")
 parser.add_argument("--validate", action="store_true", help="validate every 4 steps, on a loader without generator=")
 parser.add_argument("--devices", type=int, default=1, help="processes: above 1, DDP through Lightning's own launcher")
 parser.add_argument("--kill-in-save", type=int, help="SIGKILL this process half-way through writing last.ckpt")
@@ -46,7 +49,10 @@ class Regression(pl.LightningModule):
 
 pl.seed_everything(0)
 data = torch.utils.data.TensorDataset(torch.randn(48, 8), torch.randn(48, 1))
-loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, num_workers=args.workers)
+options = {"persistent_workers": args.persistent, "num_workers": args.workers}
+if args.generator:
+    options["generator"] = torch.Generator().manual_seed(1)
+loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, **options)
 model = Regression()
 checkpoints = ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.save_every, save_top_k=-1, save_last=True)
 if args.kill_in_save:  # half of last.ckpt's bytes written where Lightning writes them, then killed

@@ -221,12 +221,22 @@ def sort_event(process: Process, event: dict) -> None:
     elif kind == "lost":
         process.lost.append(event)
     elif kind == "rename":
-        for save in reversed(process.saves):
-            if save["path"] == event["source"] or save["path"] is None:
-                save["path"] = event["target"]
-                break
+        renamed(process.saves, event["source"], event["target"])
     elif kind == "wrote" and process.saves and process.saves[-1]["path"] is None:
         process.saves[-1]["path"] = event["path"]
+
+
+def renamed(saves: list[dict], source: str, target: str) -> None:
+    """The newest save at `source` (or not yet named) takes `target`; a folder's rename (a staged
+    checkpoint folder put in place) moves every save inside it."""
+    inside = source + os.sep
+    for save in saves:
+        if save["path"] and save["path"].startswith(inside):
+            save["path"] = target + save["path"][len(source) :]
+    for save in reversed(saves):
+        if save["path"] == source or save["path"] is None:
+            save["path"] = target
+            break
 
 
 def load_events(path: Path) -> list[dict]:

@@ -9,7 +9,8 @@
 No `skip_first_batches`: the loader opens at the first batch the loop did not take, reading none of
 the others, in the order the uninterrupted run drew. Each process writes its state into the folder
 `save_state` writes (`exactresume-rank0.pt`, sealed), through Accelerate's save and load hooks; the
-folder stays Accelerate's own, and `load_state` without this line reads it as it always has.
+folder stays Accelerate's own, and `load_state` without this line reads it as it always has. Each
+`save_state` then writes its folder whole or not at all (accelerate_atomic).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from exactresume.errors import CheckpointError, UserError, notice
 from exactresume.store.sealed import load_sealed, save_sealed
 
 from . import shard as shards
+from .accelerate_atomic import atomic_saves
 from .loop_state import LoopState
 
 NAME = "accelerate_resume"
@@ -37,6 +39,7 @@ def accelerate_resume(accelerator, loader):
         twice = "twice" in str(error)
         notice(f"{NAME}: {error}" + ("" if twice else "; the run goes on as Accelerate alone runs it"))
         return loader
+    atomic_saves(accelerator)
     made = getattr(accelerator, COUNT, 0)  # loaders made resumable on this accelerator before: each its own file
     setattr(accelerator, COUNT, made + 1)
     name = shards.state_file(accelerator.process_index, made)

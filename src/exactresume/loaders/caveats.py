@@ -71,7 +71,7 @@ def worker_caveat(loader, saved: LoaderShape, now: LoaderShape, seen: LoaderPosi
             f"its {type(loader.sampler).__name__} draws a new order each time the loader opens it, and how often "
             "a loader opens it depends on its workers: the epochs after this one will differ from the saved run's"
         )
-    elif _keeps_iterator(saved) != _keeps_iterator(now) and (seed_source := _seed_source(loader)) is not None:
+    elif saved.keeps_iterator != now.keeps_iterator and (seed_source := _seed_source(loader)) is not None:
         why = (
             f"it draws its workers' base seed from {seed_source} once per process with persistent "
             "workers and once per epoch without: the epochs after this one will differ from the saved run's"
@@ -84,12 +84,7 @@ def worker_caveat(loader, saved: LoaderShape, now: LoaderShape, seen: LoaderPosi
 
 def _opens(shape: LoaderShape) -> tuple[bool, bool]:
     """What decides how often a loader opens its sampler: in its own process, or through (persistent) workers."""
-    return shape.workers > 0, _keeps_iterator(shape)
-
-
-def _keeps_iterator(shape: LoaderShape) -> bool:
-    """Whether the loader keeps one iterator (and its workers) across epochs, drawing one base seed in all."""
-    return shape.persistent and shape.workers > 0
+    return shape.workers > 0, shape.keeps_iterator
 
 
 def _seed_source(loader) -> str | None:

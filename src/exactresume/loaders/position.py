@@ -58,6 +58,11 @@ class LoaderShape:
             persistent=bool(loader.persistent_workers),
         )
 
+    @property
+    def keeps_iterator(self) -> bool:
+        """Whether the loader keeps one iterator (and its workers) across epochs, drawing one base seed in all."""
+        return self.persistent and bool(self.workers)
+
     def changes(self, saved: LoaderShape) -> list[str]:
         """Each field that differs, as 'its dataset_length is 24, 26 when saved'."""
         now = asdict(self)

@@ -64,6 +64,7 @@ class ResumableLoader:
         self.position = LoaderPosition()
         self.plan = EpochPlan()
         self.resuming = False  # a loaded position waits for the next iteration
+        self.loaded_between = False  # a position loaded between epochs, whose next epoch has not begun
         self.cautioned = False
         self.draws = DrawFlag()  # set by the workers when a fetch moves their RNGs (worker_draws.py)
         # A framework that fetches ahead of its loop watches each fetch (exactresume.integrations).
@@ -92,10 +93,10 @@ class ResumableLoader:
             set_sampler_epoch(self.loader, position.sampler_epoch)
             self.sources.set(position.epoch_start)  # the workers' base seed is drawn from it at iter()
         else:
-            self.plan = EpochPlan()
             self.finished = None
             if position.generators_after is not None:  # saved between epochs: the last one's draws, set back
                 self.sources.set_generators(position.generators_after)
+            self.plan = EpochPlan(order_start=self._kept_iterator_start())
             position.consumed, position.order_start, position.sampler_start = 0, None, None
             position.generators_after = None
             position.epoch_start, position.sampler_epoch = self.sources.states(), _sampler_epoch(self.loader)
@@ -107,6 +108,15 @@ class ResumableLoader:
             yield batch
         self.finished = dataclasses.replace(position)
         position.next_epoch(self.sources.states().generators)
+
+    def _kept_iterator_start(self) -> SourceStates | None:
+        """Loaded between epochs from a run whose loader kept its iterator (persistent workers): that run
+        opened this epoch's sampler from the sources as they are now, drawing no new workers' base seed,
+        where this process's first iterator draws one first. The sampler is opened from them again."""
+        loaded, self.loaded_between = self.loaded_between, False
+        if loaded and LoaderShape.of(self.loader).keeps_iterator and self._iterated._iterator is None:
+            return self.sources.states()
+        return None
 
     def _opened(self) -> SourceStates:
         return self.sources.states()
@@ -183,6 +193,7 @@ class ResumableLoader:
         if changes:
             raise CheckpointError(f"the {loader_name(self.loader)} is not the one saved: {'; '.join(changes)}")
         self.position, self.resuming = position, position.epoch_start is not None
+        self.loaded_between = not self.resuming
         self._caution()
         changed_workers = worker_caveat(self.loader, saved, now, position)
         if changed_workers is not None:

@@ -19,9 +19,7 @@ as this run shards them, and DCP reads only this rank's rows from whatever layou
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import io
-import os
 import pickle
 import re
 import shutil
@@ -44,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from exactresume.atomic import fsync_path, tmp_path
+from exactresume.atomic import fsync_path, replace_folder, tmp_path
 from exactresume.errors import CheckpointError
 from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
 from exactresume.store.formats import check_format
@@ -186,32 +184,6 @@ def write_commit(staging: Path, processes: int, step: int | None = None) -> None
     marker = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes, "files": files}
     save_sealed(staging / COMMIT, marker | ({"step": step} if step is not None else {}))
     fsync_path(staging)
-
-
-def replace_folder(new: Path, target: Path) -> None:
-    """Put folder `new` at `target` in one rename: a reader sees the old folder or the new one."""
-    if not target.exists():
-        os.rename(new, target)
-    elif _exchange(new, target):
-        shutil.rmtree(new)  # it now holds the old folder
-    else:  # no atomic exchange on this system: move the old folder aside for the instant of the rename
-        old = target.with_name(target.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-        os.rename(new, target)
-        shutil.rmtree(old)
-    fsync_path(target.parent)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically with Linux's renameat2(RENAME_EXCHANGE); False where unsupported."""
-    at_fdcwd, rename_exchange = -100, 2
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 @contextlib.contextmanager
