@@ -174,9 +174,7 @@ def test_a_verdict_says_what_the_doctor_lost_sight_of(cases):
     case = cases["failing_hooks"]
     diagnosis = case["facts"]["diagnosis"]
     assert case["code"] == 0 and diagnosis["cause"] == "exact" and diagnosis["missing"] == []
-    assert diagnosis["headline"].endswith(
-        "it lost sight of the batch, lr, optimizer hyperparameters and 11 more from step 6"
-    )
+    assert diagnosis["headline"].endswith("it lost sight of the batch, samples read, lr and 12 more from step 6")
     lost = {(row["run"], row["what"]) for row in diagnosis["lost"]}
     assert ("straight", "the batch") in lost and all(row["step"] >= 6 for row in diagnosis["lost"])
     assert "note: the doctor lost sight of the batch from step 6 of the straight run" in case["verdict"]

@@ -1,7 +1,8 @@
 """Correct: a RandomSampler whose generator is reseeded from the seed and the epoch as each epoch begins
 (the order is a function of both, as DistributedSampler's is), resumed mid-epoch by reseeding it the same
 way and skipping the batches already seen. The checkpoint holds the step, not the generator's state: it
-rebuilds that state from saved values."""
+rebuilds that state from saved values. --scaler trains through a GradScaler whose state is not saved: a
+bug of another kind, under which the generator is still restored."""
 
 import argparse
 import os
@@ -14,6 +15,7 @@ parser.add_argument("--out", default="ckpt")
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--save-every", type=int, default=2)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--scaler", action="store_true", help="a GradScaler, its state not saved")
 parser.add_argument("--record", help="write each step's batch and the final weights here (to check by hand)")
 args = parser.parse_args()
 torch.set_num_threads(1)
@@ -23,6 +25,7 @@ data = TensorDataset(torch.randn(24, 8), torch.randn(24, 1))
 loader = DataLoader(data, batch_size=8, sampler=RandomSampler(data, generator=generator))
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, enabled=args.scaler)
 step, batches = 0, []
 if args.resume:  # the newest of the checkpoints kept, one a save: OUT/step-N.pt
     newest = max(os.listdir(args.out), key=lambda name: int(name.removeprefix("step-").removesuffix(".pt")))
@@ -41,8 +44,9 @@ while step < args.steps:
         batches.append(x.clone())
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         step += 1
         if step % args.save_every == 0:
             os.makedirs(args.out, exist_ok=True)

@@ -94,6 +94,7 @@ def plan_from(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    import exactresume.doctor.verdict  # noqa: F401  its figure needs the lab extra's matplotlib: said before any run
     from exactresume.doctor.session import run_doctor
 
     diagnosis, text = run_doctor(plan_from(args))

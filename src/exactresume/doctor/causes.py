@@ -11,14 +11,16 @@ from pathlib import Path
 
 from exactresume.doctor.context import Context, later, listed, position_evidence
 from exactresume.doctor.forward import buffers_only, forward_state, optimizer_order
+from exactresume.doctor.random_sources import describe, parted
 from exactresume.doctor.streaming import stream
 
 HALF = ("torch.float16", "torch.bfloat16")
 
 
 def cause_of(c: Context) -> tuple[str, str, list[str]]:
-    rules = (accumulation_window, optimizer_order, weights, weights_only, batch_randomness, generator_behind)
-    rules += (rng_batches, stream, data_position, schedule, rng, forward_state, buffers_only)
+    rules = (accumulation_window, optimizer_order, weights, weights_only, resumed_at_saved_step, batch_randomness)
+    rules += (generator_behind, augmentation, rng_batches, stream, data_position, schedule, rng, forward_state)
+    rules += (buffers_only,)
     for rule in (*rules, optimizer, scaler):
         found = rule(c)
         if found:
@@ -103,8 +105,55 @@ def flat_state(f: dict) -> bool:
     return bool(f["keys"]) and {t["key"] for t in f["tensors"]} == set(f["keys"])
 
 
+def same_samples(c: Context) -> bool:
+    """The resumed step read the straight run's samples (the DataLoader's index lists), where the tracer saw them."""
+    return c.straight.get("indices") is not None and c.straight.get("indices") == c.resumed.get("indices")
+
+
+def resumed_at_saved_step(c: Context):
+    """The first resumed step trains again the batch of the step the checkpoint was saved after."""
+    k = c.runs.resume_step
+    if c.index or "batch" not in c.diff or k < 1 or c.runs.straight.steps[k - 1].get("batch") != c.resumed["batch"]:
+        return None
+    headline = (
+        f"the resumed run trains step {k}'s batch again: it starts at the saved step, not the one after (the "
+        f"checkpoint was saved after step {k}, and the resumed loop began at step {k} again)"
+    )
+    evidence = [f"the resumed step {k + 1} drew the batch of step {k}, the last step the checkpoint holds"]
+    return "resumed_at_saved_step", headline, evidence
+
+
+def augmentation(c: Context):
+    """The same samples, another batch: the randomness that transformed them parted, not the data position."""
+    if "batch" not in c.diff or not same_samples(c):
+        return None
+    sources = parted(c.diff)
+    evidence = [f"the resumed step {c.step} read the samples of the straight run's step {c.step}"]
+    if not sources:  # no RNG of the main process parted: the workers' own, or one the script does not hold
+        headline = (
+            f"{later(c)}the resumed step read the straight run's samples, but their random augmentation differs, "
+            "drawn where the doctor cannot see it: in the DataLoader's workers (their RNGs start again from their "
+            "seeds at a resume), or from a source no variable of the script holds"
+        )
+        return "augmentation_unseen", headline, evidence
+    headline = (
+        f"{later(c)}the resumed step read the straight run's samples, but their random augmentation differs: "
+        f"it is drawn from {describe(sources[0])}, whose state the resume did not restore"
+    )
+    return "augmentation_rng_lost", headline, evidence
+
+
+def order_source(c: Context) -> str | None:
+    """The source the order was drawn from, where the DataLoader's own generators did not part: one the
+    script holds, or numpy's or Python's global RNG."""
+    if "data" in c.diff:
+        return None
+    sources = [f for f in parted(c.diff) if f not in ("rng_torch", "rng_cuda")]
+    return sources[0] if sources else None
+
+
 def data_position(c: Context):
-    if "batch" not in c.diff:
+    if "batch" not in c.diff or same_samples(c):
         return None
     evidence = position_evidence(c)
     epochs_a, epochs_b = c.straight.get("sampler_epochs"), c.resumed.get("sampler_epochs")
@@ -118,7 +167,11 @@ def data_position(c: Context):
     sources = sorted({s for f in c.runs.files for s in f.get("loaders", [])})
     gens = c.unsaved("generator")
     source = f"; the order comes from {sources[0]}" if sources else ""
-    lost = "; its generator state is not in the checkpoint" if gens else ""
+    drawn = order_source(c)
+    if drawn is not None:
+        lost = f"{', ' if sources else ': the order is '}drawn from {describe(drawn)}, which the resume did not restore"
+    else:
+        lost = "; its generator state is not in the checkpoint" if gens else ""
     return "data_position_lost", f"{later(c)}the data position was lost{source}{lost}", evidence
 
 

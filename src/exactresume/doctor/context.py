@@ -69,11 +69,15 @@ def listed(items: list[str]) -> str:
     return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 2 else items)
 
 
+def steps(count: int, where: str) -> str:
+    return f"{count} step{'s' if count != 1 else ''} {where}"
+
+
 def position_evidence(c: Context) -> list[str]:
     found = c.straight_step_with("batch", c.resumed["batch"])
     if found == 1:
         return [f"restarted from the first batch: the resumed step {c.step} drew step 1's batch"]
     if found:
-        gap = f"{c.step - found} steps back" if found < c.step else f"{found - c.step} steps ahead"
+        gap = steps(c.step - found, "back") if found < c.step else steps(found - c.step, "ahead")
         return [f"the resumed step {c.step} drew the batch of step {found} ({gap})"]
     return [f"the resumed step {c.step} drew a batch the straight run never drew: the order was reshuffled"]

@@ -17,16 +17,19 @@ import numpy as np
 from exactresume.doctor.causes import Context, also, cause_of
 from exactresume.doctor.examine import Runs
 from exactresume.doctor.fixes import fix_for, framework_fix
+from exactresume.doctor.random_sources import PREFIX, describe, fix, parted
 from exactresume.doctor.ranks import diagnose_ranks
 
-FIELDS = ("batch", "lr", "hparams", "params", "grads", "optim", "scaler", "data", "layout", "buffers")
+FIELDS = ("batch", "indices", "lr", "hparams", "params", "grads", "optim", "scaler", "data", "layout", "buffers")
 RNG_FIELDS = ("rng_torch", "rng_cuda", "rng_numpy", "rng_python")
 DECISIVE = ("batch", "lr", "hparams", "params", "grads", "optim")
 # states that change a step only through what it draws or reads (the batch, a dropout, a running statistic),
 # and the optimizer's order of the same parameters, which changes a step only through where its state lands
-AHEAD = {"data", "layout", "buffers", *RNG_FIELDS}
+# (the samples read show in the batch: the batch decides)
+AHEAD = {"data", "layout", "buffers", "indices", *RNG_FIELDS}
 NAMES = {
     "batch": "batch",
+    "indices": "samples read",
     "lr": "lr",
     "hparams": "optimizer hyperparameters",
     "params": "weights before the step",
@@ -41,6 +44,11 @@ NAMES = {
     "rng_numpy": "numpy RNG",
     "rng_python": "python RNG",
 }
+
+
+def name_of(field: str) -> str:
+    """What a fingerprint is, in the user's words: 'gradients', 'the random.Random sampler.rng'."""
+    return NAMES.get(field) or describe(field)
 
 
 @dataclass
@@ -67,7 +75,9 @@ class Diagnosis:
 
 
 def differing(a: dict, b: dict, fields) -> list[str]:
-    return [f for f in fields if a.get(f) != b.get(f)]
+    """The fields whose fingerprints differ; a random source of the script's own only where both records hold
+    it (one a run made later, or whose fingerprint the tracer lost at that step, is not compared)."""
+    return [f for f in fields if a.get(f) != b.get(f) and (not f.startswith(PREFIX) or (f in a and f in b))]
 
 
 def diagnose(runs: Runs) -> Diagnosis:
@@ -85,13 +95,14 @@ def diagnose_one(runs: Runs) -> Diagnosis:
         runs.resumed.steps,
         runs.resume_step,
     )
-    fields = FIELDS + tuple(f for f in RNG_FIELDS if any(f in s for s in straight))
+    sources = dict.fromkeys(f for s in straight for f in s if f.startswith(PREFIX))  # each source, as first seen
+    fields = FIELDS + tuple(f for f in RNG_FIELDS if any(f in s for s in straight)) + tuple(sources)
     unseeded = [
         f for f in fields if f not in DECISIVE and any(differing(a, b, [f]) for a, b in zip(straight, interrupted[:k]))
     ]
     kept = tuple(f for f in fields if f not in unseeded)
     notes = [
-        f"the {NAMES[f]} differs between two fresh runs (not seeded); it is left out of the comparison"
+        f"the {name_of(f)} differs between two fresh runs (not seeded); it is left out of the comparison"
         for f in unseeded
     ]
     pairs = list(zip(straight, interrupted[:k])) + list(zip(straight[k:], resumed))
@@ -107,7 +118,7 @@ def diagnose_one(runs: Runs) -> Diagnosis:
     diagnosis.equal, diagnosis.distance, diagnosis.unseeded = equal, distances(runs), unseeded
     diagnosis.lost = lost
     framework = next((f["framework"] for f in runs.files if f.get("framework")), None)
-    diagnosis.missing = missing_state(runs, framework)
+    diagnosis.missing = restored_left_out(missing_state(runs, framework), equal, k) + unrestored(diagnosis)
     if diagnosis.verdict == "exact":  # the resume needed none of it in the steps compared: no fix to make
         diagnosis.notes += [
             f"not in the checkpoint, not needed in the steps compared: {r['name']}" for r in diagnosis.missing
@@ -132,7 +143,7 @@ def first_difference(runs: Runs, fields: tuple, notes: list[str]) -> Diagnosis |
     ahead, early = None, []  # the first step where only a sampler's or an RNG's state differs, and which
     for index, (a, b) in enumerate(zip(straight[k:], runs.resumed.steps)):
         diff = differing(a, b, fields)
-        if diff and set(diff) <= AHEAD:  # a state that shows in a later batch or forward, if at all
+        if diff and all(f in AHEAD or f.startswith(PREFIX) for f in diff):  # shows in a later batch or forward
             ahead, early = ahead or k + index + 1, early + [f for f in diff if f not in early]
             continue
         if diff:
@@ -141,7 +152,7 @@ def first_difference(runs: Runs, fields: tuple, notes: list[str]) -> Diagnosis |
         index = ahead - runs.resume_step - 1
         return resume_difference(Context(runs, index, straight[ahead - 1], runs.resumed.steps[index], early), notes)
     if ahead:
-        said = " and ".join(f"the {NAMES[f]}" for f in early) + (" differs" if len(early) == 1 else " differ")
+        said = " and ".join(f"the {name_of(f)}" for f in early) + (" differs" if len(early) == 1 else " differ")
         notes.append(
             f"{said} from step {ahead}, though every step compared is bit-identical: a later step that draws "
             "from it would part"
@@ -157,7 +168,7 @@ def resume_difference(context: Context, notes: list[str]) -> Diagnosis:
     if second:
         causes.append(second[0])
         headline, evidence = f"{headline}; and {second[1]}", evidence + second[2]
-    evidence = [f"differs at step {context.step}: " + ", ".join(NAMES[f] for f in context.diff)] + evidence
+    evidence = [f"differs at step {context.step}: " + ", ".join(name_of(f) for f in context.diff)] + evidence
     diagnosis = Diagnosis("diverges", cause, headline, context.runs.resume_step, context.step, context.diff, evidence)
     diagnosis.notes, diagnosis.causes = notes, causes
     return diagnosis
@@ -172,9 +183,9 @@ def not_deterministic(step: int, diff: list[str], k: int, notes: list[str]) -> D
         why = "the same batch and weights give other gradients: an unseeded dropout, a non-deterministic kernel"
         why += " or another thread count"
     else:
-        why = f"the {NAMES[diff[0]]} differs"
+        why = f"the {name_of(diff[0])} differs"
     headline = f"not deterministic even without a resume: two fresh runs part at step {step} ({why})"
-    evidence = [f"differs at step {step}: " + ", ".join(NAMES[f] for f in diff)]
+    evidence = [f"differs at step {step}: " + ", ".join(name_of(f) for f in diff)]
     return Diagnosis("not_deterministic", "not_deterministic", headline, k, step, diff, evidence, notes)
 
 
@@ -227,7 +238,7 @@ def lost_note(row: dict) -> str:
     where = f"step {row['step']} of the {row['run']} run" + (
         f" (rank {row['rank']})" if row["rank"] is not None else ""
     )
-    compared = ", ".join(NAMES[f] for f in row["fields"] if f in NAMES)
+    compared = ", ".join(name_of(f) for f in row["fields"] if f in NAMES)
     after = f": the {compared} not compared from there" if compared else ""
     return f"the doctor lost sight of {row['what']} from {where} ({row['error']}){after}"
 
@@ -258,6 +269,31 @@ STORE_FIX = "or make it a part of exactresume's CheckpointStore"
 
 KIND_CAUSES = {"global_rng": "rng_lost", "lr_scheduler": "scheduler_lost", "generator": "data_position_lost"}
 KIND_CAUSES |= {"stream": "stream_position_lost", "stream_rng": "stream_rng_lost"}
+
+
+# The fingerprint that shows whether a live object of a kind was restored, whatever the files hold
+RESTORED_BY = {"generator": "data", "global_rng": "rng_torch"}
+# The causes that name a random source the resume did not restore (random_sources.py)
+SOURCE_CAUSES = ("data_position_lost", "augmentation_rng_lost")
+
+
+def restored_left_out(rows: list[dict], equal: dict[str, list[bool | None]], k: int) -> list[dict]:
+    """`rows` less those whose state no file holds but the resume rebuilt (a generator reseeded from the seed
+    and the epoch): their fingerprint is the straight run's at every resumed step."""
+    restored = {kind for kind, f in RESTORED_BY.items() if f in equal and all(e is not False for e in equal[f][k:])}
+    return [row for row in rows if row["kind"] not in restored]
+
+
+def unrestored(diagnosis: Diagnosis) -> list[dict]:
+    """The random source the cause names (the first of the script's own that parts, else a global one other
+    than torch's, which the files' rows name), with the fix in its own API."""
+    if diagnosis.cause not in SOURCE_CAUSES:
+        return []
+    named = [f for f in parted(diagnosis.differs) if f != "rng_torch" and describe(f) in diagnosis.headline][:1]
+    detail = f"its state is not the straight run's at step {diagnosis.first_step}: the resume did not restore it"
+    return [
+        {"kind": "random_source", "name": describe(f), "saved": False, "detail": detail, "fix": fix(f)} for f in named
+    ]
 
 
 def missing_state(runs: Runs, framework: str | None = None) -> list[dict]:

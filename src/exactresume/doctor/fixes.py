@@ -92,6 +92,15 @@ FIXES: dict[tuple[str, str | None], str] = {
         "build the optimizer's param groups from the parameters in the same order on resume as when it was saved "
         "(sorted by name, say): optimizer.load_state_dict() matches them by position"
     ),
+    ("augmentation_unseen", None): (
+        "draw the augmentation from a generator seeded by the epoch and the sample's index "
+        "(np.random.default_rng((seed, epoch, index)), torch.Generator().manual_seed(...)) in the dataset or "
+        "collate function: it is then the same at a resume whichever worker draws it"
+    ),
+    ("resumed_at_saved_step", None): (
+        "start the resumed loop at the step after the saved one: save the number of steps done (the loop's index "
+        "+ 1, where it counts from 0) and resume at it, or resume at the saved index + 1"
+    ),
     ("epoch_lost", None): "save the epoch and call sampler.set_epoch(epoch) before iterating on resume",
     ("rng_after_iterator", None): (
         "give the DataLoader its own generator, DataLoader(..., generator=torch.Generator().manual_seed(SEED)): "

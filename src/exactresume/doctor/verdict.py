@@ -17,7 +17,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from exactresume.atomic import atomic_write_bytes
-from exactresume.doctor.diagnose import NAMES
+from exactresume.doctor.diagnose import name_of
 
 FLOOR = 1e-12
 
@@ -72,7 +72,7 @@ def draw(diagnosis) -> Figure:
     colours = ListedColormap(["#4caf50", "#e53935", "#bdbdbd"])
     extent = (0.5, steps + 0.5, len(fields) - 0.5, -0.5)
     top.imshow(grid, aspect="auto", cmap=colours, vmin=0, vmax=2, extent=extent, interpolation="nearest")
-    labels = [NAMES[f] + (" (not seeded)" if f in ignored else "") for f in fields]
+    labels = [name_of(f) + (" (not seeded)" if f in ignored else "") for f in fields]
     top.set_yticks(range(len(fields)), labels, fontsize=8)
     figure.suptitle("vs the straight run: equal (green), different (red), ignored or lost (grey)", fontsize=10)
     distance = [FLOOR if d == 0 else (np.nan if d is None else d) for d in diagnosis.distance]
@@ -128,7 +128,7 @@ def step_table(diagnosis) -> str:
     head = "| fingerprint | " + " | ".join(str(s) for s in range(1, steps + 1)) + " |"
     rule = "|---|" + "---|" * steps
     rows = [
-        f"| {NAMES[f]} | " + " | ".join("?" if ok is None else ("=" if ok else "**≠**") for ok in oks) + " |"
+        f"| {name_of(f)} | " + " | ".join("?" if ok is None else ("=" if ok else "**≠**") for ok in oks) + " |"
         for f, oks in diagnosis.equal.items()
     ]
     return "\n".join([head, rule, *rows])

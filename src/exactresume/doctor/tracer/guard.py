@@ -12,7 +12,7 @@ attempted at or after that optimizer step, as a bug of the tracer's would.
 from __future__ import annotations
 
 RNG = ("rng_torch", "rng_cuda", "rng_numpy", "rng_python")
-EVERY = ("batch", "lr", "hparams", "params", "grads", "optim", "scaler", "data", "layout", "buffers", *RNG)
+EVERY = ("batch", "indices", "lr", "hparams", "params", "grads", "optim", "scaler", "data", "layout", "buffers", *RNG)
 
 # What a hook looks at -> the step fingerprints that are blind without it.
 SIGHT: dict[str, tuple[str, ...]] = {
@@ -30,6 +30,8 @@ SIGHT: dict[str, tuple[str, ...]] = {
     "the GradScalers' state": ("scaler",),
     "the LR schedulers and GradScalers": ("scaler",),
     "the RNG states": RNG,
+    "the random sources": (),  # a source missing from a step's record is not compared (diagnose.differing)
+    "the samples read": ("indices",),
     "the optimizer state": ("optim",),
     "the closure's forward": ("batch", "grads"),
     "what drew from the torch RNG": (),

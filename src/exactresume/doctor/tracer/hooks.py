@@ -29,6 +29,8 @@ import contextlib
 import json
 import os
 import sys
+import weakref
+from collections import deque
 
 import torch
 
@@ -38,6 +40,7 @@ from .files import Files
 from .guard import Guard
 from .live import Live, coverage
 from .prints import BEFORE_STEP, Order, buffers, gradients, optimizer_state
+from .sources import Sources
 
 FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "pytorch_lightning": "lightning"}
 FRAMEWORKS |= {"lightning": "lightning", "lightning_fabric": "lightning"}
@@ -61,6 +64,9 @@ class Tracer(Guard):
         self.losses: list[float] = []
         self.drew: list[str] = []  # what drew from the global torch RNG since the last step
         self.fetched = 0  # batches fetched since the last step
+        self.sources = Sources()
+        self.pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # iterator -> index lists drawn
+        self.read_indices: list = []  # the index lists of the batches fetched since the last step
         self.record: dict = {}
         self.forwarded = False  # the step's batch and gradients are in its record
         self.idle = False  # the optimizer step under way trains nothing (idle_step): not counted
@@ -119,6 +125,14 @@ class Tracer(Guard):
     def on_fetch(self, iterator) -> None:
         self.live.on_fetch(iterator)
         self.fetched += 1
+        drawn = self.pending.get(iterator)
+        if drawn:  # workers hand batches back in the order their index lists were drawn
+            self.read_indices.append(drawn.popleft())
+
+    def on_index(self, iterator, index) -> None:
+        """An index list the iterator drew from its sampler (ahead of the fetch, with workers)."""
+        if index is not None and not (isinstance(index, list) and None in index):  # an IterableDataset's: no index
+            self.pending.setdefault(iterator, deque()).append(index)
 
     def on_draw(self, where: str) -> None:
         self.drew.append(where)
@@ -182,6 +196,8 @@ class Tracer(Guard):
 
     def after_forward(self, params) -> None:
         self.forwarded = True
+        if self.read_indices:  # the samples the step's batches hold: the last fetched, one a forward
+            self.record["indices"] = fp.digest(self.read_indices[-max(len(self.micro), 1) :])
         self.record |= {
             "batch": fp.digest(self.micro),
             "micro": list(self.micro),
@@ -209,6 +225,7 @@ class Tracer(Guard):
         finally:  # the step counts whatever failed: the cut and the crash go by the count
             self.step += 1
             self.record, self.forwarded, self.micro, self.losses, self.drew, self.fetched = {}, False, [], [], [], 0
+            self.read_indices = []
         self.write(record)
 
     def marked(self) -> bool:

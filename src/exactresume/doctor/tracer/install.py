@@ -23,6 +23,7 @@ from . import dcp
 from . import fingerprint as fp
 from .files import wrap_writes
 from .hooks import Tracer, file_path
+from .sources import wrap_constructors
 
 
 def start_from_environment() -> Tracer | None:
@@ -87,6 +88,9 @@ def install(tracer: Tracer) -> Callable[[], None]:
     patches.replace(torch.nn.Module, "__call__", lambda original: module_call(tracer, original))
     patches.replace(torch.Tensor, "backward", lambda original: backward(tracer, original))
     wrap_data(tracer, patches)
+    wrap_constructors(
+        tracer.sources, patches.replace, tracer.attempt, lambda name, wrap: after_import(tracer, patches, name, wrap)
+    )
     wrap_files(tracer, patches)
     wrap_writes(Guarded(tracer, tracer.files, "the files it writes"), patches.replace)
     return patches.remove
@@ -158,6 +162,14 @@ def wrap_data(tracer: Tracer, patches: Patches) -> None:
 
         return traced
 
+    def next_index(original):
+        def traced(iterator):
+            index = original(iterator)
+            tracer.attempt("the samples read", tracer.on_index, iterator, index)
+            return index
+
+        return traced
+
     def setting(original):
         def traced(*args, **kwargs):
             result = original(*args, **kwargs)
@@ -168,6 +180,7 @@ def wrap_data(tracer: Tracer, patches: Patches) -> None:
 
     patches.replace(torch.utils.data.DataLoader, "__iter__", lambda original: iterating(tracer, original))
     patches.replace(_BaseDataLoaderIter, "__next__", fetching)
+    patches.replace(_BaseDataLoaderIter, "_next_index", next_index)
     for owner in (torch, torch.random):
         patches.replace(owner, "set_rng_state", setting)
     # torchdata's StatefulDataLoader makes itself and its iterators without DataLoader's __init__ and __iter__

@@ -8,6 +8,7 @@ parameters, as that. Parameters no model names follow in the optimizer's order.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 from . import fingerprint as fp
@@ -90,6 +91,11 @@ def rngs(tracer, optimizer, params) -> dict:
     return found
 
 
+def sources(tracer, optimizer, params) -> dict:
+    """Each random.Random, numpy Generator and torch.Generator the script holds (sources.py)."""
+    return tracer.sources.digests(list(tracer.live.loaders), sys._getframe(1))
+
+
 def buffers(live) -> dict:
     """The trained models' saved buffers (a BatchNorm's running statistics) after the step's forward: state a
     step changes besides the weights, and that a forward may read."""
@@ -102,6 +108,7 @@ BEFORE_STEP = (
     ("the sampler's state", data),
     ("the GradScalers' state", scalers),
     ("the RNG states", rngs),
+    ("the random sources", sources),
 )
 
 
