@@ -132,3 +132,46 @@ def test_the_doctor_leaves_dev_null_a_fifo_and_a_temp_cache_where_they_are(tmp_p
         }
     finally:
         shutil.rmtree(cache)
+
+
+SLOW_SCRIPT = """
+import os, sys, time, torch
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+os.makedirs(sys.argv[1], exist_ok=True)
+for step in range(600):
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    torch.save(model.state_dict(), os.path.join(sys.argv[1], "last.pt"))
+    time.sleep(0.05)
+"""
+
+
+def test_a_killed_doctor_leaves_no_run_writing_into_the_users_folder(tmp_path):
+    """kill -9 of the doctor: the run it started ends at its next step (exit code CUT), rather than train on
+    and write over the user's checkpoint after the doctor that would have put it back is gone."""
+    import signal
+    import subprocess
+    import time
+
+    from exactresume.doctor.tracer import CUT
+
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_SCRIPT)
+    command = [sys.executable, "-m", "exactresume.cli", "doctor", "--steps", "400", "--stop-after", "200"]
+    command += ["--out", str(tmp_path / "doctor"), "--", sys.executable, str(script), str(tmp_path / "ckpt")]
+    doctor = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    traces = tmp_path / "doctor" / "traces"
+    deadline = time.monotonic() + 60
+    while not list(traces.rglob("trace-*.jsonl")) or '"step"' not in next(traces.rglob("trace-*.jsonl")).read_text():
+        assert time.monotonic() < deadline and doctor.poll() is None, "the straight run never stepped"
+        time.sleep(0.2)
+    doctor.send_signal(signal.SIGKILL)
+    doctor.wait()
+    (trace,) = traces.rglob("trace-*.jsonl")
+    deadline = time.monotonic() + 20
+    while '"event": "end"' not in trace.read_text():
+        assert time.monotonic() < deadline, "the run went on after the doctor was killed"
+        time.sleep(0.2)
+    ended = [json.loads(line) for line in trace.read_text().splitlines() if '"event": "end"' in line]
+    assert ended[0]["code"] == CUT and ended[0]["steps"] < 400

@@ -2,7 +2,8 @@
 the resumed steps read other samples: augmentation noise from numpy's global RNG or from a numpy Generator
 the script keeps (the samples right, the noise not), an order drawn from a random.Random a sampler keeps or
 from Python's global random, a loop that resumes at the saved step, and sources the resume rebuilds (a
-generator reseeded from the epoch; numpy seeded in each worker) never called missing.
+generator reseeded from the epoch; numpy seeded in each worker) never called missing; noise drawn in
+workers seeded anew, which the doctor cannot see, said as such; torch's RNG saved but set back late.
 
 Each verdict is checked against the truth found by hand, outside the doctor: a straight run records every
 step's batch (and, for the numpy cases, the samples before the noise) and its final weights, a copy of its
@@ -37,7 +38,9 @@ CASES = {
     "sampler_random": case("own_sampler", "--source", "sampler"),
     "shuffled_files": case("own_sampler", "--source", "files"),
     "off_by_one": case("off_by_one"),
+    "numpy_workers_rebuilt": case("numpy_augment", "--source", "workers", "--rebuild"),
     "reseeded_scaler": Case("reseeded_sampler", "step-4.pt", 4, ("--scaler",)),
+    "rng_set_late": Case("reseeded_sampler", "step-4.pt", 4, ("--dropout-rng", "--batch", "6")),
 }
 FIXED = ("numpy_global", "numpy_generator", "sampler_random", "shuffled_files", "off_by_one")
 CASES |= {f"{name}_fixed": replace(CASES[name], extra=(*CASES[name].extra, "--fixed")) for name in FIXED}
@@ -148,3 +151,23 @@ def test_a_generator_rebuilt_from_the_epoch_is_never_missing(sources):
 def test_seeded_worker_augmentation_is_exact_and_names_nothing(sources):
     diagnosis = sources["numpy_workers"]["diagnosis"]
     assert diagnosis["missing"] == [] and not any("numpy" in note for note in diagnosis["notes"])
+
+
+def test_augmentation_drawn_in_workers_seeded_anew_is_said_unseen(sources):
+    """The resume reads the batches left through a new loader, whose workers are seeded anew: the same samples,
+    other noise; torch's RNG, set back by the script and moved by that loader, is not blamed."""
+    found = sources["numpy_workers_rebuilt"]
+    assert found["samples_equal"] == [True] * 4 and not found["truth"]["same_batch"][0]  # by hand
+    diagnosis = found["diagnosis"]
+    assert diagnosis["cause"] == "augmentation_unseen" and diagnosis["first_step"] == 5, diagnosis["headline"]
+    assert "in the DataLoader's workers" in diagnosis["headline"] and "torch" not in diagnosis["headline"]
+    assert any("seeded by the epoch and the sample's index" in fix for fix in diagnosis["fixes"])
+
+
+def test_an_rng_saved_but_set_back_late_is_not_called_unsaved(sources):
+    found = sources["rng_set_late"]
+    assert found["truth"]["same_batch"] == [True] * 4 and not found["truth"]["weights_equal"]  # by hand: masks
+    diagnosis = found["diagnosis"]
+    assert diagnosis["cause"] == "rng_misplaced" and diagnosis["first_step"] == 5, diagnosis["headline"]
+    assert "was saved and set back" in diagnosis["headline"] and "not saved" not in diagnosis["headline"]
+    assert diagnosis["missing"] == [] and any("generator=" in fix for fix in diagnosis["fixes"])

@@ -5,7 +5,9 @@ samples with other noise. --source says where the noise is drawn: `global` (np.r
 global RNG, in the loop), `generator` (a numpy Generator from default_rng, kept as an Augment object's
 `rng`), `workers` (in the dataset's __getitem__, in two worker processes whose numpy worker_init_fn seeds
 from the worker's torch seed: exact, for the workers read the skipped batches again with the same seeds).
---no-shuffle reads the samples in order. --fixed saves numpy's state and sets it back."""
+--no-shuffle reads the samples in order. --fixed saves numpy's state and sets it back. --rebuild (with
+workers) resumes through a new loader over the epoch's batches not yet taken: the same samples, read by
+workers seeded anew, so other noise."""
 
 import argparse
 import os
@@ -22,6 +24,7 @@ parser.add_argument("--save-every", type=int, default=2)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--source", choices=("global", "generator", "workers"), default="global")
 parser.add_argument("--no-shuffle", action="store_true")
+parser.add_argument("--rebuild", action="store_true", help="resume through a loader over the batches left")
 parser.add_argument("--fixed", action="store_true", help="save numpy's state and set it back")
 parser.add_argument("--record", help="write each step's batch and the final weights here (to check by hand)")
 args = parser.parse_args()
@@ -100,11 +103,16 @@ while step < args.steps:
     if epoch_start is not None:  # resuming: the loader's generator as this epoch began
         generator.set_state(epoch_start)
     epoch_start = generator.get_state()
-    for x, y in loader:
+    epoch_loader = loader
+    if args.rebuild and skip:  # the epoch's index lists, drawn as the loader draws them (its base seed first)
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+        left = list(loader.batch_sampler)[skip:]
+        epoch_loader, skip = DataLoader(data, batch_sampler=left, **workers), 0
+    for x, y in epoch_loader:
         if skip:
             skip -= 1
             continue
-        raw.append(x.clone())  # the samples read, before the noise
+        raw.append(y.clone())  # the samples read: their targets, which no noise touches
         x = noise(x)
         batches.append(x.clone())
         loss = torch.nn.functional.mse_loss(model(x), y)

@@ -127,7 +127,9 @@ def augmentation(c: Context):
     """The same samples, another batch: the randomness that transformed them parted, not the data position."""
     if "batch" not in c.diff or not same_samples(c):
         return None
-    sources = parted(c.diff)
+    # torch's RNG, where the script set it back: moved since by the resume's own DataLoader iterator, not a loss
+    restored = ("rng_torch",) if c.resumed_events("rng_set") else ()
+    sources = [f for f in parted(c.diff) if f not in restored]
     evidence = [f"the resumed step {c.step} read the samples of the straight run's step {c.step}"]
     if not sources:  # no RNG of the main process parted: the workers' own, or one the script does not hold
         headline = (
@@ -258,6 +260,14 @@ def rng(c: Context, data_too: bool = False):
             "rng_after_iterator",
             f"{start}the forward's randomness (dropout) is off: the RNG state was restored, "
             "then a DataLoader without generator= drew its base seed from it as its iterator was made",
+            evidence,
+        )
+    if c.live("global_rng") and not c.unsaved("global_rng") and c.resumed_events("rng_set"):
+        return (
+            "rng_misplaced",
+            f"{start}the forward's randomness (dropout) is off: the RNG state was saved and set back, but the "
+            "straight run drew from it between the moment it was saved and the one the resumed run set it back "
+            "at (a DataLoader iterator made, or a batch drawn, before the resumed run sets it back)",
             evidence,
         )
     return (

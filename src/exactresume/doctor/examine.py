@@ -98,7 +98,8 @@ def check_interrupted(run: TracedRun, plan: Plan) -> int:
     if failed(run):
         raise UserError(run.failure())
     saved = sorted({s["step"] for s in run.saves})
-    said = f"it saved at steps {', '.join(map(str, saved))}" if saved else "it saved nothing the doctor could see"
+    at = f"step{'s' if len(saved) > 1 else ''} {', '.join(map(str, saved))}"
+    said = f"it saved at {at}" if saved else "it saved nothing the doctor could see"
     raise UserError(
         f"the script saved no checkpoint at or after --stop-after {plan.stop_after} within {plan.steps} steps ({said})"
     )
@@ -116,8 +117,12 @@ def check_resumed(run: TracedRun, interrupted: TracedRun, plan: Plan) -> None:
                 "there before the doctor: if it is an older checkpoint, move it away or give the script a fresh "
                 "output folder"
             )
-        hint = f"the resume arguments {' '.join(plan.resume_args)!r}" if plan.resume_args else "no --resume-args"
-        raise UserError(f"the resumed run started at step 0: it loaded none of the checkpoint files; {hint} ignored?")
+        hint = (
+            f"were the resume arguments {' '.join(plan.resume_args)!r} ignored?"
+            if plan.resume_args
+            else "no --resume-args were given: does the script need one to resume (--resume-args --resume)?"
+        )
+        raise UserError(f"the resumed run started at step 0: it loaded none of the checkpoint files; {hint}")
     if not run.steps:
         raise UserError("the resumed run took no optimizer step after loading its checkpoint")
 

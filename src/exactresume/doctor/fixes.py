@@ -92,6 +92,12 @@ FIXES: dict[tuple[str, str | None], str] = {
         "build the optimizer's param groups from the parameters in the same order on resume as when it was saved "
         "(sorted by name, say): optimizer.load_state_dict() matches them by position"
     ),
+    ("rng_misplaced", None): (
+        "set the RNG state back at the point of the loop it was saved at (after the saved step, before the next "
+        "DataLoader iterator is made or batch drawn), or give the DataLoader its own generator=, "
+        "DataLoader(..., generator=torch.Generator().manual_seed(SEED)): making its iterator then leaves the "
+        "global RNG alone"
+    ),
     ("augmentation_unseen", None): (
         "draw the augmentation from a generator seeded by the epoch and the sample's index "
         "(np.random.default_rng((seed, epoch, index)), torch.Generator().manual_seed(...)) in the dataset or "

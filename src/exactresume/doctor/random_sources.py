@@ -63,9 +63,11 @@ def fix(field: str) -> str:
         kind, name = parts(field)
         _, get, put = KINDS.get(kind, ("", "{}.get_state()", "{}.set_state(saved)"))
         get, put = get.format(name or "it"), put.format(name or "it")
+    shuffled = field == "rng_python" or parts(field)[0] == "random.Random"
+    in_place = "; a list it shuffles in place (random.shuffle(ids)) is state too: save it as the epoch began" * shuffled
     return (
         f"save {get} with the checkpoint, as it is when the checkpoint is taken (for an order drawn as each epoch "
-        f"begins: as the epoch began), and {put} on resume before it is drawn from again"
+        f"begins: as the epoch began), and {put} on resume before it is drawn from again{in_place}"
     )
 
 

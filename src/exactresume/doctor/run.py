@@ -120,6 +120,7 @@ def child_env(trace: Path, out: Path, limit: int, crash_from: int | None, made: 
     env["EXACTRESUME_DOCTOR_KEEP"] = str(out / "files" / "before" / trace.name)
     env["EXACTRESUME_DOCTOR_OUT"] = str(out)
     env["EXACTRESUME_DOCTOR_MADE"] = os.pathsep.join(made)
+    env["EXACTRESUME_DOCTOR_PID"] = str(os.getpid())  # a run ends at its next step once the doctor is gone
     env.pop("EXACTRESUME_DOCTOR_CRASH_FROM", None)
     if crash_from is not None:
         env["EXACTRESUME_DOCTOR_CRASH_FROM"] = str(crash_from)

@@ -9,6 +9,8 @@ Environment (set by the doctor):
     EXACTRESUME_DOCTOR_KEEP        copy a path that was there before this process into this folder
                                    before it is changed, replaced or deleted (the doctor puts it back)
     EXACTRESUME_DOCTOR_OUT         the doctor's own folder: writes there are not reported
+    EXACTRESUME_DOCTOR_PID         the doctor's process: once it is gone (killed), end at the next step
+                                   (exit code CUT) rather than go on writing into the user's folders
 
 A record per step holds the fingerprints of: the batch (the inputs of the outermost training
 forward calls of the step), each param group's lr and hyperparameters, the parameters before the
@@ -65,6 +67,7 @@ class Tracer(Guard):
         self.drew: list[str] = []  # what drew from the global torch RNG since the last step
         self.fetched = 0  # batches fetched since the last step
         self.sources = Sources()
+        self.doctor_pid: int | None = None  # the doctor that started this run (EXACTRESUME_DOCTOR_PID)
         self.pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # iterator -> index lists drawn
         self.read_indices: list = []  # the index lists of the batches fetched since the last step
         self.record: dict = {}
@@ -154,6 +157,8 @@ class Tracer(Guard):
             return None
         if self.armed or (self.crash_from is not None and self.marked()):
             self.end(CRASH)
+        if self.doctor_pid is not None and not alive(self.doctor_pid):
+            self.end(CUT)
         if self.step >= self.limit:
             self.end(CUT)
         self.record, self.forwarded = {"event": "step", "step": self.step + 1}, False
@@ -285,6 +290,16 @@ class Tracer(Guard):
 
     def on_rename(self, source, target) -> None:
         self.write({"event": "rename", "source": os.path.abspath(source), "target": os.path.abspath(target)})
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # there, another user's
+        return True
+    return True
 
 
 def idle_step(optimizer, args, kwargs, forwards=()) -> bool:

@@ -37,6 +37,8 @@ def start_from_environment() -> Tracer | None:
     tracer = Tracer(folder, limit, int(crash_from) if crash_from else None, keep, ignore)
     fail_from = os.environ.get("EXACTRESUME_DOCTOR_FAIL_FROM")  # the doctor's own tests only
     tracer.fail_from = int(fail_from) if fail_from else None
+    doctor = os.environ.get("EXACTRESUME_DOCTOR_PID")
+    tracer.doctor_pid = int(doctor) if doctor else None
     tracer.files.made = tuple(os.path.join(path, "") for path in made.split(os.pathsep) if path)
     install(tracer)
     atexit.register(lambda: tracer.close({"event": "exit", "steps": tracer.step}))
