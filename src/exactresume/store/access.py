@@ -197,18 +197,6 @@ class Resumed:
             notice(started_fresh(self.path, name))
         return self.step
 
-    def world_change(self, world: World) -> str | None:
-        """A note when it was saved by another number of processes than `world` has."""
-        saved = self.saved_world_size
-        if saved == world.size:
-            return None
-        if (self.state.get("config") or {}).get("train", {}).get("micro_batch"):
-            return f"resuming a {saved}-process run on {world.size}: the N-independent mode, the same bits"
-        return (
-            f"resuming a {saved}-process run on {world.size}: the same samples; "
-            "weights equal up to the order of floating-point reduction"
-        )
-
 
 def open_resume(
     source: Location | str,

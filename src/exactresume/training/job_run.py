@@ -144,7 +144,7 @@ class JobRun:
             return
         parts = run.parts() if resumed.kind == "sharded" else run.file_parts()
         resumed.restore(parts, skip=skip_parts, world=world)
-        change = resumed.world_change(world)
+        change = world_change(resumed.saved_world_size, world.size, bool(self.job.config.micro_batch))
         if world.is_main and resumed.kind == "store":
             note(f"resumed from {resumed.path} at step {resumed.step}")
         if world.is_main and change:
@@ -245,3 +245,15 @@ class JobRun:
 def prepare_run(job: TrainJob, world: World = World()) -> Run:
     """The job's run, built and restored as it would start (no lock, no files written)."""
     return JobRun(job, world, Progress(job.until, "train", "none")).prepare(job.skip_parts)
+
+
+def world_change(saved: int, now: int, exact_mode: bool) -> str | None:
+    """A note when the checkpoint was saved by another number of processes than this run has."""
+    if saved == now:
+        return None
+    if exact_mode:
+        return f"resuming a {saved}-process run on {now}: the N-independent mode, the same bits"
+    return (
+        f"resuming a {saved}-process run on {now}: the same samples; "
+        "weights equal up to the order of floating-point reduction"
+    )
