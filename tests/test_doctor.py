@@ -153,8 +153,13 @@ def test_the_first_differing_step_is_named(doctored):
 def test_usage_errors(tmp_path):
     assert_one_line_error(call_cli("doctor", "--steps", "8", "--stop-after", "4", "--out", tmp_path), "command")
     assert_one_line_error(
-        call_cli("doctor", "--steps", "8", "--stop-after", "8", "--out", tmp_path, "--", "python"), "--stop-after"
+        call_cli("doctor", "--steps", "8", "--stop-after", "8", "--out", tmp_path, "--", "python"),
+        "--stop-after must be between 1 and --steps - 1 (7), got 8",
     )
+    out = tmp_path / "never-made"
+    finished = call_cli("doctor", "--steps", "1", "--stop-after", "1", "--out", out, "--", "python")
+    assert_one_line_error(finished, "--steps must be a whole number of at least 2, got 1")
+    assert not out.exists()  # refused before the doctor makes its folder
 
 
 def test_a_failing_command_shows_its_last_line(tmp_path):

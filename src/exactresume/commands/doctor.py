@@ -79,23 +79,22 @@ def plan_from(args: argparse.Namespace):
             f"unexpected {stray!r} before --: --resume-args takes one word as typed; "
             f"write --resume-args='{args.resume_args} {stray}' for more"
         )
-    if args.steps < 2:
-        raise UserError(f"--steps must be at least 2, got {args.steps}")
-    if not 1 <= args.stop_after < args.steps:
-        raise UserError(f"--stop-after must be between 1 and --steps - 1 ({args.steps - 1}), got {args.stop_after}")
     try:
         resume_args = shlex.split(args.resume_args)
     except ValueError as error:
         raise UserError(f"--resume-args: {error}") from None
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder")
+    plan = Plan(command, resume_args, args.steps, args.stop_after, args.out.resolve(), args.timeout, args.warm)
     args.out.mkdir(parents=True, exist_ok=True)
-    return Plan(command, resume_args, args.steps, args.stop_after, args.out.resolve(), args.timeout, args.warm)
+    return plan
 
 
 def run(args: argparse.Namespace) -> int:
-    import exactresume.doctor.verdict  # noqa: F401  its figure needs the lab extra's matplotlib: said before any run
+    from exactresume.doctor.check import lab_installed
     from exactresume.doctor.session import run_doctor
+
+    lab_installed()
 
     diagnosis, text = run_doctor(plan_from(args))
     print(text)

@@ -83,12 +83,10 @@ def plan_of(command, steps, stop_after, resume_args, out, timeout, warm):
     words, resume = argv("command", command), argv("resume_args", resume_args)
     if not words:
         raise UserError("check_resume: command is empty; give the training command, e.g. [sys.executable, 'train.py']")
-    if not whole(steps) or steps < 2:
-        raise UserError(f"check_resume: steps must be a whole number of at least 2, got {steps!r}")
-    if not whole(stop_after) or not 1 <= stop_after < steps:
-        raise UserError(f"check_resume: stop_after must be between 1 and steps - 1 ({steps - 1}), got {stop_after!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
-        raise UserError(f"check_resume: timeout must be a number of seconds above 0, got {timeout!r}")
+    try:  # the plan checks its counts itself, before a folder is made
+        Plan(words, resume, steps, stop_after, Path(tempfile.gettempdir()), timeout, warm)
+    except UserError as error:
+        raise UserError(f"check_resume: {error}") from None
     if not isinstance(warm, bool):
         raise UserError(f"check_resume: warm must be True or False, got {warm!r}")
     if out is not None and not isinstance(out, str | os.PathLike):
@@ -118,7 +116,3 @@ def argv(name: str, value) -> list[str]:
     if isinstance(value, list | tuple) and all(isinstance(word, str | os.PathLike) for word in value):
         return [os.fspath(word) for word in value]
     raise UserError(f"check_resume: {name} must be a list of strings or one string, got {type(value).__name__}")
-
-
-def whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

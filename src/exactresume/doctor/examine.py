@@ -15,7 +15,7 @@ from pathlib import Path
 from exactresume.doctor.files import Ledger, put_back, roots, set_aside
 from exactresume.doctor.run import TracedRun, run_traced
 from exactresume.doctor.warm import Launcher
-from exactresume.errors import UserError
+from exactresume.errors import FieldError, UserError
 
 
 @dataclass
@@ -27,6 +27,21 @@ class Plan:
     out: Path
     timeout: float | None = None
     warm: bool = False  # fork each run from one process that imported torch (warm.py)
+
+    def __post_init__(self) -> None:
+        """Refuse counts the doctor cannot run, named as fields (the command line names its flags)."""
+        if not whole(self.steps) or self.steps < 2:
+            raise FieldError(f"steps must be a whole number of at least 2, got {self.steps!r}", "steps")
+        if not whole(self.stop_after) or not 1 <= self.stop_after < self.steps:
+            message = f"stop_after must be between 1 and steps - 1 ({self.steps - 1}), got {self.stop_after!r}"
+            raise FieldError(message, "stop_after", "steps")
+        timeout = self.timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
+            raise FieldError(f"timeout must be a number of seconds above 0, got {timeout!r}", "timeout")
+
+
+def whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
