@@ -219,18 +219,9 @@ class BackgroundWriter:
                 self.store.commit(step, self._copy_guarded(state, guard), before_publish=guard.confirm)
             self.store.reached(step)  # as a synchronous save records it
         except OSError as error:
-            self._failure = self._refused_write(step, error)
+            self._failure = self.store.storage_error(step, error)
         except BaseException as error:  # a UserError as it is; anything else is a bug: its own traceback
             self._failure = error
-
-    def _refused_write(self, step: int, error: OSError) -> StorageError:
-        """The storage refused a write: the store's one line, with the newest checkpoint, which is intact."""
-        try:
-            refused = self.store.storage_error(step, error)
-        except OSError:  # the folder cannot even be listed: what failed, and why
-            refused = StorageError.from_os_error(f"the checkpoint at step {step} in {self.store.folder}", error)
-        refused.__cause__ = error
-        return refused
 
     def _copy_guarded(self, state: dict, guard: CopyGuard) -> dict:
         try:

@@ -206,7 +206,7 @@ class CheckpointStore(NumberedStore):
             f"{refused}; {self.folder} is not writable, so no checkpoint can be saved there: "
             "give the store a writable folder"
         )
-        told.errno = refused.errno
+        told.errno, told.__cause__ = refused.errno, error
         return told
 
     def _cleaning_refused(self, error: OSError) -> StorageError:

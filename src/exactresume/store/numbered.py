@@ -198,10 +198,16 @@ class NumberedStore:
             raise UserError(f"{refused}; {hint}") from None
 
     def storage_error(self, step: int, error: OSError) -> StorageError:
-        """The one line for a save that the storage refused: what failed, why, and what is intact."""
-        existing = self.checkpoints()
-        intact = f"{existing[-1].path} is intact" if existing else "no earlier checkpoint exists"
-        return StorageError.from_os_error(f"the checkpoint at step {step} in {self.folder}", error, f"; {intact}")
+        """The one line for a save that the storage refused: what failed, why, and what is intact (where the
+        folder can still be listed); its cause is `error`."""
+        try:
+            existing = self.checkpoints()
+            intact = f"; {existing[-1].path} is intact" if existing else "; no earlier checkpoint exists"
+        except OSError:
+            intact = ""
+        refused = StorageError.from_os_error(f"the checkpoint at step {step} in {self.folder}", error, intact)
+        refused.__cause__ = error
+        return refused
 
     def check_save(self, step: Any) -> int:
         """The step to save at, or a one-line error when this store must not save (see the class)."""

@@ -2,7 +2,7 @@
 
     advice(OSError(errno.ENOSPC, ...))  ->  "free space, then rerun with --resume auto"
 
-A write error names its errno (joblog.storage_error); this adds the one next step that fits it.
+A write error names its errno (StorageError.from_os_error); this adds the one next step that fits it.
 """
 
 from __future__ import annotations

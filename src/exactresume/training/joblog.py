@@ -27,11 +27,6 @@ def ignore(message: str) -> None:
     """What a rank other than 0 does with a note or a warning: rank 0 says it once."""
 
 
-def storage_error(what: str, error: OSError, after: str = "") -> StorageError:
-    """A one-line StorageError: what could not be written, why (with the errno name), what is intact."""
-    return StorageError.from_os_error(what, error, after)
-
-
 class RunLogs:
     """This process's loss log and optional samples log, trimmed to the resumed step, one row per step."""
 
@@ -71,4 +66,5 @@ class RunLogs:
         try:
             yield
         except OSError as error:
-            raise storage_error(f"the log {log.path}", error, "; training stopped (rerun with --resume auto)") from None
+            line = "; training stopped (rerun with --resume auto)"
+            raise StorageError.from_os_error(f"the log {log.path}", error, line) from None

@@ -20,7 +20,6 @@ from exactresume.store.access import save_resume
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.weights import save_weights
 from exactresume.training.advice import advice
-from exactresume.training.joblog import storage_error
 from exactresume.training.loop import Run
 from exactresume.world import World
 
@@ -31,20 +30,19 @@ def stopping_on_error(store: CheckpointStore, step: int | None) -> Iterator[None
     try:
         yield
     except StorageError as refused:  # the store's line (an earlier step's, from the background): what is intact
-        cause = refused.__cause__
-        if not isinstance(cause, OSError):
-            raise
-        stopped = StorageError(f"{refused}; training stopped ({advice(cause)})")
-        stopped.errno = refused.errno
-        raise stopped from None
+        raise stopped(refused) from None
     except OSError as error:  # a writer that leaves its OSError as it is
-        raise storage_error(f"the checkpoint at step {step} in {store.folder}", error, _intact(store, error)) from None
+        raise stopped(store.storage_error(step, error)) from None
 
 
-def _intact(store: CheckpointStore, error: BaseException) -> str:
-    existing = store.checkpoints()
-    newest = f"{existing[-1].path} is intact" if existing else "no earlier checkpoint exists"
-    return f"; training stopped, {newest} ({advice(error)})"
+def stopped(refused: StorageError) -> StorageError:
+    """The store's line for a refused write, and that training stopped, with the next step that fits."""
+    cause = refused.__cause__
+    if not isinstance(cause, OSError):
+        raise refused
+    line = StorageError(f"{refused}; training stopped ({advice(cause)})")
+    line.errno = refused.errno
+    return line
 
 
 def write_outputs(run: Run, resume_file: Path | None, weights_file: Path, sharded: bool, world: World) -> None:
@@ -59,4 +57,4 @@ def write_outputs(run: Run, resume_file: Path | None, weights_file: Path, sharde
             if world.is_main:
                 save_weights(weights_file, weights)
     except OSError as error:
-        raise storage_error(str(path), error, "; nothing half-written was left") from None
+        raise StorageError.from_os_error(str(path), error, "; nothing half-written was left") from None
