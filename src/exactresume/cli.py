@@ -46,7 +46,7 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def help_parser(parser: argparse.ArgumentParser) -> None:
+def _help_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("topic", nargs="?", choices=[name for name in COMMANDS if name != "help"], metavar="COMMAND")
 
 
@@ -60,7 +60,7 @@ PARSERS = {
     "inspect": (inspection.add_flags, inspection.run),
     "export": (export.add_flags, export.run),
     "doctor": (doctor.add_flags, doctor.run),
-    "help": (help_parser, None),
+    "help": (_help_parser, None),
 }
 
 
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def command_list() -> str:
+def _command_list() -> str:
     """What `exactresume` alone and `exactresume help` print."""
     width = max(map(len, COMMANDS))
     lines = [f"exactresume {__version__}: stop and resume training bit-for-bit.", "", "commands:"]
@@ -86,9 +86,9 @@ def command_list() -> str:
     return "\n".join(lines)
 
 
-def show_help(parser: argparse.ArgumentParser, topic: str | None) -> int:
+def _show_help(parser: argparse.ArgumentParser, topic: str | None) -> int:
     if topic is None:
-        print(command_list())
+        print(_command_list())
     else:
         subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
         subparsers.choices[topic].print_help()
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in (None, "help"):
-        return show_help(parser, getattr(args, "topic", None))
+        return _show_help(parser, getattr(args, "topic", None))
     args.argv = argv  # what --nproc runs on each rank, and what a stopped run's summary continues
     try:
         with summary_stdout(args), extras_needed():

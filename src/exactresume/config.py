@@ -94,7 +94,7 @@ RUN_GROUP = "the run"
 FEATURES_GROUP = "training features"
 
 
-def flag_field(default, help: str, group: str = RUN_GROUP, choices: tuple | None = None):
+def _flag_field(default, help: str, group: str = RUN_GROUP, choices: tuple | None = None):
     """A TrainConfig field and its command-line flag: --NAME (in kebab case), its help, group and choices."""
     return field(default=default, metadata={"help": help, "group": group, "choices": choices})
 
@@ -103,48 +103,48 @@ def flag_field(default, help: str, group: str = RUN_GROUP, choices: tuple | None
 class TrainConfig:
     """Everything that decides a training run's result (the lab's defaults); one flag per field."""
 
-    seed: int = flag_field(7, "seed of the model init, the batch generator and the global RNGs")
-    steps: int = flag_field(60, "total optimizer steps; the lr schedule is computed against this")
-    batch: int = flag_field(8, "sequences per optimizer step (all micro-batches together)")
-    seq_len: int = flag_field(128, "tokens per sequence")
-    lr: float = flag_field(3e-3, "peak learning rate of MiniMind's cosine schedule")
-    weight_decay: float = flag_field(0.01, "AdamW's decoupled weight decay (torch's default)")
-    grad_clip: float = flag_field(1.0, "max global gradient norm")
-    preset: str = flag_field("default", "model size", choices=tuple(PRESETS))
-    grad_accum: int = flag_field(1, "micro-batches per optimizer step (--batch is split among them)", FEATURES_GROUP)
+    seed: int = _flag_field(7, "seed of the model init, the batch generator and the global RNGs")
+    steps: int = _flag_field(60, "total optimizer steps; the lr schedule is computed against this")
+    batch: int = _flag_field(8, "sequences per optimizer step (all micro-batches together)")
+    seq_len: int = _flag_field(128, "tokens per sequence")
+    lr: float = _flag_field(3e-3, "peak learning rate of MiniMind's cosine schedule")
+    weight_decay: float = _flag_field(0.01, "AdamW's decoupled weight decay (torch's default)")
+    grad_clip: float = _flag_field(1.0, "max global gradient norm")
+    preset: str = _flag_field("default", "model size", choices=tuple(PRESETS))
+    grad_accum: int = _flag_field(1, "micro-batches per optimizer step (--batch is split among them)", FEATURES_GROUP)
     # The N-independent mode: its micro-batches' gradients are added along one fixed tree over their
     # index, so the result does not depend on the process count (parallel/exact.py).
-    micro_batch: int = flag_field(
+    micro_batch: int = _flag_field(
         0,
         "N-independent mode: sequences per micro-batch, gradients added along one fixed tree, so the result is "
         "the same on any allowed --nproc (0: off, DDP's average)",
         FEATURES_GROUP,
     )
     # FSDP2 (parallel/fsdp.py): each rank holds 1/N of the weights, gradients and AdamW state.
-    shard: str = flag_field(
+    shard: str = _flag_field(
         "none",
         "fsdp: each process holds 1/N of the weights, gradients and optimizer state (FSDP2; resume state in DCP)",
         FEATURES_GROUP,
         SHARDINGS,
     )
     # The model's dropout masks come from the torch RNG, a resume part.
-    dropout: float = flag_field(0.0, "dropout probability of the model", FEATURES_GROUP)
-    dtype: str = flag_field(
+    dropout: float = _flag_field(0.0, "dropout probability of the model", FEATURES_GROUP)
+    dtype: str = _flag_field(
         "fp32",
         "compute precision: fp32, or bf16/fp16 autocast (weights stay fp32; fp16 adds a loss scaler)",
         FEATURES_GROUP,
         DTYPES,
     )
-    loader: str = flag_field(
+    loader: str = _flag_field(
         "random", "random windows, or shuffled epochs through a DataLoader", FEATURES_GROUP, LOADERS
     )
     # Workers never change the result: the order is drawn in the main process.
-    workers: int = flag_field(0, "DataLoader worker processes (--loader epoch)", FEATURES_GROUP)
-    warmup: int = flag_field(0, "linear lr warmup steps before the cosine schedule", FEATURES_GROUP)
-    device: str = flag_field("cpu", "cpu, or cuda with deterministic kernels", FEATURES_GROUP, DEVICES)
+    workers: int = _flag_field(0, "DataLoader worker processes (--loader epoch)", FEATURES_GROUP)
+    warmup: int = _flag_field(0, "linear lr warmup steps before the cosine schedule", FEATURES_GROUP)
+    device: str = _flag_field("cpu", "cpu, or cuda with deterministic kernels", FEATURES_GROUP, DEVICES)
     # The result depends on the thread count (parallel sums split by thread), so it is part of the
     # run; one thread is also the fastest for these small models on a shared machine.
-    threads: int = flag_field(1, "CPU threads per operation (part of the result)")
+    threads: int = _flag_field(1, "CPU threads per operation (part of the result)")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "seq_len", "grad_accum", "threads"):

@@ -47,7 +47,7 @@ def number(value: float | None, signed: bool = False) -> str:
     return f"{value:+.3e}" if signed else f"{value:.3e}"
 
 
-def size_of(path: Path) -> int:
+def _size_of(path: Path) -> int:
     """Bytes of a file, or of every file in a folder (a sharded checkpoint)."""
     if path.is_dir():
         return sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file())
@@ -63,14 +63,14 @@ def written(path: Path | S3Location) -> dict | None:
         size = objects.size(path)
         size = sum(objects.list(path).values()) if size is None else size
         return {"path": str(path), "bytes": size} if size else None
-    return {"path": str(path), "bytes": size_of(path)} if path.exists() else None
+    return {"path": str(path), "bytes": _size_of(path)} if path.exists() else None
 
 
-def file_text(entry: dict | None, extra: str = "") -> str:
+def _file_text(entry: dict | None, extra: str = "") -> str:
     return f"{entry['path']}  ({entry['bytes']:,} bytes{extra})" if entry else "—"
 
 
-def read_json(path: Path) -> dict | None:
+def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -158,9 +158,9 @@ def render_train(summary: dict) -> list[str]:
     ):
         if name in files:
             extra = f", {files[name]['rows']} rows" if name == "log" else ""
-            rows.append((label, file_text(files[name], extra)))
+            rows.append((label, _file_text(files[name], extra)))
     if "checkpoint" in files:
-        rows.append(("newest checkpoint", file_text(files["checkpoint"], f", {files['checkpoint']['count']} kept")))
+        rows.append(("newest checkpoint", _file_text(files["checkpoint"], f", {files['checkpoint']['count']} kept")))
     if summary.get("memory"):
         peak, planned = summary["memory"]["peak_bytes"], summary["memory"]["planned_bytes"]
         rows.append(("memory", f"peak {peak / 1e6:,.0f} MB a process, planned {planned / 1e6:,.0f} MB"))
@@ -197,7 +197,7 @@ def render_prepare(summary: dict) -> list[str]:
         ("tokenizer", summary["tokenizer"]),
         ("cache", "reused (already prepared from the same inputs)" if summary["reused"] else "written now"),
     ]
-    rows += [("file" if i == 0 else "", file_text(entry)) for i, entry in enumerate(summary["files"])]
+    rows += [("file" if i == 0 else "", _file_text(entry)) for i, entry in enumerate(summary["files"])]
     folder = str(Path(summary["files"][0]["path"]).parent)
     rows.append(("next", shlex.join(["exactresume", "train", "--data", folder, "--out", "runs/a", "--stop-at", "30"])))
     return aligned(rows)
@@ -227,7 +227,7 @@ def lab_summary(folder: Path, shown: Path | None = None) -> dict:
         "runs": runs,
         "optimizer": json.loads((folder / "optim.json").read_text()),
         "fp16": json.loads((folder / "fp16.json").read_text()),
-        "resume_sizes": read_json(folder / "details" / "resume_sizes.json"),
+        "resume_sizes": _read_json(folder / "details" / "resume_sizes.json"),
         "ablation": str(shown / "ablation.json") if (folder / "ablation.json").exists() else None,
         "report": str(shown / "report.md"),
         "figures": [str(shown / f"{name}.png") for name in figures],
@@ -314,5 +314,5 @@ def render_ablate(summary: dict) -> list[str]:
         for row in summary["rows"]
     ]
     title = f"resumed at step {summary['stop_at']} of {summary['steps']}, one part of the resume file lost per row"
-    files = [("wrote" if i == 0 else "", file_text(entry)) for i, entry in enumerate(summary["files"])]
+    files = [("wrote" if i == 0 else "", _file_text(entry)) for i, entry in enumerate(summary["files"])]
     return [title, "", *table(header, rows), "", *aligned(files)]

@@ -50,10 +50,10 @@ def add_flags(doctor: argparse.ArgumentParser) -> None:
         "user_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your training command, after --"
     )
     parse = doctor.parse_known_args
-    doctor.parse_known_args = lambda args=None, namespace=None: parse(joined_resume_args(args), namespace)
+    doctor.parse_known_args = lambda args=None, namespace=None: parse(_joined_resume_args(args), namespace)
 
 
-def joined_resume_args(args: list[str] | None) -> list[str] | None:
+def _joined_resume_args(args: list[str] | None) -> list[str] | None:
     """`--resume-args --resume` as typed: argparse would take `--resume` for a flag of ours (or an
     abbreviation of --resume-args itself) and refuse, so a value that starts with '-' is joined to it."""
     if args is None:
@@ -67,7 +67,7 @@ def joined_resume_args(args: list[str] | None) -> list[str] | None:
     return args
 
 
-def plan_from(args: argparse.Namespace):
+def _plan_from(args: argparse.Namespace):
     from exactresume.doctor.examine import Plan
 
     command = args.user_command[1:] if args.user_command[:1] == ["--"] else args.user_command
@@ -96,6 +96,6 @@ def run(args: argparse.Namespace) -> int:
 
     lab_installed()
 
-    diagnosis, text = run_doctor(plan_from(args))
+    diagnosis, text = run_doctor(_plan_from(args))
     print(text)
     return diagnosis.exit_code

@@ -50,7 +50,7 @@ def add_s3_flags(group) -> None:
     )
 
 
-def s3_config(args: argparse.Namespace):
+def _s3_config(args: argparse.Namespace):
     """How the command reaches an object store: --s3-endpoint (else AWS_ENDPOINT_URL), --s3-tries, --s3-timeout."""
     from exactresume.store.locations import CONNECT_SECONDS, S3Config
 
@@ -62,7 +62,7 @@ def place(value, args: argparse.Namespace):
     """A flag's location: an `s3://` one reached as --s3-endpoint says, anything else a Path (or as it is)."""
     from exactresume.store.locations import is_s3, location
 
-    return location(value, s3_config(args)) if is_s3(value) else value
+    return location(value, _s3_config(args)) if is_s3(value) else value
 
 
 def resume_source(text: str) -> Path | str:

@@ -3,7 +3,7 @@
     exactresume train --out runs/a --stop-at 30
     exactresume train --out runs/a --resume runs/a/resume.pth
 
-`job_from(args)` is the only reader of train's flags: every value is checked once, where the job
+`_job_from(args)` is the only reader of train's flags: every value is checked once, where the job
 defines it (training/job.py), and everything below takes the job.
 """
 
@@ -33,11 +33,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     groups = add_groups(parser)
     add_data_flag(groups[RUN_GROUP])
     add_config_flags(groups)
-    add_checkpoint_flags(groups[CHECKPOINTS_GROUP])
+    _add_checkpoint_flags(groups[CHECKPOINTS_GROUP])
     ablation = groups[ABLATION_GROUP]
     ablation.add_argument("--no-optim", action="store_true", help="resume without the optimizer state")
     ablation.add_argument("--no-skip", action="store_true", help="resume with the batch generator reseeded")
-    add_outputs(groups[OUTPUTS_GROUP])
+    _add_outputs(groups[OUTPUTS_GROUP])
     processes = groups[PROCESSES_GROUP]
     add_process_flag(processes)
     processes.add_argument(
@@ -47,7 +47,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_checkpoint_flags(checkpoints) -> None:
+def _add_checkpoint_flags(checkpoints) -> None:
     checkpoints.add_argument("--stop-at", type=int, help="stop after this step and write OUT/resume.pth")
     add_writer_flags(checkpoints, plan=True)
     checkpoints.add_argument(
@@ -83,7 +83,7 @@ def add_checkpoint_flags(checkpoints) -> None:
     )
 
 
-def add_outputs(outputs) -> None:
+def _add_outputs(outputs) -> None:
     outputs.add_argument("--out", type=given_path, required=True, help="output folder")
     outputs.add_argument("--weights", type=given_path, help="weights file at the end (default OUT/final.pth)")
     outputs.add_argument("--log", type=given_path, help="loss log, step,train_loss (default OUT/log.csv)")
@@ -109,7 +109,7 @@ def add_process_flag(group) -> None:
     )
 
 
-def job_from(args: argparse.Namespace, world):
+def _job_from(args: argparse.Namespace, world):
     """The job train's flags describe, checked as it is made (before torch is imported, before anything
     is written). A torchrun rank's job trains on its world's processes."""
     from exactresume.training.job import TrainJob
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     # The ranks of a torchrun launch share the folder its rank 0 (or the launching process) cleans up.
     made, code = not args.out.exists() and world.is_main, 1
     try:
-        code = train(args, job_from(args, world), world)
+        code = train(args, _job_from(args, world), world)
     finally:
         if made and code != 0:
             remove_made_folder(args.out)
@@ -166,10 +166,10 @@ def train(args: argparse.Namespace, job, world) -> int:
     if job.dry_run and plan is not None:
         return 0
     if plan is not None and job.processes > 1:  # the ranks are this process's children's children
-        code, who = launch_ranks(argv, job.processes), resource.RUSAGE_CHILDREN
+        code, who = _launch_ranks(argv, job.processes), resource.RUSAGE_CHILDREN
     else:
         mode = progress_mode(args) if world.is_main else "none"
-        code, who = train_here(job, world, args.label, mode), resource.RUSAGE_SELF
+        code, who = _train_here(job, world, args.label, mode), resource.RUSAGE_SELF
     if code == 0 and world.is_main:
         summary = summaries.train_summary(job, argv, memory(plan, who))
         emit(args, summary, summaries.render_train)
@@ -183,14 +183,14 @@ def memory(plan, who: int) -> dict | None:
     return {"peak_bytes": resource.getrusage(who).ru_maxrss * 1024, "planned_bytes": plan.process_bytes}
 
 
-def launch_ranks(argv: list[str], processes: int) -> int:
+def _launch_ranks(argv: list[str], processes: int) -> int:
     """`train --nproc N`: the same command in N processes (parallel.launch); this one sums up after."""
     from exactresume.parallel.launch import launch
 
     return launch([*argv, "--no-summary"], processes)
 
 
-def train_here(job, world, label: str, mode: str) -> int:
+def _train_here(job, world, label: str, mode: str) -> int:
     """The run in this process (one rank of many under torchrun): the job's outcome as an exit code."""
     from exactresume.progress import Progress
     from exactresume.training.job_run import JobRun

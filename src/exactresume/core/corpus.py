@@ -87,7 +87,7 @@ def corpus_size(path: Path) -> int:
         raise UserError(f"cannot read corpus {path}: {error.strerror}") from None
 
 
-def text_blocks(path: Path, chunk: int = READ_CHUNK, position: Position | None = None) -> Iterator[str]:
+def _text_blocks(path: Path, chunk: int = READ_CHUNK, position: Position | None = None) -> Iterator[str]:
     """The corpus as text in blocks of whole lines: each ends at a newline, except perhaps the last."""
     carry: list[bytes] = []  # the start of a line longer than a chunk, joined once it ends
     offset = 0
@@ -119,7 +119,7 @@ def decode(path: Path, block: bytes, offset: int) -> str:
 def lines(path: Path, chunk: int, position: Position | None = None) -> Iterator[tuple[int, str, bool]]:
     """(line number from 1, the line without its newline, whether the file ends inside it)."""
     number = 0
-    for block in text_blocks(path, chunk, position):
+    for block in _text_blocks(path, chunk, position):
         # Split on "\n" only: str.splitlines would also break at U+2028, which JSON strings may hold.
         pieces = block.split("\n")
         tail = pieces.pop()  # "" after a final newline; else the file's last line, cut short
@@ -133,7 +133,7 @@ def lines(path: Path, chunk: int, position: Position | None = None) -> Iterator[
 
 def documents(path: Path, chunk: int = READ_CHUNK, position: Position | None = None) -> Iterator[str]:
     """The corpus's non-empty documents in file order; each ends with <|endoftext|> in the token stream."""
-    split = jsonl_documents if corpus_format(path) == "jsonl" else txt_documents
+    split = _jsonl_documents if corpus_format(path) == "jsonl" else _txt_documents
     empty = True
     for document in split(path, chunk, position):
         if document:
@@ -143,7 +143,7 @@ def documents(path: Path, chunk: int = READ_CHUNK, position: Position | None = N
         raise UserError(f"corpus {path} holds no text")
 
 
-def txt_documents(path: Path, chunk: int, position: Position | None) -> Iterator[str]:
+def _txt_documents(path: Path, chunk: int, position: Position | None) -> Iterator[str]:
     """Paragraphs separated by blank lines (spaces and tabs only); CRLF line ends read as LF."""
     paragraph: list[str] = []
     for _number, line, last in lines(path, chunk, position):
@@ -157,13 +157,13 @@ def txt_documents(path: Path, chunk: int, position: Position | None) -> Iterator
     yield "\n".join(paragraph).strip()
 
 
-def jsonl_documents(path: Path, chunk: int, position: Position | None) -> Iterator[str]:
+def _jsonl_documents(path: Path, chunk: int, position: Position | None) -> Iterator[str]:
     """Each line's "text"; consecutive lines of one book chapter (the KJV's verses) form one document."""
     document, previous_chapter = None, None
     for number, line, last in lines(path, chunk, position):
         if not line.strip():
             continue
-        record = parse_jsonl_line(path, number, line, last)
+        record = _parse_jsonl_line(path, number, line, last)
         # A verse alone is too short to be a document: an end-of-text after each would be every
         # ~30th token and cut every context, so a chapter's verses are joined into one.
         chapter = (record.get("book"), record.get("chapter"))
@@ -178,7 +178,7 @@ def jsonl_documents(path: Path, chunk: int, position: Position | None) -> Iterat
         yield document
 
 
-def parse_jsonl_line(path: Path, number: int, line: str, last: bool = False) -> dict:
+def _parse_jsonl_line(path: Path, number: int, line: str, last: bool = False) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:

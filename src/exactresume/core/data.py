@@ -121,16 +121,16 @@ class TokenData:
         return self.manifest.fingerprint
 
 
-def sha256_hex(data: bytes) -> str:
+def _sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def data_fingerprint(train_sha256: str, val_sha256: str, tokenizer_sha256: str) -> str:
     """The sha256 naming the exact data a run trains on (token arrays and the tokenizer)."""
-    return sha256_hex(f"{train_sha256}\n{val_sha256}\n{tokenizer_sha256}\n".encode())
+    return _sha256_hex(f"{train_sha256}\n{val_sha256}\n{tokenizer_sha256}\n".encode())
 
 
-def cache_key(config: PrepareConfig, corpus_path: Path, corpus_sha256: str, tokenizer_sha256: str | None) -> dict:
+def _cache_key(config: PrepareConfig, corpus_path: Path, corpus_sha256: str, tokenizer_sha256: str | None) -> dict:
     """The manifest fields that must match for a prepared folder to be reused."""
     key = {
         "version": FORMAT_VERSION,
@@ -144,11 +144,11 @@ def cache_key(config: PrepareConfig, corpus_path: Path, corpus_sha256: str, toke
     return key
 
 
-def reusable_manifest(out: Path, key: dict) -> Manifest | None:
+def _reusable_manifest(out: Path, key: dict) -> Manifest | None:
     """The folder's manifest if it was made from the same inputs and its files are intact."""
     try:
-        manifest = read_manifest(out)
-        verify_files(out, manifest)
+        manifest = _read_manifest(out)
+        _verify_files(out, manifest)
     except UserError:
         return None
     recorded = manifest.to_dict()
@@ -172,9 +172,9 @@ def prepare(
     corpus_path = Path(config.corpus) if config.corpus is not None else corpus_io.default_corpus_path()
     corpus_format = corpus_io.corpus_format(corpus_path)
     tokenizer_data = None if config.tokenizer is None else corpus_io.read_input(config.tokenizer, "tokenizer")
-    tokenizer_input_sha = None if tokenizer_data is None else sha256_hex(tokenizer_data)
-    key = cache_key(config, corpus_path, corpus_io.file_sha256(corpus_path, "corpus"), tokenizer_input_sha)
-    reused = reusable_manifest(out, key)
+    tokenizer_input_sha = None if tokenizer_data is None else _sha256_hex(tokenizer_data)
+    key = _cache_key(config, corpus_path, corpus_io.file_sha256(corpus_path, "corpus"), tokenizer_input_sha)
+    reused = _reusable_manifest(out, key)
     if reused is not None:
         log(f"reusing prepared data in {out} (fingerprint {reused.fingerprint[:12]})")
         return reused
@@ -183,7 +183,7 @@ def prepare(
     started = time.perf_counter()
     size = corpus_io.corpus_size(corpus_path)
     log(f"corpus {corpus_path} ({corpus_format}): {size / 1e6:.1f} MB")
-    tokenizer, tokenizer_bytes = make_tokenizer(config, corpus_path, size, tokenizer_data, chunk_bytes, log)
+    tokenizer, tokenizer_bytes = _make_tokenizer(config, corpus_path, size, tokenizer_data, chunk_bytes, log)
     end_of_text_id = tokenizer.token_to_id(END_OF_TEXT)
     writer = TokenWriter(out / TRAIN_FILE, out / VAL_FILE, token_dtype(id_bound(tokenizer)))
     position = corpus_io.Position()
@@ -196,8 +196,8 @@ def prepare(
         writer.abort()
         raise
     atomic_write_bytes(out / TOKENIZER_FILE, tokenizer_bytes)
-    files |= {"tokenizer_sha256": sha256_hex(tokenizer_bytes), "tokenizer_xxh3": file_xxh3(out / TOKENIZER_FILE)}
-    manifest = write_manifest(out, key, corpus_path, tokenizer, documents=count, **files)
+    files |= {"tokenizer_sha256": _sha256_hex(tokenizer_bytes), "tokenizer_xxh3": file_xxh3(out / TOKENIZER_FILE)}
+    manifest = _write_manifest(out, key, corpus_path, tokenizer, documents=count, **files)
     seconds = time.perf_counter() - started
     log(f"wrote {manifest.train_tokens:,} train + {manifest.val_tokens:,} val tokens to {out} ({seconds:.1f} s)")
     return manifest
@@ -208,7 +208,7 @@ def id_bound(tokenizer: Tokenizer) -> int:
     return max(tokenizer.get_vocab().values()) + 1
 
 
-def write_manifest(out: Path, key: dict, corpus_path: Path, tokenizer: Tokenizer, **fields) -> Manifest:
+def _write_manifest(out: Path, key: dict, corpus_path: Path, tokenizer: Tokenizer, **fields) -> Manifest:
     """The completion marker: what the folder holds and what it was made from."""
     manifest = Manifest(
         corpus=str(corpus_path.resolve()),
@@ -222,7 +222,7 @@ def write_manifest(out: Path, key: dict, corpus_path: Path, tokenizer: Tokenizer
     return manifest
 
 
-def make_tokenizer(
+def _make_tokenizer(
     config: PrepareConfig, corpus_path: Path, size: int, tokenizer_data: bytes | None, chunk_bytes: int, log: Log
 ) -> tuple[Tokenizer, bytes]:
     """The tokenizer to encode with and the exact bytes of the folder's tokenizer.json."""
@@ -239,7 +239,7 @@ def make_tokenizer(
     return tokenizer, tokenizer.to_str().encode("utf-8")
 
 
-def not_prepared(folder: Path, reason: str) -> UserError:
+def _not_prepared(folder: Path, reason: str) -> UserError:
     return UserError(f"{folder} is not a prepared data folder ({reason}); run `exactresume prepare --out {folder}`")
 
 
@@ -247,20 +247,20 @@ def damaged(folder: Path, reason: str) -> UserError:
     return UserError(f"{folder}: {reason}; run `exactresume prepare --out {folder}` again")
 
 
-def read_manifest(folder: Path) -> Manifest:
+def _read_manifest(folder: Path) -> Manifest:
     path = folder / MANIFEST_FILE
     if not path.is_file():
-        raise not_prepared(folder, f"no {MANIFEST_FILE}")
+        raise _not_prepared(folder, f"no {MANIFEST_FILE}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("version") != FORMAT_VERSION:
-            raise not_prepared(folder, f"format version {data.get('version')}, expected {FORMAT_VERSION}")
+            raise _not_prepared(folder, f"format version {data.get('version')}, expected {FORMAT_VERSION}")
         return Manifest.from_dict(data)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise not_prepared(folder, f"unreadable {MANIFEST_FILE}: {type(error).__name__}") from None
+        raise _not_prepared(folder, f"unreadable {MANIFEST_FILE}: {type(error).__name__}") from None
 
 
-def verify_files(folder: Path, manifest: Manifest) -> None:
+def _verify_files(folder: Path, manifest: Manifest) -> None:
     """Check each file against the manifest: by xxh3-128 when recorded, else by sha256."""
     expected = {
         TOKENIZER_FILE: (manifest.tokenizer_xxh3, manifest.tokenizer_sha256),
@@ -270,7 +270,7 @@ def verify_files(folder: Path, manifest: Manifest) -> None:
     for name, (xxh3, sha) in expected.items():
         path = folder / name
         if not path.is_file():
-            raise not_prepared(folder, f"no {name}")
+            raise _not_prepared(folder, f"no {name}")
         if (file_xxh3(path) != xxh3) if xxh3 is not None else (file_sha256(path) != sha):
             kind = "xxh3" if xxh3 is not None else "sha256"
             raise damaged(folder, f"{name} does not match its {kind} in {MANIFEST_FILE}")
@@ -282,8 +282,8 @@ def verify_files(folder: Path, manifest: Manifest) -> None:
 def load_tokens(folder: Path) -> TokenData:
     """A prepared folder's token arrays as memory maps, after checking every file against its manifest."""
     folder = Path(folder)
-    manifest = read_manifest(folder)
-    verify_files(folder, manifest)
+    manifest = _read_manifest(folder)
+    _verify_files(folder, manifest)
     train, val = open_tokens(folder / TRAIN_FILE), open_tokens(folder / VAL_FILE)
     if (len(train), len(val)) != (manifest.train_tokens, manifest.val_tokens):
         raise damaged(folder, f"the token counts differ from {MANIFEST_FILE}")

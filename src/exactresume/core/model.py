@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, each (length, head_dim), in the rotate-half layout."""
     inverse_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
     angles = torch.outer(torch.arange(length).float(), inverse_freq)
@@ -63,7 +63,7 @@ def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor,
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, T, heads, head_dim) by position; cos and signed_sin are (T, 1, head_dim).
 
     rotate_half(x) * sin == roll(x, half) * signed_sin, where signed_sin's first half is negated:
@@ -91,8 +91,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         # RoPE while (B, T, nh, hs) is still contiguous; attention takes the transposed views.
-        q = apply_rope(self.q_norm(self.q_proj(x).view(batch, length, self.heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)), cos, sin)
+        q = _apply_rope(self.q_norm(self.q_proj(x).view(batch, length, self.heads, self.head_dim)), cos, sin)
+        k = _apply_rope(self.k_norm(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
@@ -202,7 +202,7 @@ class MiniMindLM(nn.Module):
         """cos and signed sin (see apply_rope), each (length, 1, head_dim)."""
         if self.rope_cos.shape[0] < length or self.rope_cos.device != device:
             table_length = max(length, min(self.config.max_position_embeddings, 4096))
-            cos, sin = rope_tables(self.config.head_dim, table_length, self.config.rope_theta)
+            cos, sin = _rope_tables(self.config.head_dim, table_length, self.config.rope_theta)
             half = self.config.head_dim // 2
             signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
             self.rope_cos, self.rope_sin = cos[:, None].to(device), signed_sin[:, None].to(device)

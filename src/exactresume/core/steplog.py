@@ -28,7 +28,7 @@ class StepLog:
 
     def __init__(self, path: Path, header: str, resumed_step: int):
         self.path, self.header = Path(path), header
-        self.keep_bytes = kept_length(self.path, header, resumed_step)  # None: no file yet
+        self.keep_bytes = _kept_length(self.path, header, resumed_step)  # None: no file yet
         self.file: BinaryIO | None = None
 
     def open(self) -> StepLog:
@@ -59,7 +59,7 @@ class StepLog:
             self.file = None
 
 
-def kept_length(path: Path, header: str, resumed_step: int) -> int | None:
+def _kept_length(path: Path, header: str, resumed_step: int) -> int | None:
     """Bytes of `path` to keep: header plus complete rows with step <= `resumed_step`; None if no file."""
     try:
         data = path.read_bytes()

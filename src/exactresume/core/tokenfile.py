@@ -47,7 +47,7 @@ def pieces(file: BinaryIO) -> Iterator[memoryview]:
         yield view[:count]
 
 
-def file_hashes(path: Path) -> tuple[str, str]:
+def _file_hashes(path: Path) -> tuple[str, str]:
     """(sha256, xxh3-128) of a file's bytes, read once."""
     sha, fast = hashlib.sha256(), xxhash.xxh3_128()
     with open(path, "rb") as file:
@@ -71,7 +71,7 @@ def file_xxh3(path: Path) -> str:
 
 
 def file_sha256(path: Path) -> str:
-    return file_hashes(path)[0]
+    return _file_hashes(path)[0]
 
 
 class TokenWriter:
@@ -111,7 +111,7 @@ class TokenWriter:
                 os.fsync(file.fileno())
         fields = {"train_tokens": train_tokens, "val_tokens": val_tokens}
         for name, tmp, final in (("train", train_tmp, self.train_path), ("val", val_tmp, self.val_path)):
-            fields[f"{name}_sha256"], fields[f"{name}_xxh3"] = file_hashes(tmp)
+            fields[f"{name}_sha256"], fields[f"{name}_xxh3"] = _file_hashes(tmp)
             os.replace(tmp, final)
         fsync_path(self.train_path.parent)
         return fields

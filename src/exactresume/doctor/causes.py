@@ -85,7 +85,7 @@ def weights(c: Context):
 
 def weights_only(c: Context):
     loaded = c.loaded()
-    if not loaded or not all(flat_state(f) for f in loaded) or not c.unsaved("optimizer"):
+    if not loaded or not all(_flat_state(f) for f in loaded) or not c.unsaved("optimizer"):
         return None
     names = ", ".join(Path(f["path"]).name for f in loaded)
     lost = [NAMES_LOST[f] for f in ("batch", "lr", "optim") if f in c.diff]
@@ -100,7 +100,7 @@ def weights_only(c: Context):
 NAMES_LOST = {"batch": "the data position", "lr": "the lr schedule", "optim": "the optimizer state"}
 
 
-def flat_state(f: dict) -> bool:
+def _flat_state(f: dict) -> bool:
     """A bare model.state_dict(): every top-level key is a tensor."""
     return bool(f["keys"]) and {t["key"] for t in f["tensors"]} == set(f["keys"])
 
@@ -145,7 +145,7 @@ def augmentation(c: Context):
     return "augmentation_rng_lost", headline, evidence
 
 
-def order_source(c: Context) -> str | None:
+def _order_source(c: Context) -> str | None:
     """The source the order was drawn from, where the DataLoader's own generators did not part: one the
     script holds, or numpy's or Python's global RNG."""
     if "data" in c.diff:
@@ -169,7 +169,7 @@ def data_position(c: Context):
     sources = sorted({s for f in c.runs.files for s in f.get("loaders", [])})
     gens = c.unsaved("generator")
     source = f"; the order comes from {sources[0]}" if sources else ""
-    drawn = order_source(c)
+    drawn = _order_source(c)
     if drawn is not None:
         lost = f"{', ' if sources else ': the order is '}drawn from {describe(drawn)}, which the resume did not restore"
     else:

@@ -58,7 +58,7 @@ def check_resume(
     of `python SCRIPT` from one process that imported torch once (`exactresume doctor --warm`).
     Bad arguments, and a command the doctor cannot judge, raise UserError (one line)."""
     lab_installed()
-    plan = plan_of(command, steps, stop_after, resume_args, out, timeout, warm)
+    plan = _plan_of(command, steps, stop_after, resume_args, out, timeout, warm)
     diagnosis, text = run_doctor(plan)
     fixes = [row["fix"] for row in diagnosis.missing] + list(diagnosis.fixes)
     return ResumeCheck(
@@ -76,7 +76,7 @@ def check_resume(
     )
 
 
-def plan_of(command, steps, stop_after, resume_args, out, timeout, warm):
+def _plan_of(command, steps, stop_after, resume_args, out, timeout, warm):
     """The doctor's plan, refusing what `exactresume doctor` refuses in its flags, in the call's words."""
     from exactresume.doctor.examine import Plan
 

@@ -88,7 +88,7 @@ def diagnose(runs: Runs) -> Diagnosis:
 
 
 def diagnose_one(runs: Runs) -> Diagnosis:
-    runs, blind, lost = blinded(runs)
+    runs, blind, lost = _blinded(runs)
     straight, interrupted, resumed, k = (
         runs.straight.steps,
         runs.interrupted.steps,
@@ -107,18 +107,18 @@ def diagnose_one(runs: Runs) -> Diagnosis:
     ]
     pairs = list(zip(straight, interrupted[:k])) + list(zip(straight[k:], resumed))
     equal = {f: [None if (f, p) in blind else a.get(f) == b.get(f) for p, (a, b) in enumerate(pairs)] for f in fields}
-    notes += [lost_note(row) for row in lost]
+    notes += [_lost_note(row) for row in lost]
     diagnosis = first_difference(runs, kept, notes) or Diagnosis(
         "exact",
         "exact",
-        f"exact: steps {k + 1}..{k + len(resumed)} are bit-identical to the straight run{unseen(lost, k)}",
+        f"exact: steps {k + 1}..{k + len(resumed)} are bit-identical to the straight run{_unseen(lost, k)}",
         k,
         notes=notes,
     )
     diagnosis.equal, diagnosis.distance, diagnosis.unseeded = equal, distances(runs), unseeded
     diagnosis.lost = lost
     framework = next((f["framework"] for f in runs.files if f.get("framework")), None)
-    diagnosis.missing = restored_left_out(missing_state(runs, framework), equal, k) + unrestored(diagnosis)
+    diagnosis.missing = _restored_left_out(_missing_state(runs, framework), equal, k) + _unrestored(diagnosis)
     if diagnosis.verdict == "exact":  # the resume needed none of it in the steps compared: no fix to make
         diagnosis.notes += [
             f"not in the checkpoint, not needed in the steps compared: {r['name']}" for r in diagnosis.missing
@@ -147,10 +147,10 @@ def first_difference(runs: Runs, fields: tuple, notes: list[str]) -> Diagnosis |
             ahead, early = ahead or k + index + 1, early + [f for f in diff if f not in early]
             continue
         if diff:
-            return resume_difference(Context(runs, index, a, b, diff, ahead), notes)
+            return _resume_difference(Context(runs, index, a, b, diff, ahead), notes)
     if "buffers" in early:  # the resumed model holds other buffers, whatever the steps compared show
         index = ahead - runs.resume_step - 1
-        return resume_difference(Context(runs, index, straight[ahead - 1], runs.resumed.steps[index], early), notes)
+        return _resume_difference(Context(runs, index, straight[ahead - 1], runs.resumed.steps[index], early), notes)
     if ahead:
         said = " and ".join(f"the {name_of(f)}" for f in early) + (" differs" if len(early) == 1 else " differ")
         notes.append(
@@ -160,7 +160,7 @@ def first_difference(runs: Runs, fields: tuple, notes: list[str]) -> Diagnosis |
     return None
 
 
-def resume_difference(context: Context, notes: list[str]) -> Diagnosis:
+def _resume_difference(context: Context, notes: list[str]) -> Diagnosis:
     """The causes of the first resumed step that parts (the data first, then the forward's randomness)."""
     cause, headline, evidence = cause_of(context)
     causes = [cause]
@@ -204,7 +204,7 @@ def distances(runs: Runs) -> list[float | None]:
     return rows
 
 
-def blinded(runs: Runs) -> tuple[Runs, set[tuple[str, int]], list[dict]]:
+def _blinded(runs: Runs) -> tuple[Runs, set[tuple[str, int]], list[dict]]:
     """The runs with each fingerprint a run lost sight of set to "lost" in both runs of every pair compared
     from that step on; the (field, straight step index) pairs left out; and what was lost, where (steps
     counted as the straight run counts them: the resumed run's own step 1 is step K+1)."""
@@ -234,7 +234,7 @@ def blinded(runs: Runs) -> tuple[Runs, set[tuple[str, int]], list[dict]]:
     return replace(runs, **views), blind, lost
 
 
-def lost_note(row: dict) -> str:
+def _lost_note(row: dict) -> str:
     where = f"step {row['step']} of the {row['run']} run" + (
         f" (rank {row['rank']})" if row["rank"] is not None else ""
     )
@@ -243,7 +243,7 @@ def lost_note(row: dict) -> str:
     return f"the doctor lost sight of {row['what']} from {where} ({row['error']}){after}"
 
 
-def unseen(lost: list[dict], k: int) -> str:
+def _unseen(lost: list[dict], k: int) -> str:
     """What an exact verdict could not see: the fingerprints lost in the steps it compares (the notes list them)."""
     seen = [row for row in lost if row["fields"] and (row["run"] != "interrupted" or row["step"] <= k)]
     if not seen:
@@ -277,14 +277,14 @@ RESTORED_BY = {"generator": "data", "global_rng": "rng_torch"}
 SOURCE_CAUSES = ("data_position_lost", "augmentation_rng_lost")
 
 
-def restored_left_out(rows: list[dict], equal: dict[str, list[bool | None]], k: int) -> list[dict]:
+def _restored_left_out(rows: list[dict], equal: dict[str, list[bool | None]], k: int) -> list[dict]:
     """`rows` less those whose state no file holds but the resume rebuilt (a generator reseeded from the seed
     and the epoch): their fingerprint is the straight run's at every resumed step."""
     restored = {kind for kind, f in RESTORED_BY.items() if f in equal and all(e is not False for e in equal[f][k:])}
     return [row for row in rows if row["kind"] not in restored]
 
 
-def unrestored(diagnosis: Diagnosis) -> list[dict]:
+def _unrestored(diagnosis: Diagnosis) -> list[dict]:
     """The random source the cause names (the first of the script's own that parts, else a global one other
     than torch's, which the files' rows name), with the fix in its own API."""
     if diagnosis.cause not in SOURCE_CAUSES:
@@ -296,7 +296,7 @@ def unrestored(diagnosis: Diagnosis) -> list[dict]:
     ]
 
 
-def missing_state(runs: Runs, framework: str | None = None) -> list[dict]:
+def _missing_state(runs: Runs, framework: str | None = None) -> list[dict]:
     """Each live stateful object whose state none of the files saved at the resume step holds, with
     its fix (in the framework's words where it has its own)."""
     saved, rows = set(), {}

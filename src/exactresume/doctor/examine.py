@@ -60,10 +60,10 @@ def examine(plan: Plan) -> Runs:
         raise UserError(
             f"{ledger.path} lists files a previous doctor run put aside: put them back, or use another --out"
         )
-    return run_three(plan, ledger, Launcher(plan.warm, plan.out / "logs"))
+    return _run_three(plan, ledger, Launcher(plan.warm, plan.out / "logs"))
 
 
-def run_three(plan: Plan, ledger: Ledger, launcher: Launcher) -> Runs:
+def _run_three(plan: Plan, ledger: Ledger, launcher: Launcher) -> Runs:
     def run(name: str, command: list[str], steps: int, crash_from: int | None = None, made=()) -> TracedRun:
         return run_traced(name, command, plan.out, steps, launcher, crash_from, plan.timeout, made)
 
@@ -71,15 +71,15 @@ def run_three(plan: Plan, ledger: Ledger, launcher: Launcher) -> Runs:
     aside = set_aside(ledger, straight)
     done: list[TracedRun] = []
     try:
-        check_straight(straight, plan)
+        _check_straight(straight, plan)
         interrupted = run("interrupted", plan.command, plan.steps, plan.stop_after)
         done.append(interrupted)
-        resume_step = check_interrupted(interrupted, plan)
-        files = read_files(interrupted, resume_step)
+        resume_step = _check_interrupted(interrupted, plan)
+        files = _read_files(interrupted, resume_step)
         steps, made = plan.steps - resume_step, roots([interrupted])
         resumed = run("resumed", plan.command + plan.resume_args, steps, made=made)
         done.append(resumed)
-        check_resumed(resumed, interrupted, plan)
+        _check_resumed(resumed, interrupted, plan)
     finally:
         moves = aside + put_back(ledger, straight, aside, done)
     return Runs(straight, interrupted, resumed, resume_step, files, moves)
@@ -89,7 +89,7 @@ def failed(run: TracedRun) -> bool:
     return not (run.cut or run.crashed or run.rc == 0)
 
 
-def check_straight(run: TracedRun, plan: Plan) -> None:
+def _check_straight(run: TracedRun, plan: Plan) -> None:
     if failed(run):
         raise UserError(run.failure())
     early = [load["path"] for load in run.loads if load["step"] == 0 and load["path"]]
@@ -107,7 +107,7 @@ def check_straight(run: TracedRun, plan: Plan) -> None:
         )
 
 
-def check_interrupted(run: TracedRun, plan: Plan) -> int:
+def _check_interrupted(run: TracedRun, plan: Plan) -> int:
     if run.crashed:
         return max(save["step"] for save in run.saves)
     if failed(run):
@@ -120,7 +120,7 @@ def check_interrupted(run: TracedRun, plan: Plan) -> int:
     )
 
 
-def check_resumed(run: TracedRun, interrupted: TracedRun, plan: Plan) -> None:
+def _check_resumed(run: TracedRun, interrupted: TracedRun, plan: Plan) -> None:
     if failed(run):
         raise UserError(run.failure())
     written = {s["path"] for s in interrupted.saves}
@@ -142,7 +142,7 @@ def check_resumed(run: TracedRun, interrupted: TracedRun, plan: Plan) -> None:
         raise UserError("the resumed run took no optimizer step after loading its checkpoint")
 
 
-def read_files(run: TracedRun, step: int) -> list[dict]:
+def _read_files(run: TracedRun, step: int) -> list[dict]:
     """What each file saved at the resume step holds, read back as the resume reads it."""
     rows = []
     for process, save in ((p, s) for p in run.processes for s in p.saves):
@@ -153,14 +153,14 @@ def read_files(run: TracedRun, step: int) -> list[dict]:
         }
         row["rank"] = process.rank
         try:
-            row |= read_back(save["path"])
+            row |= _read_back(save["path"])
         except Exception as error:  # a file weights_only refuses: keep what torch.save was given
             row |= {"keys": save["keys"], "tensors": save["tensors"], "read": f"as saved ({type(error).__name__})"}
         rows.append(row)
     return rows
 
 
-def read_back(path: str) -> dict:
+def _read_back(path: str) -> dict:
     """A file's top-level keys and tensors, read with weights_only=True; a DCP folder's entries, from its
     metadata."""
     import torch

@@ -12,7 +12,7 @@ lists each move before it is made; OUT/files/moves.json lists them all once done
 
 Only regular files, folders and symbolic links are moved or copied, never anything under /dev, /proc
 or /sys (`ordinary`). Caches, the Python installation and the temp folder's contents stay where they
-are (`left_alone`), except where a run saved or loaded a checkpoint, or in a working folder that is
+are (`_left_alone`), except where a run saved or loaded a checkpoint, or in a working folder that is
 itself under the temp folder: what the resume reads must go aside, whichever folder holds it.
 """
 
@@ -37,9 +37,9 @@ def inside(path: str, folder: str) -> bool:
     return (path + os.sep).startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def left_alone(path: str, checkpoints: list[str] = ()) -> bool:
+def _left_alone(path: str, checkpoints: list[str] = ()) -> bool:
     """Caches, the Python installation, and temporary files: not the script's output. `checkpoints`:
-    the paths the runs saved or loaded checkpoints at and their folders (`checkpoint_places`)."""
+    the paths the runs saved or loaded checkpoints at and their folders (`_checkpoint_places`)."""
     if "__pycache__" in Path(path).parts:
         return True
     homes = [os.environ.get(name) for name in CACHES] + [sys.prefix]
@@ -56,7 +56,7 @@ def left_alone(path: str, checkpoints: list[str] = ()) -> bool:
     return top.startswith(SCRATCH) or cwd == temp or not inside(path, cwd)
 
 
-def checkpoint_places(runs: list[TracedRun]) -> list[str]:
+def _checkpoint_places(runs: list[TracedRun]) -> list[str]:
     """Every path a run saved a checkpoint to or loaded one from, and the folder holding it (unless that
     is the temp folder or above it): a resume reads there, and what sits next to a checkpoint goes with it."""
     temp = os.path.abspath(tempfile.gettempdir())
@@ -69,12 +69,12 @@ def checkpoint_places(runs: list[TracedRun]) -> list[str]:
     return sorted(places)
 
 
-def the_runs(path: str, checkpoints: list[str]) -> bool:
+def _the_runs(path: str, checkpoints: list[str]) -> bool:
     """A path the doctor may move: the run's output, a regular file, folder or link outside /dev, /proc, /sys."""
-    return ordinary(path) and not left_alone(path, checkpoints)
+    return ordinary(path) and not _left_alone(path, checkpoints)
 
 
-def merged(runs: list[TracedRun]) -> dict[str, bool]:
+def _merged(runs: list[TracedRun]) -> dict[str, bool]:
     """Every path the runs wrote -> whether the first run to write it made it."""
     wrote: dict[str, bool] = {}
     for run in runs:
@@ -85,16 +85,16 @@ def merged(runs: list[TracedRun]) -> dict[str, bool]:
 
 def roots(runs: list[TracedRun]) -> list[str]:
     """The topmost paths the runs made or changed that are there now, the shortest first."""
-    wrote = merged(runs)
+    wrote = _merged(runs)
     made = {path for path, new in wrote.items() if new}
-    checkpoints = checkpoint_places(runs)
+    checkpoints = _checkpoint_places(runs)
     found = set()
     for path in wrote:
         if not os.path.lexists(path):
             continue
         while os.path.dirname(path) in made:
             path = os.path.dirname(path)
-        if the_runs(path, checkpoints):
+        if _the_runs(path, checkpoints):
             found.add(path)
     return outermost(found)
 
@@ -118,8 +118,8 @@ def originals(runs: list[TracedRun]) -> dict[str, str]:
             if path not in found and path not in written:
                 found[path] = copy
         written |= {path for path, new in run.wrote.items() if new}
-    checkpoints = checkpoint_places(runs)
-    return {path: found[path] for path in outermost(p for p in found if the_runs(p, checkpoints))}
+    checkpoints = _checkpoint_places(runs)
+    return {path: found[path] for path in outermost(p for p in found if _the_runs(p, checkpoints))}
 
 
 class Ledger:
@@ -152,7 +152,7 @@ def set_aside(ledger: Ledger, straight: TracedRun) -> list[dict]:
     paths = outermost(roots([straight]) + [p for p in before if os.path.lexists(p)])
     moves = [ledger.move(p, str(folder / f"{i:03d}-{Path(p).name}"), run="straight") for i, p in enumerate(paths)]
     for path, copy in before.items():
-        copy_back(copy, path)
+        _copy_back(copy, path)
     return moves
 
 
@@ -173,7 +173,7 @@ def put_back(ledger: Ledger, straight: TracedRun, aside: list[dict], runs: list[
     return moves
 
 
-def copy_back(copy: str, path: str) -> None:
+def _copy_back(copy: str, path: str) -> None:
     """A copy of an original in its place again, for the next run (the copy stays for the end)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     if os.path.isdir(copy) and not os.path.islink(copy):

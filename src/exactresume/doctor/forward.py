@@ -29,7 +29,7 @@ def forward_state(c: Context):
         )
         return "forward_module_lost", headline, evidence + [f"{r['name']}: {r['detail']}" for r in modules]
     if buffers:
-        return "buffers_lost", buffers_headline(c, buffers, "the forward reads them: "), evidence
+        return "buffers_lost", _buffers_headline(c, buffers, "the forward reads them: "), evidence
     headline = (
         f"{later(c)}the same batch, weights and lr give other gradients: the forward reads state the resume did not "
         "restore (a module or buffer outside the file, or a value the script computes)"
@@ -37,7 +37,7 @@ def forward_state(c: Context):
     return "forward_state", headline, evidence
 
 
-def buffers_headline(c: Context, rows: list[dict], reads: str) -> str:
+def _buffers_headline(c: Context, rows: list[dict], reads: str) -> str:
     row = max(rows, key=lambda r: len(r["buffers"]))
     shown = ", ".join(row["buffers"][:4]) + (" ..." if len(row["buffers"]) > 4 else "")
     kind = " (running statistics)" if any("running_" in name for name in row["buffers"]) else ""
@@ -54,7 +54,7 @@ def buffers_only(c: Context):
     if not rows:
         headline = f"the model's buffers differ from step {c.step} on: the resume did not restore them"
         return "buffers_lost", headline, evidence
-    headline = buffers_headline(c, rows, "")
+    headline = _buffers_headline(c, rows, "")
     headline += ", so the resumed model's buffers differ (the steps agree, an evaluation would not)"
     return "buffers_lost", headline, evidence
 

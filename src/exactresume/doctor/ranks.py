@@ -21,7 +21,7 @@ def ranks(runs: Runs) -> list[int | None]:
     return [process.rank for process in runs.straight.stepping]
 
 
-def rank_view(runs: Runs, index: int) -> Runs:
+def _rank_view(runs: Runs, index: int) -> Runs:
     """The runs as the `index`-th stepping process (in rank order) saw them."""
 
     def alone(run: TracedRun) -> TracedRun:
@@ -29,7 +29,7 @@ def rank_view(runs: Runs, index: int) -> Runs:
 
     rank = runs.straight.stepping[index].rank
     own = [f for f in runs.files if f.get("rank") == rank]
-    files = own or borrowed(runs, index)
+    files = own or _borrowed(runs, index)
     return replace(
         runs,
         straight=alone(runs.straight),
@@ -39,7 +39,7 @@ def rank_view(runs: Runs, index: int) -> Runs:
     )
 
 
-def borrowed(runs: Runs, index: int) -> list[dict]:
+def _borrowed(runs: Runs, index: int) -> list[dict]:
     """The other ranks' files at the resume step, with this rank's own sampler generators and loader."""
     if index >= len(runs.interrupted.stepping):
         return runs.files
@@ -58,7 +58,7 @@ def borrowed(runs: Runs, index: int) -> list[dict]:
     return [f | {"live": shared + rows, "loaders": loaders or f["loaders"]} for f in runs.files[:1]]
 
 
-def first_part(diagnosis, rank) -> tuple:
+def _first_part(diagnosis, rank) -> tuple:
     """Sort key: the earliest step, then the most upstream fingerprint, then the lowest rank."""
     if diagnosis.first_step is None:
         return (float("inf"), len(ORDER), rank or 0)
@@ -68,8 +68,8 @@ def first_part(diagnosis, rank) -> tuple:
 
 def diagnose_ranks(runs: Runs, diagnose_one):
     """Every rank diagnosed; the one that parts first, named, with the others in the evidence."""
-    found = [(rank, diagnose_one(rank_view(runs, index))) for index, rank in enumerate(ranks(runs))]
-    rank, chosen = min(found, key=lambda pair: first_part(pair[1], pair[0]))
+    found = [(rank, diagnose_one(_rank_view(runs, index))) for index, rank in enumerate(ranks(runs))]
+    rank, chosen = min(found, key=lambda pair: _first_part(pair[1], pair[0]))
     world = len(found)
     if chosen.verdict == "exact":
         chosen.headline = f"{chosen.headline}, on every rank ({world})"
@@ -77,11 +77,11 @@ def diagnose_ranks(runs: Runs, diagnose_one):
     chosen.headline = f"on rank {rank} (of {world}): {chosen.headline}"
     for other, diagnosis in found:
         if other != rank:
-            chosen.evidence.append(f"rank {other}: {rank_line(diagnosis)}")
+            chosen.evidence.append(f"rank {other}: {_rank_line(diagnosis)}")
     return chosen
 
 
-def rank_line(diagnosis) -> str:
+def _rank_line(diagnosis) -> str:
     if diagnosis.first_step is None:
         return "bit-identical to its straight run"
     return diagnosis.evidence[0] if diagnosis.evidence else f"parts at step {diagnosis.first_step}"

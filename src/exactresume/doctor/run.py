@@ -111,7 +111,7 @@ class TracedRun:
         return f"the command failed (exit code {self.rc}) in the {self.name} run; {last}; its output: {self.log}"
 
 
-def child_env(trace: Path, out: Path, limit: int, crash_from: int | None, made: list[str]) -> dict[str, str]:
+def _child_env(trace: Path, out: Path, limit: int, crash_from: int | None, made: list[str]) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), env.get("PYTHONPATH", "")) if p)
     env["EXACTRESUME_DOCTOR_TRACER_DIR"] = str(TRACER_DIR)
@@ -143,7 +143,7 @@ def run_traced(
     trace, log = out / "traces" / name, out / "logs" / f"{name}.log"
     for stale in trace.glob("*") if trace.is_dir() else ():
         stale.unlink()
-    env = child_env(trace, out, limit, crash_from, list(made))
+    env = _child_env(trace, out, limit, crash_from, list(made))
     started = time.perf_counter()
     child = launcher.start(command, env, log)
     try:
@@ -153,12 +153,12 @@ def run_traced(
         child.wait()
         raise UserError(f"the {name} run took longer than --timeout {timeout:g}s; its output: {log}") from None
     run = TracedRun(name, command, rc, time.perf_counter() - started, log, child.server)
-    read_traces(run, trace)
-    check_started(run)
+    _read_traces(run, trace)
+    _check_started(run)
     return run
 
 
-def check_started(run: TracedRun) -> None:
+def _check_started(run: TracedRun) -> None:
     """One line when the tracer saw nothing: it could not start in the command's Python, or the command
     started no Python it could start in (a command that failed before is the examiner's to report)."""
     if run.not_started and not run.stepping:
@@ -174,15 +174,15 @@ def check_started(run: TracedRun) -> None:
         )
 
 
-def read_traces(run: TracedRun, folder: Path) -> None:
+def _read_traces(run: TracedRun, folder: Path) -> None:
     """Fill `run` from every process's trace: the paths all of them wrote, and the processes that stepped."""
     earliest: dict[str, int] = {}
     for path in sorted(folder.glob("trace-*.jsonl")) if folder.is_dir() else []:
         process = Process(int(path.stem.removeprefix("trace-")))
         run.traced += 1
-        for event in load_events(path):
-            file_event(run, event, earliest)
-            sort_event(process, event)
+        for event in _load_events(path):
+            _file_event(run, event, earliest)
+            _sort_event(process, event)
             if event["event"] == "start" and "hash" in event:
                 run.hashes.add(event["hash"])
         if process.steps or process.saves or process.loads:
@@ -194,7 +194,7 @@ def read_traces(run: TracedRun, folder: Path) -> None:
     run.processes.sort(key=lambda p: (p.rank is None, p.rank or 0, -len(p.steps)))
 
 
-def file_event(run: TracedRun, event: dict, earliest: dict[str, int]) -> None:
+def _file_event(run: TracedRun, event: dict, earliest: dict[str, int]) -> None:
     """A written path (new in any process counts as new), and the first copy kept of each path."""
     if event["event"] == "wrote":
         run.wrote[event["path"]] = run.wrote.get(event["path"], False) or event["new"]
@@ -203,7 +203,7 @@ def file_event(run: TracedRun, event: dict, earliest: dict[str, int]) -> None:
         run.kept[event["path"]] = event["copy"]
 
 
-def sort_event(process: Process, event: dict) -> None:
+def _sort_event(process: Process, event: dict) -> None:
     """Steps, saves and loads; a save's path follows the renames after it (atomic writes), and a save
     into a buffer takes the path of the file the buffer is written to next (Lightning's fsspec write)."""
     kind = event["event"]
@@ -240,7 +240,7 @@ def renamed(saves: list[dict], source: str, target: str) -> None:
             break
 
 
-def load_events(path: Path) -> list[dict]:
+def _load_events(path: Path) -> list[dict]:
     events = []
     for line in path.read_text().splitlines():
         try:

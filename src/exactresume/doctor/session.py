@@ -16,7 +16,7 @@ from exactresume.errors import UserError
 VERDICT_MODULES = ("torch", "exactresume.doctor.diagnose", "exactresume.doctor.verdict")
 
 
-def import_quietly(modules: tuple[str, ...]) -> None:
+def _import_quietly(modules: tuple[str, ...]) -> None:
     for module in modules:
         try:
             importlib.import_module(module)
@@ -30,7 +30,7 @@ def run_doctor(plan):
     from exactresume.doctor.examine import examine
 
     # The doctor only waits while the user's command runs: import the verdict's modules meanwhile.
-    imports = threading.Thread(target=import_quietly, args=(VERDICT_MODULES,), name="doctor-imports")
+    imports = threading.Thread(target=_import_quietly, args=(VERDICT_MODULES,), name="doctor-imports")
     imports.start()
     try:
         runs = examine(plan)
@@ -41,7 +41,7 @@ def run_doctor(plan):
     from exactresume.doctor.verdict import terminal, write_report
 
     diagnosis = diagnose(runs)
-    write_facts(plan.out / "doctor.json", plan, runs, diagnosis)
+    _write_facts(plan.out / "doctor.json", plan, runs, diagnosis)
     write_report(plan.out, plan, runs, diagnosis)
     text = terminal(plan, runs, diagnosis)
     (plan.out / "verdict.txt").write_text(text + "\n")
@@ -59,7 +59,7 @@ def one_hash(runs) -> None:
         )
 
 
-def write_facts(path: Path, plan, runs, diagnosis) -> None:
+def _write_facts(path: Path, plan, runs, diagnosis) -> None:
     """doctor.json: the plan, the diagnosis and each run's facts, written atomically (atomic.write_json)."""
 
     def run_facts(run):

@@ -12,7 +12,7 @@ from exactresume.doctor.context import Context, later, position_evidence
 def stream(c: Context):
     if "batch" not in c.diff:
         return None
-    return hugging_face(c) or stream_generator(c)
+    return hugging_face(c) or _stream_generator(c)
 
 
 def hugging_face(c: Context):
@@ -38,7 +38,7 @@ def hugging_face(c: Context):
     return "shuffle_buffer_lost", headline, evidence
 
 
-def stream_generator(c: Context):
+def _stream_generator(c: Context):
     """A stream shuffled by a torch.Generator the checkpoint lacks, resumed past its first batch (a stream
     started over is a lost position, data_position's)."""
     lost = c.unsaved("stream_rng")

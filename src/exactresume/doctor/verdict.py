@@ -88,7 +88,7 @@ def draw(diagnosis) -> Figure:
     return figure
 
 
-def save_png(figure: Figure, path: Path) -> None:
+def _save_png(figure: Figure, path: Path) -> None:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110)
     atomic_write_bytes(path, buffer.getvalue())
@@ -113,7 +113,7 @@ def markdown(plan, runs, diagnosis) -> str:
     for file in runs.files:
         tensors = ", ".join(f"{t['key']} {t['dtype'].removeprefix('torch.')} {t['shape']}" for t in file["tensors"][:8])
         lines.append(f"- `{file['path']}` (read {file['read']}): keys {', '.join(file['keys'][:12])}; {tensors}")
-    lines += ["", "## Steps", "", "![fingerprints and weight distance](doctor.png)", "", step_table(diagnosis)]
+    lines += ["", "## Steps", "", "![fingerprints and weight distance](doctor.png)", "", _step_table(diagnosis)]
     lines += ["", "## Runs and files", ""]
     for name in ("straight", "interrupted", "resumed"):
         run = getattr(runs, name)
@@ -123,7 +123,7 @@ def markdown(plan, runs, diagnosis) -> str:
     return "\n".join(lines) + "\n"
 
 
-def step_table(diagnosis) -> str:
+def _step_table(diagnosis) -> str:
     steps = len(next(iter(diagnosis.equal.values()), []))
     head = "| fingerprint | " + " | ".join(str(s) for s in range(1, steps + 1)) + " |"
     rule = "|---|" + "---|" * steps
@@ -135,5 +135,5 @@ def step_table(diagnosis) -> str:
 
 
 def write_report(out: Path, plan, runs, diagnosis) -> None:
-    save_png(draw(diagnosis), out / "doctor.png")
+    _save_png(draw(diagnosis), out / "doctor.png")
     atomic_write_bytes(out / "report.md", markdown(plan, runs, diagnosis).encode())

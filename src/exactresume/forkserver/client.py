@@ -176,17 +176,17 @@ _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
-def close_servers() -> None:
+def _close_servers() -> None:
     """Close every server (they exit when their stdin closes); the next run starts a new one."""
     with _servers_lock:
         while _servers:
             _servers.popitem()[1].close()
 
 
-atexit.register(close_servers)
+atexit.register(_close_servers)
 
 
-def server_for(python: str, kind: ServerKind, server_env: dict[str, str] | None, log: Path | None) -> ForkServer:
+def _server_for(python: str, kind: ServerKind, server_env: dict[str, str] | None, log: Path | None) -> ForkServer:
     """The running server of `python` and `kind` (and `server_env`, when given), started when there is none."""
     resolved = shutil.which(python)
     if resolved is None:
@@ -210,7 +210,7 @@ CLI_KIND = ServerKind(
 )
 
 
-def cli_command(argv: list[str]) -> list[str]:
+def _cli_command(argv: list[str]) -> list[str]:
     """`exactresume ARGV` as this Python runs it."""
     return [sys.executable, "-m", "exactresume.cli", *map(str, argv)]
 
@@ -219,13 +219,13 @@ def start_cli_server() -> None:
     """Start the server of `exactresume` runs now, so that its imports overlap with the caller's own."""
     if hasattr(os, "fork"):
         with _servers_lock:
-            server_for(sys.executable, CLI_KIND, None, None)
+            _server_for(sys.executable, CLI_KIND, None, None)
 
 
 def spawn_cli(argv: list[str], env: dict[str, str] | None = None) -> Run:
     """`exactresume ARGV` in a new process, forked from the server of `exactresume` runs; `env` beside
     this process's environment."""
-    return spawn(cli_command(argv), os.environ | (env or {}), kind=CLI_KIND)
+    return spawn(_cli_command(argv), os.environ | (env or {}), kind=CLI_KIND)
 
 
 def run_cli(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -258,7 +258,7 @@ def spawn(
     request |= {"stderr": str(run.stderr_path)} if run.stderr_path else {}
     # Under the lock until the run has started, so that no other thread takes the server for idle and closes it.
     with _servers_lock:
-        return server_for(command[0], kind, server_env, server_log).start(run, request)
+        return _server_for(command[0], kind, server_env, server_log).start(run, request)
 
 
 def _run_with_files(command: list[str], log: Path | None) -> Run:

@@ -35,7 +35,7 @@ TRACER_NAME = "_exactresume_doctor_tracer"  # the private name the tracer's shim
 REAP_INTERVAL_S = 0.02  # how often the server looks for ended children while some run
 
 
-def load_tracer(folder: str):
+def _load_tracer(folder: str):
     """The tracer package from `folder`, under the shim's private name; its `install` module."""
     if TRACER_NAME not in sys.modules:
         spec = importlib.util.spec_from_file_location(
@@ -47,7 +47,7 @@ def load_tracer(folder: str):
     return importlib.import_module(TRACER_NAME + ".install")
 
 
-def redirect(stdout: str, stderr: str | None) -> None:
+def _redirect(stdout: str, stderr: str | None) -> None:
     """stdin from /dev/null, stdout and stderr into their files at the descriptor level."""
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
         opened = os.open(path, flags, 0o644)
@@ -61,7 +61,7 @@ def redirect(stdout: str, stderr: str | None) -> None:
     os.close(opened)
 
 
-def fresh_entropy() -> None:
+def _fresh_entropy() -> None:
     """Seed from the OS what a new process seeds from it (python's, numpy's and torch's CPU global RNGs):
     a fork would otherwise start every run from the server's seeds. CUDA's generators start from a
     fixed seed in a new process, and the server never initializes CUDA."""
@@ -74,7 +74,7 @@ def fresh_entropy() -> None:
         modules["torch"].default_generator.seed()
 
 
-def start_tracer(tracer) -> None:
+def _start_tracer(tracer) -> None:
     """The tracer started from the run's environment; where this Python could not load it (`tracer` is
     that error), the run ends as the tracer's shim ends it, saying why."""
     try:
@@ -85,7 +85,7 @@ def start_tracer(tracer) -> None:
         sys.modules[TRACER_NAME].not_started(error)
 
 
-def become_run(request: dict, tracer) -> None:
+def _become_run(request: dict, tracer) -> None:
     """In the forked child: become the run, run it, exit with its code. Never returns."""
     code = 1
     try:
@@ -94,12 +94,12 @@ def become_run(request: dict, tracer) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request.get("cwd") or os.getcwd())
-        redirect(request["stdout"], request.get("stderr"))
+        _redirect(request["stdout"], request.get("stderr"))
         sys.argv = list(request["argv"])
-        fresh_entropy()
+        _fresh_entropy()
         if tracer is not None:
-            start_tracer(tracer)
-        code = run_program(request)
+            _start_tracer(tracer)
+        code = _run_program(request)
     except SystemExit as ended:
         code = ended.code if isinstance(ended.code, int) else (0 if ended.code is None else 1)
         if not isinstance(ended.code, int | None):
@@ -115,7 +115,7 @@ def become_run(request: dict, tracer) -> None:
             os._exit(code)
 
 
-def run_program(request: dict) -> int:
+def _run_program(request: dict) -> int:
     """`python -m MODULE` or `python SCRIPT`, as __main__; 0 when it returns without exiting."""
     if "module" in request:
         sys.path.insert(0, os.getcwd())
@@ -131,7 +131,7 @@ def preload(flags: argparse.Namespace):
     tracer = None
     if flags.tracer:
         try:
-            tracer = load_tracer(flags.tracer)
+            tracer = _load_tracer(flags.tracer)
         except Exception as error:  # this Python has no torch, say: each run says so, as a cold one would
             tracer = error
     for module in filter(None, flags.preload.split(",")):
@@ -159,18 +159,18 @@ def serve(flags: argparse.Namespace) -> None:
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
                 start(json.loads(line), tracer, running)
-        reap(running)
+        _reap(running)
 
 
 def start(request: dict, tracer, running: dict[int, int]) -> None:
     pid = os.fork()
     if pid == 0:
-        become_run(request, tracer)
+        _become_run(request, tracer)
     running[pid] = request["id"]
     os.write(1, f"pid {request['id']} {pid}\n".encode())  # unbuffered: nothing held across a fork
 
 
-def reap(running: dict[int, int]) -> None:
+def _reap(running: dict[int, int]) -> None:
     while running:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
@@ -178,7 +178,7 @@ def reap(running: dict[int, int]) -> None:
         os.write(1, f"exit {running.pop(pid)} {os.waitstatus_to_exitcode(status)}\n".encode())
 
 
-def parse_flags() -> argparse.Namespace:
+def _parse_flags() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="fork each run from one process that imported its modules once")
     parser.add_argument("--preload", default="", help="modules every run imports, comma-separated")
     parser.add_argument("--preload-optional", default="", help="modules imported where installed")
@@ -188,4 +188,4 @@ def parse_flags() -> argparse.Namespace:
 
 if __name__ == "__main__":
     del sys.path[0]  # this folder: its modules are not top-level names for a run to find
-    serve(parse_flags())
+    serve(_parse_flags())

@@ -53,14 +53,14 @@ def keep(state: dict) -> dict:
     return state
 
 
-def reset_adam_steps(state: dict) -> dict:
+def _reset_adam_steps(state: dict) -> dict:
     """AdamW's per-parameter step counters back to 0, moments kept: bias correction restarts."""
     for per_param in state["optimizer"]["state"].values():
         per_param["step"] = torch.zeros_like(per_param["step"])
     return state
 
 
-def weights_rounded_to(dtype: torch.dtype) -> Callable[[dict], dict]:
+def _weights_rounded_to(dtype: torch.dtype) -> Callable[[dict], dict]:
     """The resume file's weights stored in `dtype` (what MiniMind's resume file does with fp16), as the
     fp32 model takes them back: rounded to `dtype`, then widened again, as loading them would."""
 
@@ -72,7 +72,7 @@ def weights_rounded_to(dtype: torch.dtype) -> Callable[[dict], dict]:
     return round_weights
 
 
-def lose_epoch_cursor(state: dict) -> dict:
+def _lose_epoch_cursor(state: dict) -> dict:
     """The epoch loader restarts its current epoch from the first batch (the epoch itself is kept)."""
     state["gen_state"] = state["gen_state"] | {"cursor": 0}
     return state
@@ -92,15 +92,15 @@ class Variant:
 VARIANTS = (
     Variant("base", "exact", ""),
     Variant("base", "noopt", "optimizer", skip=frozenset({"optimizer"})),
-    Variant("base", "adam_steps_reset", "optimizer", degrade=reset_adam_steps),
+    Variant("base", "adam_steps_reset", "optimizer", degrade=_reset_adam_steps),
     Variant("base", "noskip", "gen_state", skip=frozenset({"gen_state"})),
     Variant("base", "nostep", "step", skip=frozenset({"step"})),
-    Variant("base", "fp16_weights", "model", degrade=weights_rounded_to(torch.float16)),
-    Variant("base", "bf16_weights", "model", degrade=weights_rounded_to(torch.bfloat16)),
+    Variant("base", "fp16_weights", "model", degrade=_weights_rounded_to(torch.float16)),
+    Variant("base", "bf16_weights", "model", degrade=_weights_rounded_to(torch.bfloat16)),
     Variant("dropout", "exact", ""),
     Variant("dropout", "norng", "rng", skip=frozenset({"rng"})),
     Variant("epoch", "exact", ""),
-    Variant("epoch", "nocursor", "gen_state", degrade=lose_epoch_cursor),
+    Variant("epoch", "nocursor", "gen_state", degrade=_lose_epoch_cursor),
 )
 
 
@@ -136,7 +136,7 @@ class Straight:
     val_loss: float
 
 
-def val_loss(run: Run, tokens: np.ndarray, rows_per_batch: int = 64) -> float:
+def _val_loss(run: Run, tokens: np.ndarray, rows_per_batch: int = 64) -> float:
     """Mean next-token loss over the first VAL_TOKENS (+ 1) tokens of val.npy, cut into consecutive
     windows of seq_len + 1 (eval mode, fp32)."""
     samples = TokenSamples(torch.from_numpy(tokens[: VAL_TOKENS + 1].astype(np.int64)), run.config.seq_len)
@@ -151,17 +151,17 @@ def val_loss(run: Run, tokens: np.ndarray, rows_per_batch: int = 64) -> float:
     return (total / len(rows)).item()
 
 
-def samples_csv(records: list[StepRecord]) -> bytes:
+def _samples_csv(records: list[StepRecord]) -> bytes:
     """The `step,starts` samples log `exactresume train --samples` writes."""
     rows = [f"{r.step},{' '.join(str(int(s)) for s in r.starts)}\n" for r in records]
     return ("step,starts\n" + "".join(rows)).encode()
 
 
-def final_weights(run: Run) -> dict[str, torch.Tensor]:
+def _final_weights(run: Run) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().cpu().clone() for name, tensor in run.model.state_dict().items()}
 
 
-def straight_run(config: TrainConfig, data: TokenData, stop_at: int, folder: Path) -> Straight:
+def _straight_run(config: TrainConfig, data: TokenData, stop_at: int, folder: Path) -> Straight:
     """Train the setup straight through, writing folder/resume.pth as the run passes `stop_at`."""
     run, records = build_run(config, data), []
 
@@ -171,11 +171,11 @@ def straight_run(config: TrainConfig, data: TokenData, stop_at: int, folder: Pat
             save_resume(folder / "resume.pth", run.parts())
 
     train(run, config.steps, on_step)
-    atomic_write_bytes(folder / "straight_samples.csv", samples_csv(records))
-    return Straight(final_weights(run), [r.loss for r in records], val_loss(run, data.val))
+    atomic_write_bytes(folder / "straight_samples.csv", _samples_csv(records))
+    return Straight(_final_weights(run), [r.loss for r in records], _val_loss(run, data.val))
 
 
-def resume_variant(
+def _resume_variant(
     config: TrainConfig, data: TokenData, variant: Variant, folder: Path, remaining: int
 ) -> tuple[Run, list[StepRecord]]:
     """Restore the setup's resume file as the variant says, then train `remaining` steps."""
@@ -184,11 +184,11 @@ def resume_variant(
     restore(state, run.parts(), skip=variant.skip)
     # Counted from the restored step: without the `step` part the run starts again at 0.
     train(run, run.step.value + remaining, records.append)
-    atomic_write_bytes(folder / f"{variant.name}_samples.csv", samples_csv(records))
+    atomic_write_bytes(folder / f"{variant.name}_samples.csv", _samples_csv(records))
     return run, records
 
 
-def sample_counts(run_log: Path, straight_log: Path, stop_at: int) -> tuple[int, int]:
+def _sample_counts(run_log: Path, straight_log: Path, stop_at: int) -> tuple[int, int]:
     """(extra, missing) sample trainings of the resumed run's history against the straight run's.
 
     The history is the straight run's steps up to `stop_at` (the part both share) plus the resumed
@@ -204,26 +204,26 @@ def sample_counts(run_log: Path, straight_log: Path, stop_at: int) -> tuple[int,
 def measure(
     run: Run, records: list[StepRecord], straight: Straight, data: TokenData, logs: tuple[Path, Path], stop_at: int
 ) -> dict:
-    seen_twice, never_seen = sample_counts(*logs, stop_at)
-    return weight_distance(final_weights(run), straight.weights) | {
+    seen_twice, never_seen = _sample_counts(*logs, stop_at)
+    return weight_distance(_final_weights(run), straight.weights) | {
         "first_loss_diff": records[0].loss - straight.losses[stop_at],
         "final_loss_diff": records[-1].loss - straight.losses[-1],
-        "val_loss_diff": val_loss(run, data.val) - straight.val_loss,
+        "val_loss_diff": _val_loss(run, data.val) - straight.val_loss,
         "samples_seen_twice": seen_twice,
         "samples_never_seen": never_seen,
     }
 
 
-def run_setup(
+def _run_setup(
     name: str, config: TrainConfig, ablation: AblationConfig, data: TokenData, log
 ) -> tuple[dict, list[dict]]:
     """One setup's straight run and its variants: (the straight run's figures, one row per variant)."""
     folder = ablation.out / "ablation" / name
     ensure_writable_folder(folder)
-    straight = straight_run(config, data, ablation.stop_at, folder)
+    straight = _straight_run(config, data, ablation.stop_at, folder)
     rows = []
     for variant in (v for v in VARIANTS if v.setup == name):
-        run, records = resume_variant(config, data, variant, folder, config.steps - ablation.stop_at)
+        run, records = _resume_variant(config, data, variant, folder, config.steps - ablation.stop_at)
         logs = (folder / f"{variant.name}_samples.csv", folder / "straight_samples.csv")
         rows.append(
             {
@@ -240,7 +240,7 @@ def run_setup(
 
 
 @contextlib.contextmanager
-def torch_threads(count: int):
+def _torch_threads(count: int):
     previous = torch.get_num_threads()
     torch.set_num_threads(count)
     try:
@@ -265,9 +265,9 @@ def run_ablation(config: AblationConfig, log=print) -> dict:
         "straight": {},
         "rows": [],
     }
-    with torch_threads(ABLATION_THREADS):
+    with _torch_threads(ABLATION_THREADS):
         for name, setup_config in setups.items():
-            result["straight"][name], rows = run_setup(name, setup_config, config, data, log)
+            result["straight"][name], rows = _run_setup(name, setup_config, config, data, log)
             result["rows"] += rows
     write_json(config.out / "ablation.json", result)
     atomic_write_bytes(config.out / "ablation.md", (render_markdown(result) + "\n").encode())

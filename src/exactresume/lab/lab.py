@@ -58,7 +58,7 @@ def _train_flags(config: LabConfig) -> list[str]:
     return ["--data", str(config.data), *config_flags(config.train), "--nproc", str(config.nproc)]
 
 
-def training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
+def _training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
     """Steps 1-5 as `exactresume train` argument lists, in the order they must run."""
     out, details, resume = config.out, config.out / DETAILS, str(config.out / "resume.pth")
 
@@ -91,12 +91,12 @@ def training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
     ]
 
 
-def divergence_flags(name: str, config: LabConfig) -> list[str]:
+def _divergence_flags(name: str, config: LabConfig) -> list[str]:
     """`--divergence details/NAME_divergence.csv` for the runs the divergence figure draws."""
     return ["--divergence", str(config.out / DETAILS / f"{name}_divergence.csv")] if name in DIVERGENCE_RUNS else []
 
 
-def run_training_process(
+def _run_training_process(
     name: str, flags: list[str], config: LabConfig, progress_mode: str = "none", label: str = "train"
 ) -> float:
     """Run one `exactresume train` in a new process (forked from a warm server); its wall time in seconds.
@@ -129,7 +129,7 @@ def run_training_process(
     return time.perf_counter() - started
 
 
-def fp16_figures(config: LabConfig) -> dict:
+def _fp16_figures(config: LabConfig) -> dict:
     """Step 6: write straight_fp16.pth (export's fp16 conversion, a tied tensor stored once); the sizes
     and the max logit difference on val.npy's first 128 tokens."""
     straight, half = config.out / "straight.pth", config.out / "straight_fp16.pth"
@@ -144,7 +144,7 @@ def fp16_figures(config: LabConfig) -> dict:
     }
 
 
-def optimizer_figures(resume_file: Path) -> dict:
+def _optimizer_figures(resume_file: Path) -> dict:
     """Step 7: weight elements (lm_head.weight is the tied embedding) vs optimizer-state elements."""
     state = read_resume_file(resume_file)
     model_numel = sum(t.numel() for name, t in state["model"].items() if name != "lm_head.weight")
@@ -201,13 +201,15 @@ def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
     started = time.perf_counter()
     ensure_data(config.data, log, ByteProgress("prepare: encode", progress_mode))
     timings = {"prepare": time.perf_counter() - started}
-    for number, (name, flags) in enumerate(training_runs(config), start=1):
+    for number, (name, flags) in enumerate(_training_runs(config), start=1):
         label = f"[{number}/8] {name}"
-        timings[name] = run_training_process(name, flags + divergence_flags(name, config), config, progress_mode, label)
+        timings[name] = _run_training_process(
+            name, flags + _divergence_flags(name, config), config, progress_mode, label
+        )
         log(f"{label}: {timings[name]:.1f} s")
-    write_json(config.out / "fp16.json", fp16_figures(config))
+    write_json(config.out / "fp16.json", _fp16_figures(config))
     log("[6/8] fp16.json")
-    write_json(config.out / "optim.json", optimizer_figures(config.out / "resume.pth"))
+    write_json(config.out / "optim.json", _optimizer_figures(config.out / "resume.pth"))
     log("[7/8] optim.json")
     write_json(config.out / "compare.json", comparison_figures(config))
     write_json(config.out / DETAILS / "resume_sizes.json", resume_size_breakdown(config.out / "resume.pth"))

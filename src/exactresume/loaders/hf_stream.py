@@ -104,7 +104,7 @@ class ResumableStream(torch.utils.data.IterableDataset):
         self.per_rank = getattr(dataset, "_distributed", None) is not None
         self.epoch, self.consumed, self._digest = 0, 0, ""
         self._live: Iterator | None = None  # the dataset's iterator over this epoch, `consumed` examples in
-        self._native_exact = native_is_exact(dataset)
+        self._native_exact = _native_is_exact(dataset)
         self._native_loaded = False  # the dataset holds a state we gave it, to clear before a fresh epoch
         self._native_unread: dict | None = None  # the state loaded, until the dataset reads from it
         self._native_tracks = True  # the dataset's own state follows `_live` (not a refused replay's reading)
@@ -120,7 +120,7 @@ class ResumableStream(torch.utils.data.IterableDataset):
         for example in self._live:
             self._native_unread = None  # the dataset's own state tracks the position from here
             self.consumed += 1
-            self._digest = chained(self._digest, example)
+            self._digest = _chained(self._digest, example)
             yield example
         self._live = None
         self.epoch, self.consumed, self._digest = self.epoch + 1, 0, ""
@@ -137,13 +137,13 @@ class ResumableStream(torch.utils.data.IterableDataset):
         if native is None and self.consumed and self._native_exact and self._native_tracks:
             native = self.dataset.state_dict()
             native = native if native.get("epoch") == self.epoch else None  # read elsewhere since: replay
-        state = StreamState(self.epoch, self.consumed, self._digest, pipeline_fingerprint(self.dataset), native)
+        state = StreamState(self.epoch, self.consumed, self._digest, _pipeline_fingerprint(self.dataset), native)
         return asdict(state)
 
     def load_state_dict(self, state: Mapping) -> None:
         """Position the stream where `state` was saved; a CheckpointError (nothing changed) if the dataset differs."""
         saved = StreamState.from_saved(state)
-        check_same_dataset(saved.dataset, pipeline_fingerprint(self.dataset))
+        _check_same_dataset(saved.dataset, _pipeline_fingerprint(self.dataset))
         if saved.consumed == 0:
             live = None  # the epoch starts fresh at the next iteration
             self._forget_native()
@@ -199,7 +199,7 @@ class ResumableStream(torch.utils.data.IterableDataset):
                     f"epoch {saved.epoch} of the dataset now ends after {count} examples, before the saved "
                     f"position {saved.consumed}: the dataset changed since the save"
                 )
-            digest = chained(digest, example)
+            digest = _chained(digest, example)
         if digest != saved.digest:
             raise CheckpointError(
                 f"the first {saved.consumed} examples of epoch {saved.epoch} differ from those the saved run "
@@ -212,20 +212,20 @@ class ResumableStream(torch.utils.data.IterableDataset):
 _END = object()
 
 
-def native_is_exact(dataset: Any) -> bool:
+def _native_is_exact(dataset: Any) -> bool:
     """Whether the dataset's own state_dict() resumes at exactly the next example: a known release, and
     every stage of its pipeline one whose resume was checked (EXACT_STAGES)."""
     try:
         release = tuple(int(part) for part in importlib.metadata.version("datasets").split(".")[:2])
     except (importlib.metadata.PackageNotFoundError, ValueError):
         return False
-    stages = pipeline_stages(dataset)
+    stages = _pipeline_stages(dataset)
     # datasets' own docs warn that a batched map may skip a batch on resume: replayed instead.
     checked = all(type(stage).__name__ in EXACT_STAGES and not getattr(stage, "batched", False) for stage in stages)
     return release >= FIRST_EXACT_RELEASE and bool(stages) and checked
 
 
-def pipeline_stages(dataset: Any) -> list:
+def _pipeline_stages(dataset: Any) -> list:
     """The example iterables a streaming dataset reads through, outermost first (empty if it has none)."""
     stages, pending = [], [getattr(dataset, "_ex_iterable", None)]
     while pending:
@@ -237,9 +237,9 @@ def pipeline_stages(dataset: Any) -> list:
     return stages
 
 
-def pipeline_fingerprint(dataset: Any) -> dict[str, str]:
+def _pipeline_fingerprint(dataset: Any) -> dict[str, str]:
     """What decides a streaming dataset's order, field by field: a changed field is named on load."""
-    stages = pipeline_stages(dataset)
+    stages = _pipeline_stages(dataset)
     sizes = [str(stage.buffer_size) for stage in stages if hasattr(stage, "buffer_size")]
     generators = [stage.generator for stage in stages if hasattr(stage, "generator")]
     shuffle = hashlib.blake2b(repr([g.bit_generator.state for g in generators]).encode(), digest_size=6)
@@ -255,7 +255,7 @@ def pipeline_fingerprint(dataset: Any) -> dict[str, str]:
     }
 
 
-def check_same_dataset(saved: Mapping[str, str], given: Mapping[str, str]) -> None:
+def _check_same_dataset(saved: Mapping[str, str], given: Mapping[str, str]) -> None:
     """A one-line CheckpointError naming each field of the dataset's fingerprint that changed."""
     changed = [
         f"{name} saved {saved.get(name)!r}, given {given[name]!r}" for name in given if saved.get(name) != given[name]
@@ -264,25 +264,25 @@ def check_same_dataset(saved: Mapping[str, str], given: Mapping[str, str]) -> No
         raise CheckpointError(f"the dataset changed since the save: {'; '.join(changed)}")
 
 
-def chained(previous: str, example: Any) -> str:
+def _chained(previous: str, example: Any) -> str:
     """The digest of the examples so far, `example` last: blake2b(previous digest, example's bytes)."""
     hasher = hashlib.blake2b(previous.encode(), digest_size=16)
-    feed(hasher, example)
+    _feed(hasher, example)
     return hasher.hexdigest()
 
 
-def feed(hasher: Any, value: Any) -> None:
+def _feed(hasher: Any, value: Any) -> None:
     """Feed `value`'s content, with its types, to `hasher`: equal examples give equal bytes."""
     if isinstance(value, Mapping):
         hasher.update(b"{")
         for key in sorted(value, key=str):
-            feed(hasher, key)
-            feed(hasher, value[key])
+            _feed(hasher, key)
+            _feed(hasher, value[key])
         hasher.update(b"}")
     elif isinstance(value, (list, tuple)):
         hasher.update(b"[")
         for item in value:
-            feed(hasher, item)
+            _feed(hasher, item)
         hasher.update(b"]")
     elif isinstance(value, torch.Tensor):
         tensor = value.detach().cpu().contiguous()

@@ -48,7 +48,7 @@ class LoaderShape:
         kinds = [type(loader.sampler).__name__] + ([type(batch_sampler).__name__] if batch_sampler is not None else [])
         return cls(
             loader=type(loader).__name__,
-            dataset_length=length_or_none(loader.dataset),
+            dataset_length=_length_or_none(loader.dataset),
             batch_size=getattr(batch_sampler, "batch_size", None),
             drop_last=bool(getattr(batch_sampler, "drop_last", False)),
             sampler=" in ".join(kinds),
@@ -145,7 +145,7 @@ def _tuple_or_none(states: list | None) -> tuple[torch.Tensor, ...] | None:
     return None if states is None else tuple(states)
 
 
-def length_or_none(dataset) -> int | None:
+def _length_or_none(dataset) -> int | None:
     try:
         return len(dataset)
     except TypeError:  # an IterableDataset without __len__

@@ -43,7 +43,7 @@ def run_agent(argv: Sequence[str], nproc: int) -> int:
     from torch.distributed.launcher.api import elastic_launch
 
     try:
-        elastic_launch(agent_config(nproc), run_rank)(list(argv))
+        elastic_launch(agent_config(nproc), _run_rank)(list(argv))
     except ChildFailedError as failed:
         code = failed.get_first_failure()[1].exitcode
         return code if code >= 0 else 128 - code
@@ -68,7 +68,7 @@ def agent_config(nproc: int):
     )
 
 
-def run_rank(argv: list[str]) -> None:
+def _run_rank(argv: list[str]) -> None:
     """One rank: `exactresume ARGV` in this process; a failure leaves with its command's exit code."""
     # A fork has the agent's handlers (they raise into the agent's loop): a rank starts with the defaults.
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):

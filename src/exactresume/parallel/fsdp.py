@@ -68,7 +68,7 @@ def _point_at_new_parameters(optimizer: torch.optim.Optimizer, names: dict[int, 
         group["params"] = [new[names[id(param)]] for param in group["params"]]
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
+def _is_sharded(model: torch.nn.Module) -> bool:
     """True for a model wrapped by FSDP2 (its parameters are DTensors)."""
     fsdp = sys.modules.get(FSDP_MODULE)  # no model is wrapped before FSDP2 is imported
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
@@ -76,7 +76,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's whole state dict as plain CPU tensors; every rank must call it (it gathers)."""
-    if not is_sharded(model):
+    if not _is_sharded(model):
         return model.state_dict()
     return _tied_as_in(model, FullModel(model).state_dict())
 
@@ -149,7 +149,7 @@ def shard_destinations(model: torch.nn.Module) -> Callable[[tuple, torch.Size], 
     that no longer matches, the step counts, the other parts) is read whole: a changed model is
     then refused by the config check, with its reason, instead of by DCP mid-read.
     """
-    if not is_sharded(model):
+    if not _is_sharded(model):
         return None
     from torch.distributed.tensor import DTensor
 

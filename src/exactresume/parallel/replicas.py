@@ -25,7 +25,7 @@ from exactresume.parallel.exact import MicroStep
 from exactresume.world import World
 
 
-def backend_for(device: torch.device) -> str:
+def _backend_for(device: torch.device) -> str:
     """gloo for CPU tensors, nccl for CUDA tensors."""
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -45,7 +45,7 @@ def process_group(world: World, device: torch.device = torch.device("cpu")) -> I
     if world.size == 1:
         yield world
         return
-    dist.init_process_group(backend_for(device))
+    dist.init_process_group(_backend_for(device))
     _FINISHED_GROUPS.append(dist.group.WORLD)
     try:
         yield world

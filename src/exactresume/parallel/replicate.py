@@ -19,7 +19,7 @@ def replicate(run, world: World) -> None:
     """Make `run` this rank's replica: its share of each global batch (N-independent with --micro-batch)."""
     config = run.config
     if config.micro_batch:
-        check_exact_epoch_end(run, world.size)
+        _check_exact_epoch_end(run, world.size)
     if world.size == 1:
         return  # FSDP2 over one rank is the plain model: nothing to wrap
     if run.device.type != "cpu":
@@ -29,7 +29,7 @@ def replicate(run, world: World) -> None:
     if config.micro_batch:
         run.replicas = ExactReplicas(run.model, world)
         return
-    remainder = epoch_remainder(run)
+    remainder = _epoch_remainder(run)
     if remainder % world.size:
         raise UserError(
             f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not divisible by "
@@ -43,15 +43,15 @@ def replicate(run, world: World) -> None:
         run.replicas = Replicas(run.model, world)
 
 
-def epoch_remainder(run) -> int:
+def _epoch_remainder(run) -> int:
     """The sequences of the short batch that ends each epoch (0 for random windows or whole batches)."""
     return len(run.batches.dataset) % run.batches.batch if isinstance(run.batches, EpochLoader) else 0
 
 
-def check_exact_epoch_end(run, nproc: int) -> None:
+def _check_exact_epoch_end(run, nproc: int) -> None:
     """The short last batch of an epoch, when the run reaches one, splits over N as the full batches do."""
     config = run.config
-    remainder = epoch_remainder(run)
+    remainder = _epoch_remainder(run)
     if remainder and config.steps * config.batch >= len(run.batches.dataset):  # the run reaches an epoch's end
         if remainder % config.micro_batch:
             raise UserError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from exactresume.errors import UserError
 
 
-def check_batch_split(batch: int, nproc: int, grad_accum: int = 1) -> None:
+def _check_batch_split(batch: int, nproc: int, grad_accum: int = 1) -> None:
     """Refuse a global batch that N processes (and their micro-batches) cannot share evenly."""
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
@@ -51,4 +51,4 @@ def check_split(batch: int, nproc: int, grad_accum: int = 1, micro_batch: int = 
     if micro_batch:
         check_process_count(micro_batch, nproc, batch)
     else:
-        check_batch_split(batch, nproc, grad_accum)
+        _check_batch_split(batch, nproc, grad_accum)

@@ -70,7 +70,7 @@ PHRASES = {
 }
 
 
-def caption_phrases(values: dict, lang: str) -> dict:
+def _caption_phrases(values: dict, lang: str) -> dict:
     """The data-dependent sentences of `lang`'s captions, chosen by the numbers in `values`."""
     phrases = PHRASES[lang]
     noopt_zero = values["noopt_zero_steps"]
@@ -120,5 +120,5 @@ def caption_values(folder: Path) -> dict:
 def figure_block(folder: Path, name: str, lang: str, prefix: str = "") -> list[str]:
     """Markdown lines: the image (`prefix` + NAME.png, relative to the markdown file), then its caption."""
     values = caption_values(folder)
-    caption = CAPTIONS[lang][name].format(**values, **caption_phrases(values, lang))
+    caption = CAPTIONS[lang][name].format(**values, **_caption_phrases(values, lang))
     return [f"![{ALT[name]}]({prefix}{name}.png)", "", f"*{caption}*", ""]

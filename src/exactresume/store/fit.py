@@ -27,7 +27,7 @@ OWN_KEYS = ("format", "version", "checkpoint_step", IDENTITY_KEY)
 SHOWN = 4  # names listed in a message before "and N more"
 
 
-def saved_parts(state: Mapping) -> list[str]:
+def _saved_parts(state: Mapping) -> list[str]:
     """The names of the parts a resume state holds (its own keys left out)."""
     return [name for name in state if name not in OWN_KEYS]
 
@@ -37,7 +37,7 @@ def check_names(
 ) -> list[str]:
     """The given parts that start fresh (in `fresh`, absent from the file); CheckpointError when the
     names differ in any other way, naming both sides and how to load anyway."""
-    saved = saved_parts(state)
+    saved = _saved_parts(state)
     unknown = set(fresh) - set(given)
     if unknown:
         raise CheckpointError(f"fresh= names parts that are not given: {_all(sorted(unknown))}")

@@ -48,7 +48,7 @@ def path_kind(path: Path) -> str:
     return "safetensors" if is_safetensors(path) else "torch"
 
 
-def is_model_state_dict(obj: object) -> bool:
+def _is_model_state_dict(obj: object) -> bool:
     """A non-empty dict of tensors with MiniMind's key names."""
     return (
         isinstance(obj, dict)
@@ -62,7 +62,7 @@ def content_kind(obj: object) -> str:
     """ "resume", "weights" or "torch": what a loaded torch object is."""
     if isinstance(obj, dict) and obj.get("format") == RESUME_FORMAT:
         return "resume"
-    return "weights" if is_model_state_dict(obj) else "torch"
+    return "weights" if _is_model_state_dict(obj) else "torch"
 
 
 def check_format(path: Path, state: object, format: str, version: int | tuple[int, ...], what: str) -> dict:

@@ -50,21 +50,21 @@ class S3Config:
             raise UserError(f"--s3-part-mib must be at least {MIN_PART_BYTES >> 20}, got {self.part_bytes / 2**20:g}")
         # No user info (user:secret@host): an endpoint is printed in error lines, a credential never is.
         if self.endpoint is not None:
-            check_endpoint(self.endpoint)
+            _check_endpoint(self.endpoint)
 
     def bound(self) -> float:
         """The longest a run waits on a store that stopped answering: a request's tries, each of which
         connects and waits for the server (at most the two timeouts), the backoff between them, and one
         more try, of the requests then in flight (a save's other parts)."""
-        return (self.tries + 1) * (self.connect_timeout + self.read_timeout) + backoff_seconds(self.tries)
+        return (self.tries + 1) * (self.connect_timeout + self.read_timeout) + _backoff_seconds(self.tries)
 
 
-def backoff_seconds(tries: int) -> float:
+def _backoff_seconds(tries: int) -> float:
     """The sleeps between `tries` tries of one request: 0.5 s, 1 s, 2 s, ..."""
     return sum(0.5 * 2**attempt for attempt in range(tries - 1))
 
 
-def check_endpoint(endpoint: str) -> None:
+def _check_endpoint(endpoint: str) -> None:
     """UserError unless `endpoint` is http(s)://host[:port], in a line that says what is wrong with it."""
     if re.match(r"^https?://[^/\s@]+/?$", endpoint):
         return
@@ -132,6 +132,6 @@ def location(value: str | Path | S3Location, config: S3Config | None = None) -> 
     return S3Location(bucket, key, config or S3Config())
 
 
-def with_config(value: object, config: S3Config) -> object:
+def _with_config(value: object, config: S3Config) -> object:
     """`value` reached through `config` when it is an object store location; anything else as it is."""
     return replace(value, config=config) if isinstance(value, S3Location) else value

@@ -65,7 +65,7 @@ class FolderLock:
             if lock is not None:
                 return lock, ""
             holder = read_holder(folder / LOCK_NAME)
-            if holder.get("token") in inherited_tokens() and holder.get("pid") != os.getpid():
+            if holder.get("token") in _inherited_tokens() and holder.get("pid") != os.getpid():
                 return cls(folder, None, str(holder["token"])), ""  # our parent's lock: we write for it
             return None, describe_holder(folder, holder)
 
@@ -99,14 +99,14 @@ class FolderLock:
 
     def share_with_children(self) -> None:
         """Let the processes we start from now on write the folder under this lock (until `release`)."""
-        os.environ[HELD_ENV] = ",".join(sorted(inherited_tokens() | {self.token}))
+        os.environ[HELD_ENV] = ",".join(sorted(_inherited_tokens() | {self.token}))
         self.shared = True
 
     def release(self) -> None:
         """Delete the lock file and unlock; a lock handed down from a parent is left to the parent."""
         if self.shared:
             self.shared = False
-            os.environ[HELD_ENV] = ",".join(sorted(inherited_tokens() - {self.token}))
+            os.environ[HELD_ENV] = ",".join(sorted(_inherited_tokens() - {self.token}))
         if self.fd is None:
             return
         fd, self.fd = self.fd, None
@@ -131,7 +131,7 @@ def held_lock_env() -> dict[str, str]:
     return {HELD_ENV: os.environ[HELD_ENV]} if os.environ.get(HELD_ENV) else {}
 
 
-def inherited_tokens() -> set[str]:
+def _inherited_tokens() -> set[str]:
     return {token for token in os.environ.get(HELD_ENV, "").split(",") if token}
 
 

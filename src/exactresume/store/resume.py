@@ -65,14 +65,14 @@ def check_parts(parts: Any) -> None:
 
 def for_one_file(parts: Mapping[str, Stateful], world: World, instead: str) -> dict[str, Stateful]:
     """`parts` as a save of one file by rank 0 of `world` takes them (`per_rank`), once what one file
-    cannot hold is refused (`check_one_file`) and what it leaves out is said (`note_one_rank`)."""
+    cannot hold is refused (`_check_one_file`) and what it leaves out is said (`_note_one_rank`)."""
     check_parts(parts)
-    check_one_file(parts, instead)
-    note_one_rank(parts, world)
+    _check_one_file(parts, instead)
+    _note_one_rank(parts, world)
     return per_rank(parts, world)
 
 
-def check_one_file(parts: Mapping[str, Stateful], instead: str) -> None:
+def _check_one_file(parts: Mapping[str, Stateful], instead: str) -> None:
     """UserError when a part's parameters are sharded over the ranks (FSDP2's DTensors): one file would
     hold rank 0's shards only, pickled as objects a plain torch.load refuses; the line names the call
     to use `instead`. Every rank checks, before any collective, so that none is left waiting."""
@@ -110,7 +110,7 @@ def _parameters(part: Stateful) -> Iterator[tuple[str, torch.Tensor]]:
             yield from ((f"param group {index}'s parameter", parameter) for parameter in group["params"])
 
 
-def names_of(names: Collection[str] | str, field: str) -> list[str]:
+def _names_of(names: Collection[str] | str, field: str) -> list[str]:
     """`skip=` or `fresh=` as a list of part names: one name alone is taken as itself, not as its letters."""
     if isinstance(names, str):
         return [names]
@@ -147,7 +147,7 @@ def restore(
     CheckpointError naming `source`, and every part is left as it was.
     """
     check_parts(parts)
-    skip, fresh = names_of(skip, "skip"), names_of(fresh, "fresh")
+    skip, fresh = _names_of(skip, "skip"), _names_of(fresh, "fresh")
     loading = [name for name in _ordered(parts) if name not in skip and name in state]
     loaded: dict[str, Any] = {}  # each part's state before it loaded, to put back if a later one fails
     try:
@@ -171,7 +171,7 @@ def restore(
 def _load_parts(state: Mapping, parts: Mapping[str, Stateful], names: list[str], loaded: dict[str, Any]) -> None:
     for name in names:
         try:
-            before = detached_copy(own_state(parts[name]))
+            before = _detached_copy(_own_state(parts[name]))
             loaded[name] = before
             parts[name].load_state_dict(state[name])
         except Exception as error:
@@ -183,12 +183,12 @@ def _ordered(parts: Mapping[str, Stateful]) -> list[str]:
     return [name for name in PART_NAMES if name in parts] + [name for name in parts if name not in PART_NAMES]
 
 
-def own_state(part: Stateful) -> Any:
+def _own_state(part: Stateful) -> Any:
     """The state of this process's own object (a per-rank part's without gathering every rank's)."""
     return part.part.state_dict() if isinstance(part, PerRank) else part.state_dict()
 
 
-def detached_copy(value: Any) -> Any:
+def _detached_copy(value: Any) -> Any:
     """`value` with every tensor copied (to the CPU where it is a plain tensor): what a rollback loads."""
     return rebuilt(value, _copied)
 
@@ -264,10 +264,10 @@ def check_resume_state(path: Path, state: object, needs: Collection[str] = ()) -
     missing = [name for name in needs if name not in state]
     if missing:
         raise CheckpointError(f"{path} lacks the parts {', '.join(missing)}")
-    return generator_saved_once(state)
+    return _generator_saved_once(state)
 
 
-def generator_saved_once(state: dict) -> dict:
+def _generator_saved_once(state: dict) -> dict:
     """A state of version 1 or 2 from many processes kept the batch generator per rank; it is the same
     on every rank, and is now saved once, as one process saves it."""
     generator = state.get("gen_state")
@@ -281,7 +281,7 @@ def read_resume_file(path: Path, needs: Collection[str] = ()) -> dict:
     return check_resume_state(path, load_sealed(Path(path)), needs)
 
 
-def is_per_rank(part: Stateful) -> bool:
+def _is_per_rank(part: Stateful) -> bool:
     """A part whose state may differ between ranks says so with `per_rank = True` (our RNG part does)."""
     return getattr(part, "per_rank", False) is True
 
@@ -303,31 +303,31 @@ class PerRank:
         return states[0] if len(states) == 1 else {PER_RANK_KEY: states}
 
     def load_state_dict(self, state: Any) -> None:
-        states = saved_states(state)
+        states = _saved_states(state)
         self.part.load_state_dict(states[self.world.rank] if self.world.rank < len(states) else states[0])
 
 
-def saved_states(state: Any) -> list:
+def _saved_states(state: Any) -> list:
     """The per-rank states a part was saved with (one entry for a single-process file)."""
     return state[PER_RANK_KEY] if isinstance(state, dict) and PER_RANK_KEY in state else [state]
 
 
 def saved_world_size(state: Mapping) -> int:
     """How many processes wrote a resume state: the length of its per-rank parts' lists, else 1."""
-    return max((len(saved_states(value)) for value in state.values()), default=1)
+    return max((len(_saved_states(value)) for value in state.values()), default=1)
 
 
 def per_rank(parts: Mapping[str, Stateful], world: World) -> dict[str, Stateful]:
     """`parts` as every rank saves and restores them: a per-rank part keeps every rank's state."""
     check_parts(parts)
-    return {name: PerRank(part, world) if is_per_rank(part) else part for name, part in parts.items()}
+    return {name: PerRank(part, world) if _is_per_rank(part) else part for name, part in parts.items()}
 
 
-def note_one_rank(parts: Mapping[str, Stateful], world: World) -> None:
+def _note_one_rank(parts: Mapping[str, Stateful], world: World) -> None:
     """Under torchrun, a save given no world keeps this rank's state of the per-rank parts only: say so,
     once per process, naming them (the other ranks' states are not in the file)."""
     torchrun = World.from_env()
-    names = [name for name, part in parts.items() if is_per_rank(part)]
+    names = [name for name, part in parts.items() if _is_per_rank(part)]
     if world.size == 1 and torchrun.size > 1 and names:
         _notice_once(
             f"rank {torchrun.rank} of {torchrun.size} saves {', '.join(names)} without world=: the file keeps "

@@ -28,7 +28,7 @@ DIGEST_KEY = "exactresume.xxh3_128"
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def safetensors_module():
+def _safetensors_module():
     """safetensors itself, imported on first use: the library installs without it (it is in the lab's extra)."""
     try:
         import safetensors.torch
@@ -64,7 +64,7 @@ def tied_names(state_dict: StateDict) -> dict[str, str]:
     return tied
 
 
-def tensors_digest(tensors: StateDict) -> str:
+def _tensors_digest(tensors: StateDict) -> str:
     """xxh3-128 over each tensor's name, dtype, shape and bytes, in name order."""
     digest = xxhash.xxh3_128()
     for name in sorted(tensors):
@@ -82,12 +82,12 @@ def save_safetensors(path: Path, state_dict: StateDict, config: ModelConfig | No
         "format": WEIGHTS_FORMAT,
         "version": FORMAT_VERSION,
         "tied": json.dumps(tied),
-        DIGEST_KEY: tensors_digest(tensors),
+        DIGEST_KEY: _tensors_digest(tensors),
     }
     if config is not None:
         metadata["config"] = json.dumps(config.to_dict())
     # Small files (inference weights): serialising to bytes first keeps the write atomic and simple.
-    atomic_write_bytes(Path(path), safetensors_module().torch.save(tensors, metadata=metadata))
+    atomic_write_bytes(Path(path), _safetensors_module().torch.save(tensors, metadata=metadata))
 
 
 def read_metadata(path: Path) -> dict[str, str]:
@@ -100,14 +100,14 @@ def read_metadata(path: Path) -> dict[str, str]:
 
 def load_verified(path: Path) -> tuple[StateDict, dict[str, str]]:
     """The stored tensors (tied ones once) and the metadata, after checking the digest if there is one."""
-    safetensors = safetensors_module()
+    safetensors = _safetensors_module()
     try:
         metadata = read_metadata(path)
         tensors = safetensors.torch.load_file(path)
     except (OSError, ValueError, safetensors.SafetensorError) as error:
         raise CheckpointError(f"{path}: not a loadable safetensors file ({str(error)[:200]})") from None
     recorded = metadata.get(DIGEST_KEY)
-    if recorded is not None and tensors_digest(tensors) != recorded:
+    if recorded is not None and _tensors_digest(tensors) != recorded:
         raise CheckpointError(f"{path}: checksum mismatch, the file is damaged (modified or partly written)")
     return tensors, metadata
 

@@ -69,7 +69,7 @@ class OptimizerByName:
         # On a fresh optimizer this first takes one step with lr 0 and zero gradients to create its
         # state (torch's _init_optim_state): AdamW leaves every weight bit-identical, then the
         # loaded state replaces the one it made.
-        whole = StateDictOptions(full_state_dict=whole_into_shards(self.model, state))
+        whole = StateDictOptions(full_state_dict=_whole_into_shards(self.model, state))
         set_optimizer_state_dict(self.model, self.optimizer, state, options=whole)
 
 
@@ -90,13 +90,13 @@ class ShardedModule:
         return self.module.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if whole_into_shards(self.module, state):
+        if _whole_into_shards(self.module, state):
             set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True))
         else:  # read into this rank's rows already
             self.module.load_state_dict(state)
 
 
-def whole_into_shards(module: torch.nn.Module, state: Any) -> bool:
+def _whole_into_shards(module: torch.nn.Module, state: Any) -> bool:
     """Whether `state` holds whole tensors for a module whose parameters are DTensors."""
     if not any(is_dtensor(parameter) for parameter in module.parameters()):
         return False
@@ -168,7 +168,7 @@ def save_sharded(
     world.barrier()
 
 
-def file_digest(path: Path) -> str:
+def _file_digest(path: Path) -> str:
     """xxh3-128 of a file's bytes, in hex."""
     digest = xxhash.xxh3_128()
     with open(path, "rb") as file:
@@ -180,7 +180,7 @@ def file_digest(path: Path) -> str:
 def write_commit(staging: Path, processes: int, step: int | None = None) -> None:
     """The commit marker: the checksum of every file DCP wrote, itself sealed; written last. It also
     holds the step, so that `inspect` can say it without reading DCP's objects."""
-    files = {p.name: file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    files = {p.name: _file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
     marker = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes, "files": files}
     save_sealed(staging / COMMIT, marker | ({"step": step} if step is not None else {}))
     fsync_path(staging)
@@ -221,7 +221,7 @@ def verify_sharded(folder: Path) -> dict:
     if not isinstance(files, dict) or ".metadata" not in files:
         raise CheckpointError(f"{commit}: lists no files, or not DCP's index (.metadata)")
     for name, digest in files.items():
-        if file_digest(plain_file(folder, name)) != digest:
+        if _file_digest(plain_file(folder, name)) != digest:
             raise CheckpointError(f"{folder}: {name} is damaged (checksum mismatch)")
     return marker
 
@@ -258,7 +258,7 @@ def read_verified(
         flat = {key: _target(item, paths.get(key, (key,)), destination) for key, item in saved}
         with quiet_single_process(), first_failure():
             dcp.load(flat, storage_reader=reader, planner=_SafeLoadPlanner(folder), no_dist=True)
-        state = unflatten(flat, paths)
+        state = _unflatten(flat, paths)
     except CheckpointError:
         raise
     except Exception as error:  # DCP's many refusals of an inconsistent folder
@@ -277,7 +277,7 @@ def _target(item: Any, path: tuple, destination: Destination | None) -> Any:
     return torch.empty(item.size, dtype=item.properties.dtype)
 
 
-def unflatten(flat: Mapping[str, Any], paths: Mapping[str, tuple]) -> dict:
+def _unflatten(flat: Mapping[str, Any], paths: Mapping[str, tuple]) -> dict:
     """DCP's flat keys back into the nested dict they were saved from (a list where a step is an index)."""
     nested: dict = {}
     for key, value in flat.items():

@@ -42,17 +42,17 @@ def read_weights(path: Location) -> tuple[StateDict, ModelConfig | None]:
     path = Path(path)
     kind, config = path_kind(path), None
     if kind == "folder":  # a CheckpointStore's folder: its newest checkpoint that verifies, as a resume reads it
-        return resume_weights(_newest_checkpoint(path))
+        return _resume_weights(_newest_checkpoint(path))
     if kind == "sharded":  # a sharded resume checkpoint (--sharded)
         from exactresume.store.sharded import load_sharded
 
-        return resume_weights(load_sharded(path))
+        return _resume_weights(load_sharded(path))
     if kind == "safetensors":
         obj, config = read_safetensors(path)
     else:
         obj = load_sealed(path, require_seal=False)
     if content_kind(obj) == "resume":
-        return resume_weights(check_resume_state(path, obj))
+        return _resume_weights(check_resume_state(path, obj))
     if content_kind(obj) == "weights" or _is_module_state(obj):  # ours, or any model's torch.save(state_dict())
         return obj, config
     raise CheckpointError(f"{path} holds no model weights (a resume file, or a module's state dict)")
@@ -67,7 +67,7 @@ def _newest_checkpoint(folder: Path) -> dict:
     return found[1]
 
 
-def resume_weights(state: dict) -> tuple[StateDict, ModelConfig | None]:
+def _resume_weights(state: dict) -> tuple[StateDict, ModelConfig | None]:
     """A resume state's weights and model config: its `model` part when that is its only module's state
     dict; else the tensors of every part that is one (an EMA copy, a teacher, a part named otherwise)
     under their dotted paths (`ema.0.weight`), or of every part when none is."""
@@ -77,7 +77,7 @@ def resume_weights(state: dict) -> tuple[StateDict, ModelConfig | None]:
     modules = {name: value for name, value in parts.items() if _is_module_state(value)}
     if list(modules) == ["model"]:  # the trainer's file, and most loops': the names as the model has them
         return modules["model"], model_config
-    return dict(tensor_leaves(modules or parts)), None
+    return dict(_tensor_leaves(modules or parts)), None
 
 
 def _is_module_state(value: object) -> bool:
@@ -85,13 +85,13 @@ def _is_module_state(value: object) -> bool:
     return isinstance(value, dict) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
 
 
-def tensor_leaves(value: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def _tensor_leaves(value: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(dotted path, tensor) for every tensor inside nested dicts, lists and tuples."""
     if isinstance(value, torch.Tensor):
         yield path, value
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from tensor_leaves(item, f"{path}.{key}" if path else str(key))
+            yield from _tensor_leaves(item, f"{path}.{key}" if path else str(key))
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            yield from tensor_leaves(item, f"{path}.{index}" if path else str(index))
+            yield from _tensor_leaves(item, f"{path}.{index}" if path else str(index))

@@ -64,7 +64,7 @@ def format_for(out: Path) -> str:
     return "safetensors" if Path(out).suffix == ".safetensors" else "pt"
 
 
-def check_fp16_range(state: StateDict, clamp: bool) -> int:
+def _check_fp16_range(state: StateDict, clamp: bool) -> int:
     """How many values lie beyond ±65504; a UserError naming the worst tensor unless `clamp`."""
     over = {name: int((t.abs() > FP16_MAX).sum()) for name, t in state.items() if t.is_floating_point()}
     count = sum(over.values())
@@ -114,7 +114,7 @@ def export_weights(config: ExportConfig) -> dict:
     ensure_writable_folder(Path(config.out).parent)
     state, model_config = read_weights(config.source)
     dtype = DTYPES[config.dtype]
-    clamped = check_fp16_range(state, config.clamp) if dtype == torch.float16 else 0
+    clamped = _check_fp16_range(state, config.clamp) if dtype == torch.float16 else 0
     exported = convert(state, dtype, config.clamp)
     if config.format == "safetensors":
         save_safetensors(config.out, exported, model_config)

@@ -144,7 +144,7 @@ class JobRun:
             return
         parts = run.parts() if resumed.kind == "sharded" else run.file_parts()
         resumed.restore(parts, skip=skip_parts, world=world)
-        change = world_change(resumed.saved_world_size, world.size, bool(self.job.config.micro_batch))
+        change = _world_change(resumed.saved_world_size, world.size, bool(self.job.config.micro_batch))
         if world.is_main and resumed.kind == "store":
             note(f"resumed from {resumed.path} at step {resumed.step}")
         if world.is_main and change:
@@ -247,7 +247,7 @@ def prepare_run(job: TrainJob, world: World = World()) -> Run:
     return JobRun(job, world, Progress(job.until, "train", "none")).prepare(job.skip_parts)
 
 
-def world_change(saved: int, now: int, exact_mode: bool) -> str | None:
+def _world_change(saved: int, now: int, exact_mode: bool) -> str | None:
     """A note when the checkpoint was saved by another number of processes than this run has."""
     if saved == now:
         return None

@@ -101,18 +101,18 @@ def seed_everything(seed: int) -> None:
 RESULT_NEUTRAL_FIELDS = ("workers",)
 
 
-def run_identity(config: TrainConfig, data: TokenData) -> dict:
+def _run_identity(config: TrainConfig, data: TokenData) -> dict:
     """The fields that must match for a resume to continue the same run."""
-    return {"train": result_fields(config), "model": model_config(config, data).to_dict(), "data": data.fingerprint}
+    return {"train": _result_fields(config), "model": model_config(config, data).to_dict(), "data": data.fingerprint}
 
 
-def result_fields(config: TrainConfig) -> dict:
+def _result_fields(config: TrainConfig) -> dict:
     return {k: v for k, v in config.to_dict().items() if k not in RESULT_NEUTRAL_FIELDS}
 
 
-def identity_part(config: TrainConfig, data: TokenData) -> RunIdentity:
+def _identity_part(config: TrainConfig, data: TokenData) -> RunIdentity:
     """The `config` part; a file written before a field existed is read with that field's default."""
-    return RunIdentity(run_identity(config, data), defaults={"train": result_fields(TrainConfig())})
+    return RunIdentity(_run_identity(config, data), defaults={"train": _result_fields(TrainConfig())})
 
 
 def model_config(config: TrainConfig, data: TokenData) -> ModelConfig:
@@ -120,7 +120,7 @@ def model_config(config: TrainConfig, data: TokenData) -> ModelConfig:
     return replace(config.model, vocab_size=data.manifest.vocab_size)
 
 
-def make_loader(config: TrainConfig, data: TokenData) -> RandomWindows | EpochLoader:
+def _make_loader(config: TrainConfig, data: TokenData) -> RandomWindows | EpochLoader:
     """The run's batch source, seeded; its state is the `gen_state` part."""
     if config.loader == "epoch":
         return EpochLoader(data.train, config.batch, config.seq_len, config.seed, config.workers)
@@ -140,9 +140,9 @@ def build_run(config: TrainConfig, data: TokenData) -> Run:
         model,
         optimizer,
         StepCounter(0),
-        make_loader(config, data),
+        _make_loader(config, data),
         GlobalRng(),
-        identity_part(config, data),
+        _identity_part(config, data),
         loss_scaler(config, device),
         device,
         ExactReplicas(model, World()) if config.micro_batch else OneProcess(model),

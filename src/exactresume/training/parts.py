@@ -63,7 +63,7 @@ class GlobalRng:
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
-        np = numpy_or_none()
+        np = _numpy_or_none()
         if np is not None:
             kind, keys, position, has_gauss, cached_gauss = np.random.get_state()
             # numpy arrays would need an unpickling allow-list; tensors and ints do not.
@@ -81,7 +81,7 @@ class GlobalRng:
         torch.set_rng_state(state["torch"])
         if state["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
-        np = numpy_or_none() if "numpy" in state else None
+        np = _numpy_or_none() if "numpy" in state else None
         if np is not None:
             numpy_state = state["numpy"]
             np.random.set_state(
@@ -97,7 +97,7 @@ class GlobalRng:
         random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss_next"]))
 
 
-def numpy_or_none():
+def _numpy_or_none():
     """numpy where it is installed, else None: without it no code can have drawn from its RNG."""
     try:
         import numpy
@@ -124,14 +124,14 @@ class RunIdentity:
         return self.identity
 
     def load_state_dict(self, state: dict) -> None:
-        differences = differing_fields(with_defaults(state, self.defaults), self.identity, missing=None)
+        differences = differing_fields(_with_defaults(state, self.defaults), self.identity, missing=None)
         refused = [difference for difference in differences if difference[0] not in self.allowed]
         if refused:
             raise CheckpointError(f"the resume file was made by a different run: {'; '.join(map(describe, refused))}")
         self.accepted = differences
 
 
-def with_defaults(saved: dict, defaults: dict) -> dict:
+def _with_defaults(saved: dict, defaults: dict) -> dict:
     """`saved` with the fields it lacks in each section taken from `defaults` (saved values win)."""
     return {key: defaults.get(key, {}) | value if isinstance(value, dict) else value for key, value in saved.items()}
 

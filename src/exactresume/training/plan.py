@@ -127,24 +127,24 @@ def plan_run(
         "gradients": held * FP32,
         "adamw": 2 * held * FP32,
         **({"buckets": params * FP32} if processes > 1 and shards == 1 else {}),
-        **({"gathered": params * FP32 + 4 * gathered_parameters(model) * FP32} if shards > 1 else {}),
+        **({"gathered": params * FP32 + 4 * _gathered_parameters(model) * FP32} if shards > 1 else {}),
         **({"whole": (3 if save_every else 1) * params * FP32} if shards > 1 else {}),
-        **{name: int(size * STEP_SLACK) for name, size in step_memory(config, model, processes).items()},
+        **{name: int(size * STEP_SLACK) for name, size in _step_memory(config, model, processes).items()},
     }
     if async_save:
         memory["staging"] = checkpoint
-    disk, what = disk_need(config, checkpoint, params, save_every, keep, stop_at)
+    disk, what = _disk_need(config, checkpoint, params, save_every, keep, stop_at)
     return RunPlan(config, processes, params, memory, checkpoint, disk, what)
 
 
-def gathered_parameters(model: ModelConfig) -> int:
+def _gathered_parameters(model: ModelConfig) -> int:
     """The parameters FSDP2 holds whole at once: the root's (the embedding, tied to the head) and two blocks'."""
     blocks = model.num_hidden_layers
     per_block = (parameter_count(model) - model.vocab_size * model.hidden_size - model.hidden_size) // blocks
     return model.vocab_size * model.hidden_size + min(2, blocks) * per_block
 
 
-def step_memory(config: TrainConfig, model: ModelConfig, processes: int) -> dict[str, int]:
+def _step_memory(config: TrainConfig, model: ModelConfig, processes: int) -> dict[str, int]:
     """The activations, attention working set and loss head of one micro-batch's forward and backward."""
     h, kv, inner = model.hidden_size, model.num_key_value_heads * model.head_dim, model.intermediate_size
     micro = max(1, config.batch // (processes * config.grad_accum))
@@ -163,7 +163,7 @@ def step_memory(config: TrainConfig, model: ModelConfig, processes: int) -> dict
     }
 
 
-def disk_need(
+def _disk_need(
     config: TrainConfig, checkpoint: int, params: int, save_every: int | None, keep: int | None, stop_at: int | None
 ) -> tuple[int, str]:
     """Free bytes the run's files need at their peak, and what they are."""
@@ -188,7 +188,7 @@ def data_vocab_size(folder: Path) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def check_seq_len(config: TrainConfig) -> None:
+def _check_seq_len(config: TrainConfig) -> None:
     """Refuse a sequence longer than the model's position table (RoPE's max_position_embeddings)."""
     longest = config.model.max_position_embeddings
     if config.seq_len > longest:
@@ -198,7 +198,7 @@ def check_seq_len(config: TrainConfig) -> None:
         )
 
 
-def memory_budget(plan: RunPlan) -> tuple[int, int | None, str]:
+def _memory_budget(plan: RunPlan) -> tuple[int, int | None, str]:
     """(bytes needed, bytes available or None when unknown, where): host memory, or one GPU's under cuda."""
     if plan.config.device != "cuda":
         return plan.memory_bytes, available_memory(), "memory"
@@ -209,9 +209,9 @@ def memory_budget(plan: RunPlan) -> tuple[int, int | None, str]:
     return on_gpu, free, "GPU memory"
 
 
-def check_memory(plan: RunPlan) -> None:
+def _check_memory(plan: RunPlan) -> None:
     """Refuse a plan that needs more memory than is available (nothing is refused where that is unknown)."""
-    need, available, where = memory_budget(plan)
+    need, available, where = _memory_budget(plan)
     if available is None or need <= available:
         return
     more = "a larger --grad-accum" if plan.config.grad_accum > 1 else "--grad-accum"
@@ -221,17 +221,17 @@ def check_memory(plan: RunPlan) -> None:
     )
 
 
-def preflight(plan: RunPlan, folder: Path, force: bool = False, retained: bool = True, report=None) -> None:
+def _preflight(plan: RunPlan, folder: Path, force: bool = False, retained: bool = True, report=None) -> None:
     """Refuse, before any tensor exists, a run that cannot fit its memory or its disk (--force: only note it).
 
     A sequence longer than the model's position table is refused even with `force`. `retained`: the
     checkpoints already in `folder` are deleted by retention as new ones come (--keep K, not 0).
     `report`, when given, receives what is available and the verdict (--dry-run).
     """
-    check_seq_len(plan.config)
+    _check_seq_len(plan.config)
     existing = existing_checkpoints(folder) if retained else 0
     problems = []
-    for check in (lambda: check_memory(plan), lambda: check_disk(plan, folder, existing)):
+    for check in (lambda: _check_memory(plan), lambda: check_disk(plan, folder, existing)):
         try:
             check()
         except UserError as error:
@@ -239,7 +239,7 @@ def preflight(plan: RunPlan, folder: Path, force: bool = False, retained: bool =
                 raise
             problems.append(str(error).removesuffix(" (--force to start anyway)").split("; ")[0])
     if report is not None:
-        need, available, where = memory_budget(plan)
+        need, available, where = _memory_budget(plan)
         free = free_space(folder)
         report(f"available: {where} {human(available) if available else 'unknown'}, disk {human(free or 0)} free")
     for problem in problems:
@@ -323,5 +323,5 @@ def plan_job(job) -> RunPlan:
     else:
         ensure_writable_folder(job.out)
     folder = job.out / "checkpoints" if job.save_every else job.out
-    preflight(plan, folder, force=job.force, retained=job.keep is not None, report=report)
+    _preflight(plan, folder, force=job.force, retained=job.keep is not None, report=report)
     return plan

@@ -125,7 +125,7 @@ def opening(files: Files, original):
     return traced
 
 
-def os_opening(files: Files, original):
+def _os_opening(files: Files, original):
     def traced(path, flags, *args, **kwargs):
         unnamed = UNNAMED and (flags & UNNAMED) == UNNAMED
         if flags & WRITING_FLAGS and not unnamed and kwargs.get("dir_fd") is None:
@@ -135,7 +135,7 @@ def os_opening(files: Files, original):
     return traced
 
 
-def making_folder(files: Files, original):
+def _making_folder(files: Files, original):
     def traced(path, *args, **kwargs):
         result = original(path, *args, **kwargs)  # raises when it is there already: not ours then
         if kwargs.get("dir_fd") is None:
@@ -161,8 +161,8 @@ def wrap_writes(files: Files, replace) -> None:
 
     replace(builtins, "open", lambda original: opening(files, original))
     replace(io, "open", lambda original: opening(files, original))
-    replace(os, "open", lambda original: os_opening(files, original))
-    replace(os, "mkdir", lambda original: making_folder(files, original))
+    replace(os, "open", lambda original: _os_opening(files, original))
+    replace(os, "mkdir", lambda original: _making_folder(files, original))
     for name in ("remove", "unlink", "rmdir"):
         replace(os, name, lambda original: deleting(files, original))
     replace(shutil, "rmtree", lambda original: deleting(files, original))

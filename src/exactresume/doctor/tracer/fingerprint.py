@@ -25,7 +25,7 @@ except Exception:  # not installed, or a build this Python cannot load: the stan
 HALF_DTYPES = ("torch.float16", "torch.bfloat16")
 
 
-def stdlib_hasher():
+def _stdlib_hasher():
     return hashlib.blake2b(digest_size=8)
 
 
@@ -34,14 +34,14 @@ def use_stdlib_hash(stdlib: bool = True) -> None:
     with xxh3 again where it is (`stdlib=False`)."""
     global new_hasher, HASH
     if stdlib or xxhash is None:
-        new_hasher, HASH = stdlib_hasher, "blake2b-64"
+        new_hasher, HASH = _stdlib_hasher, "blake2b-64"
     else:
         new_hasher, HASH = xxhash.xxh3_64, "xxh3_64"
 
 
 # The hash every fingerprint of this process uses, and its name (each trace's start event says it);
 # EXACTRESUME_TRACE_HASH=blake2b forces the standard library's, as in a Python without xxhash.
-new_hasher, HASH = stdlib_hasher, "blake2b-64"
+new_hasher, HASH = _stdlib_hasher, "blake2b-64"
 use_stdlib_hash(os.environ.get("EXACTRESUME_TRACE_HASH") == "blake2b")
 
 
@@ -92,14 +92,14 @@ def update(hasher, value) -> None:
         for item in value:
             update(hasher, item)
         hasher.update(b"]")
-    elif is_ndarray(value):
+    elif _is_ndarray(value):
         hasher.update(f"A{value.dtype}{value.shape}".encode())
         hasher.update(sys.modules["numpy"].ascontiguousarray(value).tobytes())
     else:
         hasher.update(repr(value).encode())
 
 
-def is_ndarray(value) -> bool:
+def _is_ndarray(value) -> bool:
     """A numpy array, without importing numpy: only a script that loaded numpy can hold one."""
     numpy = sys.modules.get("numpy")
     return numpy is not None and isinstance(value, numpy.ndarray)
@@ -129,7 +129,7 @@ def settings_digest(settings: list[dict]) -> str:
 MT19937_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], int pos
 
 
-def numpy_rng_digest(np) -> str:
+def _numpy_rng_digest(np) -> str:
     """numpy's global RNG state read in place (np.random.get_state() costs 0.1 ms, a step's worth on a tiny
     model); a legacy Gaussian cached by the RandomState is not in it."""
     generator = np.random.get_bit_generator()
@@ -139,7 +139,7 @@ def numpy_rng_digest(np) -> str:
     return hexdigest(memoryview(state).cast("B"))
 
 
-def python_rng_digest() -> str:
+def _python_rng_digest() -> str:
     """Python's global RNG state: the hash of its 625 ints (an int's hash is not salted), and the cached
     Gaussian by value (hashing the whole state would hash None, whose hash is its address on 3.11)."""
     _, words, gauss = random.getstate()
@@ -149,10 +149,10 @@ def python_rng_digest() -> str:
 def rng_digests() -> dict[str, str]:
     """The global torch, CUDA, python RNG states, and numpy's once the script has loaded numpy, one
     fingerprint each."""
-    states = {"rng_torch": digest(torch.get_rng_state()), "rng_python": python_rng_digest()}
+    states = {"rng_torch": digest(torch.get_rng_state()), "rng_python": _python_rng_digest()}
     numpy = sys.modules.get("numpy")
     if numpy is not None and hasattr(numpy, "random"):  # hasattr: numpy may still be importing itself
-        states["rng_numpy"] = numpy_rng_digest(numpy)
+        states["rng_numpy"] = _numpy_rng_digest(numpy)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["rng_cuda"] = digest(torch.cuda.get_rng_state_all())
     return states

@@ -87,18 +87,18 @@ def install(tracer: Tracer) -> Callable[[], None]:
         register_optimizer_step_post_hook(lambda *args: tracer.attempt("the steps", tracer.after_step, *args)),
     ):
         patches.undo.append(handle.remove)
-    patches.replace(torch.nn.Module, "__call__", lambda original: module_call(tracer, original))
+    patches.replace(torch.nn.Module, "__call__", lambda original: _module_call(tracer, original))
     patches.replace(torch.Tensor, "backward", lambda original: backward(tracer, original))
-    wrap_data(tracer, patches)
+    _wrap_data(tracer, patches)
     wrap_constructors(
         tracer.sources, patches.replace, tracer.attempt, lambda name, wrap: after_import(tracer, patches, name, wrap)
     )
-    wrap_files(tracer, patches)
+    _wrap_files(tracer, patches)
     wrap_writes(Guarded(tracer, tracer.files, "the files it writes"), patches.replace)
     return patches.remove
 
 
-def module_call(tracer: Tracer, original):
+def _module_call(tracer: Tracer, original):
     def call(module, *args, **kwargs):
         outer = tracer.depth == 0
         if outer:
@@ -150,7 +150,7 @@ def iterating(tracer: Tracer, original):
     return traced
 
 
-def wrap_data(tracer: Tracer, patches: Patches) -> None:
+def _wrap_data(tracer: Tracer, patches: Patches) -> None:
     """DataLoader iterators (each epoch's, and each batch they yield) and torch.set_rng_state."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
@@ -187,10 +187,10 @@ def wrap_data(tracer: Tracer, patches: Patches) -> None:
         patches.replace(owner, "set_rng_state", setting)
     # torchdata's StatefulDataLoader makes itself and its iterators without DataLoader's __init__ and __iter__
     module = "torchdata.stateful_dataloader.stateful_dataloader"
-    after_import(tracer, patches, module, lambda found: wrap_stateful(tracer, patches, found.StatefulDataLoader))
+    after_import(tracer, patches, module, lambda found: _wrap_stateful(tracer, patches, found.StatefulDataLoader))
 
 
-def wrap_stateful(tracer: Tracer, patches: Patches, cls) -> None:
+def _wrap_stateful(tracer: Tracer, patches: Patches, cls) -> None:
     patches.replace(cls, "__init__", lambda original: tracer.live.tracking_loader(original, tracer.attempt))
     patches.replace(cls, "__iter__", lambda original: iterating(tracer, original))
 
@@ -229,7 +229,7 @@ def renaming(tracer: Tracer, original):
     return traced
 
 
-def wrap_files(tracer: Tracer, patches: Patches) -> None:
+def _wrap_files(tracer: Tracer, patches: Patches) -> None:
     for owner in (torch, torch.serialization):
         patches.replace(owner, "save", lambda original: saving(tracer, original))
         patches.replace(owner, "load", lambda original: loading(tracer, original))
@@ -238,11 +238,11 @@ def wrap_files(tracer: Tracer, patches: Patches) -> None:
     patches.replace(shutil, "move", lambda original: renaming(tracer, original))  # across devices it copies
     # Wrapped once the script imports them, not imported here: DCP takes half a second to import, and the
     # tracer imports nothing the script does not (safetensors, say)
-    after_import(tracer, patches, "torch.distributed.checkpoint", lambda module: wrap_dcp(tracer, patches, module))
-    after_import(tracer, patches, "safetensors.torch", lambda module: wrap_safetensors(tracer, patches, module))
+    after_import(tracer, patches, "torch.distributed.checkpoint", lambda module: _wrap_dcp(tracer, patches, module))
+    after_import(tracer, patches, "safetensors.torch", lambda module: _wrap_safetensors(tracer, patches, module))
 
 
-def wrap_safetensors(tracer: Tracer, patches: Patches, module) -> None:
+def _wrap_safetensors(tracer: Tracer, patches: Patches, module) -> None:
     patches.replace(module, "save_file", lambda original: saving(tracer, original))
     patches.replace(module, "load_file", lambda original: loading(tracer, original))
 
@@ -284,16 +284,16 @@ class AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def dcp_path(kwargs: dict, role: str) -> str | None:
+def _dcp_path(kwargs: dict, role: str) -> str | None:
     """The folder a torch.distributed.checkpoint save or load names (checkpoint_id, or its storage's path)."""
     where = kwargs.get("checkpoint_id") or getattr(kwargs.get(role), "path", None)
     return os.path.abspath(where) if isinstance(where, (str, os.PathLike)) else None
 
 
-def wrap_dcp(tracer: Tracer, patches: Patches, module) -> None:
+def _wrap_dcp(tracer: Tracer, patches: Patches, module) -> None:
     def saving_dcp(original):
         def traced(state_dict, *args, **kwargs):
-            where = tracer.attempt("the checkpoints saved", dcp_path, kwargs, "storage_writer")
+            where = tracer.attempt("the checkpoints saved", _dcp_path, kwargs, "storage_writer")
             tracer.attempt("the files it writes", tracer.files.before_write, where)
             with tracer.within():
                 result = original(state_dict, *args, **kwargs)
@@ -305,7 +305,7 @@ def wrap_dcp(tracer: Tracer, patches: Patches, module) -> None:
 
     def loading_dcp(original):
         def traced(state_dict, *args, **kwargs):
-            where = tracer.attempt("the checkpoints loaded", dcp_path, kwargs, "storage_reader")
+            where = tracer.attempt("the checkpoints loaded", _dcp_path, kwargs, "storage_reader")
             tracer.attempt("the checkpoints loaded", tracer.on_load, where)
             with tracer.within():
                 return original(state_dict, *args, **kwargs)

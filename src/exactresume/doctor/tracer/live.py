@@ -103,7 +103,7 @@ class Live:
 
     def note_seeds(self, loader) -> None:
         """As an epoch's iterator is about to be made: which of its generators were just seeded, and with what."""
-        self.seeds.setdefault(loader, []).append([fresh_seed(g) for _, g in order.generators(loader)])
+        self.seeds.setdefault(loader, []).append([_fresh_seed(g) for _, g in order.generators(loader)])
 
     def on_fetch(self, iterator) -> None:
         loader = self.of_iterator.get(iterator)
@@ -136,7 +136,7 @@ def outermost(modules: list) -> list:
     return [m for m in modules if id(m) not in inner]
 
 
-def fresh_seed(gen: torch.Generator) -> int | None:
+def _fresh_seed(gen: torch.Generator) -> int | None:
     """The seed a generator was just set to (its state is manual_seed(initial_seed())'s), else None."""
     seed = gen.initial_seed()
     return seed if torch.equal(torch.Generator().manual_seed(seed).get_state(), gen.get_state()) else None
@@ -162,8 +162,8 @@ def coverage(saved, live: Live) -> list[dict]:
     held = {digest(t) for _, t in tensors_in(saved)}
     halves = {(tuple(t.shape)) for _, t in tensors_in(saved) if str(t.dtype) in HALF_DTYPES}
     dicts = list(dicts_in(saved))
-    rows = [model_row(m, held, halves) for m in list(live.models)]
-    rows += [read_row(m, held) for m in live.read_only()]
+    rows = [_model_row(m, held, halves) for m in list(live.models)]
+    rows += [_read_row(m, held) for m in live.read_only()]
     for opt in list(live.optimizers):
         found = any("state" in d and "param_groups" in d for d in dicts)
         tensors = [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
@@ -177,7 +177,7 @@ def coverage(saved, live: Live) -> list[dict]:
         rows.append(row("grad_scaler", scaler, found, "" if found else "its state_dict() is not in the file"))
     kept = any(TORCHDATA_KEYS & set(d) for d in dicts)  # a StatefulDataLoader's state_dict() is in the file
     for loader in live.drawing():
-        rows.extend(loader_rows(loader, live, held, kept))
+        rows.extend(_loader_rows(loader, live, held, kept))
         if order.iterable(loader):
             rows.extend(streams.rows(loader.dataset, saved, held))
     if live.dropout():
@@ -195,7 +195,7 @@ def row(kind: str, obj, saved: bool, detail: str) -> dict:
     return {"kind": kind, "name": type(obj).__name__, "saved": bool(saved), "detail": detail}
 
 
-def model_row(model, held: set, halves: set) -> dict:
+def _model_row(model, held: set, halves: set) -> dict:
     state = model.state_dict()
     missing = [k for k, t in state.items() if digest(t) not in held]
     if not missing:
@@ -211,16 +211,16 @@ def model_row(model, held: set, halves: set) -> dict:
     return found | {"buffers": buffers}
 
 
-def read_row(module, held: set) -> dict:
+def _read_row(module, held: set) -> dict:
     """A module the forward runs without training: saved when the file holds every tensor of its state."""
     state = module.state_dict()
     missing = [k for k, t in state.items() if digest(t) not in held]
-    name = f"{type(module).__name__} {main_name(module)}".rstrip()
+    name = f"{type(module).__name__} {_main_name(module)}".rstrip()
     detail = f"{len(missing)} of {len(state)} tensors not in the file" if missing else ""
     return {"kind": "forward_module", "name": name, "saved": not missing, "detail": detail}
 
 
-def main_name(obj) -> str:
+def _main_name(obj) -> str:
     """The script's own name for `obj` (a global of __main__), in quotes, or ''."""
     names = [k for k, v in vars(sys.modules.get("__main__", sys)).items() if v is obj and not k.startswith("_")]
     return f"'{names[0]}'" if names else ""
@@ -230,7 +230,7 @@ def main_name(obj) -> str:
 TORCHDATA_KEYS = {"_snapshot", "_sampler_iter_state", "_index_sampler_state"}
 
 
-def loader_rows(loader, live: Live, held: set, kept: bool = False) -> list[dict]:
+def _loader_rows(loader, live: Live, held: set, kept: bool = False) -> list[dict]:
     """A loader's generators count as saved when the file holds the bytes of their state now or at the
     start of an epoch, before or after its iterator was made (a script may rightly keep the state an
     epoch began with); a torchdata sampler's, when the file holds its StatefulDataLoader's state_dict()

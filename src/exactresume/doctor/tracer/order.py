@@ -86,20 +86,20 @@ def state(loader) -> list:
     ]
 
 
-def draws_from(loader) -> str:
+def _draws_from(loader) -> str:
     """What the drawing sampler's order is a function of, in words."""
     sampler = drawer(loader)
     if iterable(loader):
         return streams.words(loader.dataset)
     if stateful(loader) and not unkept(sampler):
         return f"a {type(loader).__name__} over a {type(sampler).__name__} (its position is in its state_dict())"
-    words = sampler_words(sampler)
+    words = _sampler_words(sampler)
     if stateful(loader):  # its state_dict() counts the batches yielded; this sampler's draws are not in it
         return f"{words}; its order is not in {type(loader).__name__}'s state_dict(), only the batches yielded"
     return words
 
 
-def sampler_words(sampler) -> str:
+def _sampler_words(sampler) -> str:
     kind = type(sampler).__name__
     if seeded(sampler):
         return f"a {kind} (order from its seed and set_epoch's epoch)"
@@ -124,7 +124,7 @@ def describe(loader, wrapper: str | None) -> str:
     names = [] if iterable(loader) else [type(node).__name__ for node in chain(loader)[:-1]]
     outer = [wrapper] if wrapper else []
     own = type(loader).__name__ if stateful(loader) else "DataLoader"
-    return " > ".join([*outer, own, *names, draws_from(loader)])
+    return " > ".join([*outer, own, *names, _draws_from(loader)])
 
 
 def stateful(loader) -> bool:

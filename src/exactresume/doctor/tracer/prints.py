@@ -85,7 +85,7 @@ def scalers(tracer, optimizer, params) -> dict:
     return {"scaler": fp.digest([s.state_dict() for s in enabled]), "scale": [float(s.get_scale()) for s in enabled]}
 
 
-def rngs(tracer, optimizer, params) -> dict:
+def _rngs(tracer, optimizer, params) -> dict:
     found = fp.rng_digests()
     tracer.live.rng_seen.append(found["rng_torch"])
     return found
@@ -107,7 +107,7 @@ BEFORE_STEP = (
     ("the weights", weights),
     ("the sampler's state", data),
     ("the GradScalers' state", scalers),
-    ("the RNG states", rngs),
+    ("the RNG states", _rngs),
     ("the random sources", sources),
 )
 

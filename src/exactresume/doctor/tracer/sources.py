@@ -40,13 +40,13 @@ class Sources:
     def made(self, source, caller) -> None:
         """A source a wrapped constructor just made, called from frame `caller`: kept where the script's own
         code made it (not a library's: tempfile's names), and named at the next look."""
-        if own_code(caller.f_code.co_filename):
+        if _own_code(caller.f_code.co_filename):
             self.add(source)
             self.fresh = True
 
     def add(self, source, name: str | None = None) -> None:
-        kind = kind_of(source)
-        if kind is None or is_global(source):
+        kind = _kind_of(source)
+        if kind is None or _is_global(source):
             return
         index = self.ids.get(id(source))
         if index is None or resolve(self.seen[index][0]) is not source:
@@ -67,14 +67,14 @@ class Sources:
             if source is None or len(found) >= LIMIT:
                 continue
             label = f"{name} ({kind})" if name else f"{kind} #{counts[kind]}"
-            found[PREFIX + label] = state_digest(source, kind)
+            found[PREFIX + label] = _state_digest(source, kind)
         return found
 
     def look(self, loaders, frame) -> None:
         """Name what the script's variables and their attributes hold, one level down."""
         for name, value in roots(loaders, frame):
             self.add(value, name)
-            if has_attributes(value):
+            if _has_attributes(value):
                 for attribute, held in list(vars(value).items()):
                     self.add(held, f"{name}.{attribute}")
 
@@ -87,7 +87,7 @@ def roots(loaders, frame) -> list[tuple[str, object]]:
     found += [(name, value) for name, value in list(vars(main).items()) if not name.startswith("__")] if main else []
     own = 0
     while frame is not None and own < FRAMES:
-        if own_code(frame.f_code.co_filename):
+        if _own_code(frame.f_code.co_filename):
             own += 1
             found += [(name, value) for name, value in list(frame.f_locals.items()) if name != "self"]
         frame = frame.f_back
@@ -100,19 +100,19 @@ def roots(loaders, frame) -> list[tuple[str, object]]:
 OURS = str(Path(__file__).parents[2])  # exactresume's own code, wherever it is installed
 
 
-def own_code(filename: str) -> bool:
+def _own_code(filename: str) -> bool:
     """A frame of the script's, not of Python's, torch's, an installed package's or exactresume's."""
     if filename.startswith(OURS):
         return False
     return not any(marker in filename for marker in ("site-packages", "dist-packages", "/lib/python", "<frozen"))
 
 
-def has_attributes(value) -> bool:
+def _has_attributes(value) -> bool:
     """An object of the script's whose attributes may hold a source: not a class, module or function."""
     return hasattr(value, "__dict__") and not isinstance(value, NOT_HOLDERS)
 
 
-def kind_of(value) -> str | None:
+def _kind_of(value) -> str | None:
     if isinstance(value, random.Random):
         return "random.Random"
     if isinstance(value, torch.Generator):
@@ -126,7 +126,7 @@ def kind_of(value) -> str | None:
     return None
 
 
-def is_global(value) -> bool:
+def _is_global(value) -> bool:
     """The global RNGs, fingerprinted on their own (fingerprint.rng_digests)."""
     numpy = sys.modules.get("numpy")
     legacy = getattr(getattr(getattr(numpy, "random", None), "mtrand", None), "_rand", None)
@@ -144,7 +144,7 @@ def resolve(held):
     return held() if isinstance(held, weakref.ref) else held
 
 
-def state_digest(source, kind: str) -> str:
+def _state_digest(source, kind: str) -> str:
     if kind == "random.Random":
         _, words, gauss = source.getstate()
         return f"{hash(words) & (2**64 - 1):016x}{gauss!r}"

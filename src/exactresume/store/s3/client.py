@@ -117,13 +117,13 @@ class ObjectStore:
                 status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
                 # No S3 error document (botocore then gives the status as the code): not an S3 server.
                 if code.isdigit() and status < 500 and operation != "head_object":
-                    raise not_s3(self.endpoint, what, f"HTTP {status}") from None
+                    raise _not_s3(self.endpoint, what, f"HTTP {status}") from None
                 if code not in RETRIED_CODES and status < 500:
                     raise _refusal(what, code, error) from None
                 reason = code or f"HTTP {status}"
             except BotoCoreError as error:
                 if type(error).__name__ == "ResponseParserError":
-                    raise not_s3(self.endpoint, what, "an answer that is not S3's XML") from None
+                    raise _not_s3(self.endpoint, what, "an answer that is not S3's XML") from None
                 reason = self._reason(error)
             except (OSError, ValueError) as error:  # a body cut or timed out as `then` read it (urllib3's types)
                 reason = type(error).__name__
@@ -298,7 +298,7 @@ class WriteRaced(UserError):
     """A conditional PUT (If-None-Match, If-Match) the object store refused: another writer came first."""
 
 
-def not_s3(endpoint: str, what: str, answer: str) -> UserError:
+def _not_s3(endpoint: str, what: str, answer: str) -> UserError:
     """An endpoint that answers HTTP but not as S3 does: most likely another port of the server."""
     return UserError(
         f"{endpoint} answered {what} with {answer}, not as an S3 server: is --s3-endpoint the S3 port "

@@ -69,11 +69,11 @@ def read_commit(store: ObjectStore, at: S3Location, into: Path, format: str, ver
     if not (isinstance(files, dict) and isinstance(sizes, dict) and files and files.keys() == sizes.keys()):
         raise CheckpointError(f"{at}: a commit object that names no objects, or not each with its size")
     for name in files:
-        check_name(at, name)
+        _check_name(at, name)
     return state
 
 
-def check_name(at: S3Location, name: object) -> str:
+def _check_name(at: S3Location, name: object) -> str:
     """A name a commit may list: one plain name under its prefix (no '/', '..' or empty name)."""
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise CheckpointError(f"{at}: names {str(name)[:80]!r}, which is not an object of the checkpoint")

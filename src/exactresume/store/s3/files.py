@@ -53,15 +53,15 @@ def local_folder(needed_bytes: int = 0) -> Iterator[Path]:
     The folders a killed process left (its pid is gone) are removed first: in /dev/shm they hold memory."""
     place = None
     with contextlib.suppress(OSError):
-        remove_stale_copies(SHARED_MEMORY)
+        _remove_stale_copies(SHARED_MEMORY)
         free = os.statvfs(SHARED_MEMORY)
         place = SHARED_MEMORY if free.f_bavail * free.f_frsize > 2 * needed_bytes + (64 << 20) else None
-    remove_stale_copies(Path(tempfile.gettempdir()))
+    _remove_stale_copies(Path(tempfile.gettempdir()))
     with tempfile.TemporaryDirectory(prefix=f"{COPY_PREFIX}{os.getpid()}-", dir=place) as folder:
         yield Path(folder)
 
 
-def remove_stale_copies(place: Path) -> None:
+def _remove_stale_copies(place: Path) -> None:
     """Delete the local-copy folders in `place` whose process no longer exists (a kill -9 mid-save)."""
     for folder in place.glob(f"{COPY_PREFIX}*-*"):
         pid = folder.name[len(COPY_PREFIX) :].split("-", 1)[0]

@@ -63,12 +63,12 @@ def local_copy(target: S3Location) -> Iterator[Path]:
             fetch_committed(objects, target, commit, local)
             yield local
         elif kind == "folder":
-            yield newest_copy(objects, target, folder)
+            yield _newest_copy(objects, target, folder)
         else:
             raise CheckpointError(f"{target}: no such object or prefix on the object store")
 
 
-def newest_copy(objects: ObjectStore, prefix: S3Location, folder: Path) -> Path:
+def _newest_copy(objects: ObjectStore, prefix: S3Location, folder: Path) -> Path:
     """A local store folder in `folder` holding the newest checkpoint under `prefix` whose objects verify
     against its commit (each newer one passed over is named on stderr, as a resume names it)."""
     from exactresume.store.s3.folder import S3CheckpointStore

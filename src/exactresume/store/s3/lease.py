@@ -47,7 +47,7 @@ DATE_SLACK = 1.0
 _HELD: dict[str, S3Lease] = {}  # the leases this process holds, by prefix: what its other writers there check
 
 
-def lease_seconds() -> float:
+def _lease_seconds() -> float:
     """How long a lease lasts without renewal: how long a killed holder keeps other runs out."""
     try:
         seconds = float(os.environ.get(SECONDS_ENV, DEFAULT_SECONDS))
@@ -100,7 +100,7 @@ class S3Lease:
         """Take the prefix's lease, waiting up to `wait` seconds for its holder to finish or its lease to expire.
 
         Raises UserError naming the holder when the lease stays taken."""
-        lease = cls(objects, folder, lease_seconds())
+        lease = cls(objects, folder, _lease_seconds())
 
         def attempt() -> tuple[S3Lease | None, str]:
             seen = lease._take()

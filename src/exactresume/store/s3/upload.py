@@ -48,7 +48,7 @@ def upload_file(objects: ObjectStore, target: S3Location, path: Path, info: Obje
     part_bytes = max(objects.config.part_bytes, -(-info.size // MAX_PARTS))  # a size known beforehand
     with open(path, "rb") as file:
         if info.size <= part_bytes:
-            put_whole(objects, target, file.read())
+            _put_whole(objects, target, file.read())
             return info
         parts = PartsUpload(objects, target)
         try:
@@ -62,7 +62,7 @@ def upload_file(objects: ObjectStore, target: S3Location, path: Path, info: Obje
     return info
 
 
-def put_whole(objects: ObjectStore, target: S3Location, data: bytes) -> ObjectInfo:
+def _put_whole(objects: ObjectStore, target: S3Location, data: bytes) -> ObjectInfo:
     """An object of one part: one PUT, verified (the upload's fault point, as each part of a multipart upload is)."""
     objects.before_part(1)
     return objects.put_bytes(target, data)
@@ -192,7 +192,7 @@ class SealedUpload:
             self.parts.check()  # a store that stopped answering is not asked to delete the old commit
         self.before_replace()
         if self.parts is None:
-            put_whole(self.objects, self.target, last)
+            _put_whole(self.objects, self.target, last)
         else:
             self.parts.send(last)
             answer, composite = self.parts.complete()
