@@ -1,10 +1,11 @@
 """The house's rules, checked with the project's own tools: the public API, names every tool can see,
-one concept per module (said in its docstring's first line), short functions, and flags read only by
-the commands."""
+one concept per module (said in its docstring's first line), short functions, a module's own functions
+private, and flags read only by the commands."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,27 @@ def test_every_module_says_its_one_concept_and_no_function_is_over_50_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
                 assert lines <= MAX_FUNCTION_LINES, f"{name}:{node.lineno} {node.name}: {lines}"
+
+
+def test_a_module_level_function_no_other_file_names_is_private():
+    """What a module offers the others has no leading underscore; what only it calls has one. Named
+    elsewhere: by another module, a test, a benchmark or the docs."""
+    root = PACKAGE.parents[1]
+    files = [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "bench").rglob("*.py")]
+    files += [
+        *(root / "docs").rglob("*.md"),
+        *(root / "docs").rglob("*.py"),
+        root / "README.md",
+        root / "pyproject.toml",
+    ]
+    words = {path: set(re.findall(r"\w+", path.read_text())) for path in files if path.is_file()}
+    lonely = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                if not any(node.name in found for other, found in words.items() if other != path):
+                    lonely.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}")
+    assert lonely == [], lonely
 
 
 def test_no_module_below_the_commands_reads_flags():

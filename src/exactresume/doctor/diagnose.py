@@ -17,8 +17,9 @@ import numpy as np
 from exactresume.doctor.causes import Context, also, cause_of
 from exactresume.doctor.examine import Runs
 from exactresume.doctor.fixes import fix_for, framework_fix
-from exactresume.doctor.random_sources import PREFIX, describe, fix, parted
+from exactresume.doctor.random_sources import describe, fix, parted
 from exactresume.doctor.ranks import diagnose_ranks
+from exactresume.doctor.tracer.sources import PREFIX
 
 FIELDS = ("batch", "indices", "lr", "hparams", "params", "grads", "optim", "scaler", "data", "layout", "buffers")
 RNG_FIELDS = ("rng_torch", "rng_cuda", "rng_numpy", "rng_python")

@@ -12,8 +12,6 @@ import re
 
 from exactresume.doctor.tracer.sources import PREFIX
 
-__all__ = ["PREFIX", "describe", "fix", "parted"]
-
 GLOBALS = {
     "rng_numpy": ("numpy's global RNG", "np.random.get_state()", "np.random.set_state(saved)"),
     "rng_python": ("Python's global random", "random.getstate()", "random.setstate(saved)"),
@@ -48,10 +46,10 @@ def describe(field: str) -> str:
     if name:
         return f"{what} {name}"
     order = field.rsplit("#", 1)[-1]
-    return f"{what} made {ordinal(int(order))} by the script" if order.isdigit() else what
+    return f"{what} made {_ordinal(int(order))} by the script" if order.isdigit() else what
 
 
-def ordinal(n: int) -> str:
+def _ordinal(n: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
 
 

@@ -38,7 +38,7 @@ def check_identity(identity: Any) -> dict | None:
             f"identity must be a dict of str keys (seed, steps, data, ...), got {identity!r:.80}", "identity"
         )
     try:
-        kept = json.loads(identity_text(identity))
+        kept = json.loads(_identity_text(identity))
     except (TypeError, ValueError) as error:
         raise FieldError(
             f"identity must hold JSON values only (numbers, strings, lists, dicts): {error}", "identity"
@@ -51,17 +51,17 @@ def check_identity(identity: Any) -> dict | None:
     return kept  # the store's own copy: the caller's dict may change after it is given
 
 
-def identity_text(identity: dict) -> str:
+def _identity_text(identity: dict) -> str:
     """The stored form: JSON with sorted keys, so that equal identities are equal text."""
     return json.dumps(identity, sort_keys=True)
 
 
 def with_identity(state: dict, identity: dict | None) -> dict:
     """`state` with `identity` beside its parts; without one, `state` itself, its keys as they were."""
-    return state if identity is None else state | {IDENTITY_KEY: identity_text(identity)}
+    return state if identity is None else state | {IDENTITY_KEY: _identity_text(identity)}
 
 
-def saved_identity(state: Mapping, source: object) -> dict | None:
+def _saved_identity(state: Mapping, source: object) -> dict | None:
     """The identity a checkpoint was saved with, or None when it was saved without one."""
     text = state.get(IDENTITY_KEY)
     if text is None:
@@ -82,7 +82,7 @@ def refuse_another_run(state: Mapping, identity: dict | None, source: object, an
     and the checkpoints saved from then on record the identity."""
     if identity is None:
         return
-    saved = saved_identity(state, source)
+    saved = _saved_identity(state, source)
     if saved is None:
         reason = f"{source} records no run identity (it was saved without identity=), so it may be another run's"
     else:
@@ -123,8 +123,6 @@ __all__ = [
     "LOAD_ANYWAY",
     "check_identity",
     "differing_fields",
-    "identity_text",
     "refuse_another_run",
-    "saved_identity",
     "with_identity",
 ]

@@ -316,7 +316,7 @@ class NumberedStore:
             held, self.held_skips = self.held_skips, None
         if found is None and held:
             self._refuse_saves(held[0].checkpoint, _damaged_saves(self.folder))
-            raise none_loadable(self.folder, held)
+            raise _none_loadable(self.folder, held)
         for skipped in held:
             self.notify(skipped.line())
         return found
@@ -383,7 +383,7 @@ def _damaged_saves(folder: Location) -> str:
     )
 
 
-def none_loadable(folder: Location, passed: list[Skipped]) -> CheckpointError:
+def _none_loadable(folder: Location, passed: list[Skipped]) -> CheckpointError:
     """The one line for a folder none of whose checkpoints loads (`passed`, newest first): a run started
     fresh there would train, and save, over them."""
     names = [skipped.checkpoint.path.name for skipped in passed]
@@ -408,6 +408,5 @@ __all__ = [
     "check_checkpoint",
     "UNREADABLE_SUFFIX",
     "checkpoint_name",
-    "none_loadable",
     "snapshot",
 ]
