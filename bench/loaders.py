@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from exactresume.loaders.resumable import ResumableLoader
+from exactresume.parts import GlobalRng
 from exactresume.store.folder import CheckpointStore
-from exactresume.training.parts import GlobalRng
 
 from .measure import interleave, ratio, timed
 

@@ -159,7 +159,7 @@ def test_train_resumes_from_a_checkpoint_folder(saved, tmp_path, kjv_folder):
 
 
 def test_a_ranks_save_without_world_under_torchrun_says_once_what_it_keeps(tmp_path, monkeypatch, capsys):
-    from exactresume.training.parts import GlobalRng
+    from exactresume.parts import GlobalRng
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -11,9 +11,10 @@ import torch
 
 from exactresume import atomic
 from exactresume.errors import CheckpointError, UserError
+from exactresume.parts import GlobalRng, StepCounter
 from exactresume.store.resume import capture, restore
 from exactresume.store.sealed import load_sealed, read_seal, save_sealed, write_sealed
-from exactresume.training.parts import GlobalRng, RunIdentity, StepCounter
+from exactresume.training.run_identity import RunIdentity
 from helpers import run_python
 
 

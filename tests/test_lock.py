@@ -17,10 +17,10 @@ import torch
 
 from exactresume.errors import UserError
 from exactresume.forkserver.client import Run
+from exactresume.parts import GlobalRng
 from exactresume.store.faults import FAULT_ENV
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import HELD_ENV, LOCK_NAME, FolderLock, read_holder
-from exactresume.training.parts import GlobalRng
 from helpers import (
     SMALL,
     assert_one_line_error,

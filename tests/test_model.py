@@ -80,7 +80,7 @@ def test_load_model_reads_plain_unsealed_minimind_files(tmp_path):
 
 def test_load_model_reads_resume_file_with_its_config(tmp_path):
     from exactresume.store.resume import save_resume_file
-    from exactresume.training.parts import RunIdentity
+    from exactresume.training.run_identity import RunIdentity
 
     config = ModelConfig(hidden_size=64, num_hidden_layers=2, vocab_size=300, rope_theta=1e4)
     model = MiniMindLM(config)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from exactresume.errors import CheckpointError, FieldError, StorageError, UserError
+from exactresume.parts import GeneratorPart, GlobalRng
 from exactresume.store.faults import FAULT_ENV, STAGES, Fault
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import LOCK_NAME
 from exactresume.store.numbered import checkpoint_name
 from exactresume.store.sealed import save_sealed
-from exactresume.training.parts import GeneratorPart, GlobalRng
 from helpers import call_cli
 
 

@@ -20,7 +20,7 @@ import torch
 
 from exactresume.errors import CheckpointError
 from exactresume.loaders.resumable import ResumableLoader
-from exactresume.training.parts import GlobalRng
+from exactresume.parts import GlobalRng
 
 VERSION = 1
 KEPT = 64  # fetches whose RNG is kept: more than any framework fetches ahead of its loop

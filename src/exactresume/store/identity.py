@@ -4,7 +4,7 @@ with each checkpoint and checked before one is loaded.
     store = CheckpointStore(folder, identity={"seed": 0, "steps": 120})   # saved with each checkpoint, checked by load
     save_resume(path, parts, step, identity={...}); load_resume(path, parts, identity={...})
 
-The built-in trainer knows its run from its config part (training/parts.py RunIdentity); a loop of
+The built-in trainer knows its run from its config part (training/run_identity.py RunIdentity); a loop of
 one's own has no such part, so without an identity a script started with another seed would go on
 from the first seed's checkpoint without a word. A checkpoint holds the identity beside its parts,
 under IDENTITY_KEY, as JSON text: one string is stored alike in a file, in DCP's items and in an

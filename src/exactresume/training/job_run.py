@@ -38,8 +38,8 @@ from exactresume.training.divergence import DivergenceLog
 from exactresume.training.job import ALLOWED_CHANGES, AUTO_RESUME, TrainJob
 from exactresume.training.joblog import RunLogs, ignore, note, warn
 from exactresume.training.loop import Run, StepRecord, build_run, lr_at, train
-from exactresume.training.parts import describe
 from exactresume.training.preemption import Preempted, PreemptionGuard
+from exactresume.training.run_identity import describe
 from exactresume.training.saving import stopping_on_error, write_outputs
 from exactresume.world import World
 

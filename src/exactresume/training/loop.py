@@ -30,8 +30,9 @@ from exactresume.core.model import MiniMindLM
 from exactresume.parallel.exact import ExactReplicas, micro_batch_seed
 from exactresume.parallel.fsdp import full_parts
 from exactresume.parallel.replicas import OneProcess, Replicas
+from exactresume.parts import GlobalRng, StepCounter
 from exactresume.training.device import loss_scaler, precision_context, training_device
-from exactresume.training.parts import GlobalRng, RunIdentity, StepCounter
+from exactresume.training.run_identity import RunIdentity
 from exactresume.world import World
 
 if TYPE_CHECKING:

@@ -1,19 +1,18 @@
-"""The small stateful parts of a run that are not a model or an optimizer.
+"""The small stateful parts of a loop that are not a model or an optimizer: the step, a torch.Generator,
+and the global RNGs.
 
 Each has `state_dict()` / `load_state_dict()` (PyTorch's `Stateful`: the protocol of torch's
 optimizers, DCP and torchdata), so a checkpoint is just a table of named parts. A part whose state
-differs between processes says so with `per_rank = True`.
+differs between processes says so with `per_rank = True`. The loaders' parts are in exactresume.loaders.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import torch
 
-from exactresume.errors import CheckpointError, FieldError
-from exactresume.store.identity import differing_fields
+from exactresume.errors import FieldError
 
 
 class StepCounter:
@@ -104,44 +103,3 @@ def _numpy_or_none():
     except ImportError:
         return None
     return numpy
-
-
-class RunIdentity:
-    """What makes two runs the same run; restoring it checks, and refuses a different run.
-
-    `allowed` names fields (dotted, e.g. "train.steps") a resume may change on purpose; the
-    differences it let through are in `accepted` after a restore. The identity saved from then on
-    is the current one, so later resumes check against the changed run.
-    `defaults` holds the values of fields added after a file was written: a file without such a
-    field was written by a run that behaved as its default does.
-    """
-
-    def __init__(self, identity: dict, allowed: frozenset[str] = frozenset(), defaults: dict | None = None):
-        self.identity, self.allowed, self.defaults = identity, allowed, defaults or {}
-        self.accepted: list[tuple[str, Any, Any]] = []
-
-    def state_dict(self) -> dict:
-        return self.identity
-
-    def load_state_dict(self, state: dict) -> None:
-        differences = differing_fields(_with_defaults(state, self.defaults), self.identity, missing=None)
-        refused = [difference for difference in differences if difference[0] not in self.allowed]
-        if refused:
-            raise CheckpointError(f"the resume file was made by a different run: {'; '.join(map(describe, refused))}")
-        self.accepted = differences
-
-
-def _with_defaults(saved: dict, defaults: dict) -> dict:
-    """`saved` with the fields it lacks in each section taken from `defaults` (saved values win)."""
-    return {key: defaults.get(key, {}) | value if isinstance(value, dict) else value for key, value in saved.items()}
-
-
-def describe(difference: tuple[str, Any, Any]) -> str:
-    """'field saved-value in file, current-value now'."""
-    field, old, new = difference
-    return f"{field} {_short(old)} in file, {_short(new)} now"
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 20 else text[:16] + "...'"
