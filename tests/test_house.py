@@ -34,6 +34,16 @@ def test_the_public_api_is_what_the_package_exports():
     assert exactresume.Stateful is Stateful  # PyTorch's own part protocol
 
 
+def test_the_built_in_trainers_names_are_its_own_not_the_librarys():
+    import exactresume.trainer
+
+    assert exactresume.trainer.__all__ == sorted(exactresume.trainer.PUBLIC)
+    for name in exactresume.trainer.PUBLIC:
+        assert getattr(exactresume.trainer, name) is not None, name
+        assert name not in exactresume.PUBLIC, name
+    assert len(exactresume.PUBLIC) <= 25  # the library's: the store, one-file calls, parts, errors, world, lines
+
+
 def test_importing_the_package_is_light_and_old_module_paths_are_gone():
     script = (
         "import sys, importlib, exactresume\n"

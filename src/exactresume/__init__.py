@@ -4,6 +4,7 @@ The public API is what this module exports, one import away (loaded on first use
 `import exactresume` stays light); module paths inside the package may change while we are 0.x:
 
     from exactresume import CheckpointStore, GeneratorPart, GlobalRng, save_resume, load_resume
+    from exactresume.trainer import TrainConfig, build_run, train    # the built-in trainer's
 
 `Stateful` is PyTorch's own part protocol (DCP's): any object with `state_dict()` and
 `load_state_dict()` is a part, so whatever works with DCP works with us.
@@ -16,21 +17,14 @@ import importlib
 __version__ = "0.3.0"
 
 # public name -> the module that holds it. What a loop of one's own needs (the store, the parts, the
-# errors, the one-file calls, the doctor's check), the one line for each framework (which imports the
-# framework when called), and what a script driving the built-in trainer needs (its config, building and
-# training a run); the pieces in between are the package's own.
+# errors, the one-file calls, the doctor's check) and the one line for each framework (which imports the
+# framework when called); the built-in trainer's names are exactresume.trainer's, and the pieces in
+# between are the package's own.
 PUBLIC = {
-    "ModelConfig": "exactresume.config",
-    "TrainConfig": "exactresume.config",
-    "PRESETS": "exactresume.config",
     "UserError": "exactresume.errors",
     "CheckpointError": "exactresume.errors",
     "StorageError": "exactresume.errors",
     "World": "exactresume.world",
-    "MiniMindLM": "exactresume.core.model",
-    "load_tokens": "exactresume.core.data",
-    "prepare": "exactresume.core.data",
-    "PrepareConfig": "exactresume.core.data",
     "Stateful": "torch.distributed.checkpoint.stateful",
     "save_resume": "exactresume.store.access",
     "load_resume": "exactresume.store.access",
@@ -41,27 +35,21 @@ PUBLIC = {
     "S3Config": "exactresume.store.locations",
     "read_weights": "exactresume.store.weights",
     "save_weights": "exactresume.store.weights",
-    "load_model": "exactresume.training.inference",
     "GlobalRng": "exactresume.parts",
     "StepCounter": "exactresume.parts",
     "GeneratorPart": "exactresume.parts",
     "ResumableLoader": "exactresume.loaders.resumable",
     "ResumableStream": "exactresume.loaders.hf_stream",
-    "build_run": "exactresume.training.loop",
-    "train": "exactresume.training.loop",
     "check_resume": "exactresume.doctor.check",
     "lightning_resume": "exactresume.integrations.lightning",
     "trainer_resume": "exactresume.integrations.transformers",
     "accelerate_resume": "exactresume.integrations.accelerate",
     "ResumeCheck": "exactresume.doctor.check",
 }
-# The built-in trainer's names, and the doctor's (its verdict draws with numpy and matplotlib), need the
-# lab extra (`pip install 'exactresume[lab]'`): they are imported by name, and left out of
-# `from exactresume import *`, which works with the library's needs alone.
-NEEDS_LAB = (
-    *("load_tokens", "prepare", "PrepareConfig", "load_model", "build_run", "train"),
-    *("check_resume", "ResumeCheck"),
-)
+# The doctor's names (its verdict draws with numpy and matplotlib) need the lab extra (`pip install
+# 'exactresume[lab]'`): they are imported by name, and left out of `from exactresume import *`, which
+# works with the library's needs alone.
+NEEDS_LAB = ("check_resume", "ResumeCheck")
 __all__ = sorted(name for name in PUBLIC if name not in NEEDS_LAB)
 
 
