@@ -134,6 +134,20 @@ def test_augmentation_drawn_in_workers_is_said_at_the_first_save(straight_runs, 
     assert len(said) == 1 and "DataLoader over Augmented draws random numbers in its workers" in said[0], said
 
 
+def test_a_workers_numpy_draw_is_seen_between_its_key_refills():
+    """numpy's MT19937 refills its 624 keys only every 624 words: a draw in between moves the position alone."""
+    import numpy as np
+
+    from exactresume.loaders.worker_draws import _moved, _rng_states
+
+    np.random.seed(0)
+    np.random.normal(size=8)  # the refill after seeding
+    before = _rng_states()
+    np.random.normal(size=8)
+    assert _moved(before, _rng_states())
+    assert not _moved(_rng_states(), _rng_states())
+
+
 @pytest.mark.parametrize("loader", ["generator", "persistent"])
 def test_a_save_between_epochs_keeps_the_generators(tmp_path, loader):
     """Saved after an epoch's `for` ended, with a generator the script makes anew: the next epochs' order is

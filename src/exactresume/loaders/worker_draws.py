@@ -37,8 +37,14 @@ class DrawFlag:
 
 def _rng_states() -> tuple:
     numpy = sys.modules.get("numpy")  # a dataset that draws from numpy has imported it
-    numpy_state = None if numpy is None else numpy.random.get_state()[1].tobytes()
+    # the key array and the position in it: a draw moves the position, the keys only every 624 words
+    numpy_state = None if numpy is None else _numpy_state(numpy.random.get_state())
     return torch.get_rng_state(), random.getstate(), numpy_state
+
+
+def _numpy_state(state: tuple) -> tuple:
+    _, keys, position, has_gauss, gauss = state
+    return keys.tobytes(), position, has_gauss, gauss
 
 
 def _moved(before: tuple, after: tuple) -> bool:
