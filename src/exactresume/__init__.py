@@ -54,12 +54,17 @@ __all__ = sorted(name for name in PUBLIC if name not in NEEDS_LAB)
 
 
 def __getattr__(name: str):
-    if name not in PUBLIC:
-        raise AttributeError(f"module 'exactresume' has no attribute {name!r}")
+    return _lazy_name(__name__, PUBLIC, name)
+
+
+def _lazy_name(module: str, public: dict[str, str], name: str):
+    """`name` of `module`'s public names, imported from where it lives on first use (exactresume.trainer's too)."""
+    if name not in public:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
     from exactresume.errors import extras_needed
 
-    with extras_needed():  # a name of the trainer without the lab extra: one line naming the extra
-        return getattr(importlib.import_module(PUBLIC[name]), name)
+    with extras_needed():  # a name that needs the lab extra, without it: one line naming the extra
+        return getattr(importlib.import_module(public[name]), name)
 
 
 def __dir__() -> list[str]:

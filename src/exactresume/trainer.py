@@ -8,7 +8,7 @@ Loaded on first use, as the package's own names are.
 
 from __future__ import annotations
 
-import importlib
+from exactresume import _lazy_name
 
 # public name -> the module that holds it
 PUBLIC = {
@@ -27,12 +27,7 @@ __all__ = sorted(PUBLIC)
 
 
 def __getattr__(name: str):
-    if name not in PUBLIC:
-        raise AttributeError(f"module 'exactresume.trainer' has no attribute {name!r}")
-    from exactresume.errors import extras_needed
-
-    with extras_needed():  # without the lab extra: one line naming it
-        return getattr(importlib.import_module(PUBLIC[name]), name)
+    return _lazy_name(__name__, PUBLIC, name)
 
 
 def __dir__() -> list[str]:

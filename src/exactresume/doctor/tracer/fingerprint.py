@@ -139,17 +139,18 @@ def _numpy_rng_digest(np) -> str:
     return hexdigest(memoryview(state).cast("B"))
 
 
-def _python_rng_digest() -> str:
-    """Python's global RNG state: the hash of its 625 ints (an int's hash is not salted), and the cached
-    Gaussian by value (hashing the whole state would hash None, whose hash is its address on 3.11)."""
-    _, words, gauss = random.getstate()
+def python_rng_digest(rng=random) -> str:
+    """A Python RNG's state (the global one, or a random.Random): the hash of its 625 ints (an int's hash is
+    not salted), and the cached Gaussian by value (hashing the whole state would hash None, whose hash is its
+    address on 3.11)."""
+    _, words, gauss = rng.getstate()
     return f"{hash(words) & (2**64 - 1):016x}{gauss!r}"
 
 
 def rng_digests() -> dict[str, str]:
     """The global torch, CUDA, python RNG states, and numpy's once the script has loaded numpy, one
     fingerprint each."""
-    states = {"rng_torch": digest(torch.get_rng_state()), "rng_python": _python_rng_digest()}
+    states = {"rng_torch": digest(torch.get_rng_state()), "rng_python": python_rng_digest()}
     numpy = sys.modules.get("numpy")
     if numpy is not None and hasattr(numpy, "random"):  # hasattr: numpy may still be importing itself
         states["rng_numpy"] = _numpy_rng_digest(numpy)

@@ -146,8 +146,7 @@ def resolve(held):
 
 def _state_digest(source, kind: str) -> str:
     if kind == "random.Random":
-        _, words, gauss = source.getstate()
-        return f"{hash(words) & (2**64 - 1):016x}{gauss!r}"
+        return fp.python_rng_digest(source)
     if kind == "torch.Generator":
         return fp.digest(source.get_state())
     if kind == "numpy.random.Generator":
