@@ -199,3 +199,42 @@ def assert_lab_dict(path: Path, step: int) -> dict:
     assert type(state["step"]) is int and state["step"] == step
     assert state["gen_state"].dtype == torch.uint8 and state["gen_state"].dim() == 1
     return state
+
+
+# -- processes, from /proc ---------------------------------------------------------------------------
+
+
+def children() -> dict[int, list[int]]:
+    """Each process's children, from /proc."""
+    tree: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        tree.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started by `pid`, and by those (the launcher's agent and its ranks)."""
+    tree, found, todo = children(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def ranks_of(launcher: forkserver.Run) -> list[int]:
+    """The training processes under `launcher`: the children of its one child, the agent."""
+    tree = children()
+    return [rank for agent in tree.get(launcher.pid, []) for rank in tree.get(agent, [])]
+
+
+def process_state(pid: int) -> str | None:
+    """A process's state letter (R, S, T, Z, ...), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None

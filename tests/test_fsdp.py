@@ -22,14 +22,16 @@ import pytest
 import torch
 
 from exactresume.core.steplog import read_samples
-from exactresume.forkserver.client import Run
 from exactresume.store.faults import FAULT_ENV, STAGES
 from helpers import (
     assert_lab_dict,
     assert_one_line_error,
     assert_weights_equal,
+    descendants,
     free_port,
     max_abs_difference,
+    process_state,
+    ranks_of,
     run_cli,
     spawn_cli,
     train_cli,
@@ -179,34 +181,6 @@ def test_the_lab_and_the_ablation_refuse_fsdp(tmp_path, kjv_folder, command):
 # -- kill -9 under FSDP2, then --resume auto on 2 processes and on 1 ---------------------------------
 
 
-def children() -> dict[int, list[int]]:
-    """Each process's children, from /proc."""
-    tree: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        tree.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    return tree
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process started by `pid`, and by those (the launcher's agent and its ranks)."""
-    tree, found, todo = children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def ranks_of(launcher: Run) -> list[int]:
-    """The training processes under `launcher`: the children of its one child, the agent."""
-    tree = children()
-    return [rank for agent in tree.get(launcher.pid, []) for rank in tree.get(agent, [])]
-
-
 def killed_mid_run(out: Path, data: Path, victim: str, rng: random.Random, sig: int = signal.SIGKILL) -> int:
     """Start the FSDP2 run on 2 processes, let rank 0 freeze itself at a random stage of a random save,
     send `sig` (kill -9) to `victim` there (the launcher, one rank, or both) and let the rest go on;
@@ -215,7 +189,7 @@ def killed_mid_run(out: Path, data: Path, victim: str, rng: random.Random, sig: 
     flags = [*FLAGS, "--nproc", 2, "--shard", "fsdp", "--save-every", 2, "--resume", "auto", "--samples", out / "s.csv"]
     launcher = spawn_cli("train", "--out", out, "--data", data, *flags, env={"OMP_NUM_THREADS": "1", FAULT_ENV: fault})
     deadline = time.monotonic() + 240
-    while not any(_state(pid) == "T" for pid in descendants(launcher.pid)):
+    while not any(process_state(pid) == "T" for pid in descendants(launcher.pid)):
         assert launcher.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
         time.sleep(0.02)
     family, ranks = [launcher.pid, *descendants(launcher.pid)], ranks_of(launcher)
@@ -226,18 +200,10 @@ def killed_mid_run(out: Path, data: Path, victim: str, rng: random.Random, sig: 
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
     code = launcher.wait(timeout=120)
-    while any(_state(pid) not in ("Z", None) for pid in family):
+    while any(process_state(pid) not in ("Z", None) for pid in family):
         assert time.monotonic() < deadline, "a process of the killed run is still there"
         time.sleep(0.05)
     return code
-
-
-def _state(pid: int) -> str | None:
-    """A process's state letter (R, S, T, Z, ...), or None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 def resume_auto(out: Path, data: Path, *flags: object) -> str:

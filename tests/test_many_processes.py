@@ -28,7 +28,7 @@ from exactresume.parallel.replicate import replicate
 from exactresume.store.folder import CheckpointStore
 from exactresume.store.weights import read_weights
 from exactresume.world import World
-from helpers import assert_one_line_error, call_cli, free_port, run_cli, spawn_cli
+from helpers import assert_one_line_error, call_cli, free_port, ranks_of, run_cli, spawn_cli
 
 # 30 windows of 8 tokens: an epoch of batches 8, 8, 8 and 6; 12 steps are three epochs.
 FEATURES = ["--loader", "epoch", "--seq-len", "8", "--batch", "8", "--grad-accum", "2", "--dropout", "0.1"]
@@ -54,14 +54,32 @@ def logged_steps(folder: Path) -> int:
 
 
 def stop_with_sigterm(folder: Path, data: Path) -> subprocess.CompletedProcess:
-    """Start the 2-process run, SIGTERM the `exactresume` command once its first step is logged."""
+    """Start the 2-process run, SIGTERM the `exactresume` command once its first step is logged.
+
+    The ranks are frozen from then until the signal has reached them, so that it cannot come after
+    their last step however slowly the launcher and the agent pass it on (a busy machine's seconds)."""
     command = flags(folder, data, "--resume", "auto")
     child = spawn_cli(*command, env={"OMP_NUM_THREADS": "1"})
     while logged_steps(folder) == 0 and child.poll() is None:
         time.sleep(0.01)
+    ranks = ranks_of(child)
+    for rank in ranks:
+        os.kill(rank, signal.SIGSTOP)
     child.send_signal(signal.SIGTERM)  # to the command only: it passes it through torchrun to every rank
+    deadline = time.monotonic() + 60
+    while not all(sigterm_pending(rank) for rank in ranks) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for rank in ranks:
+        os.kill(rank, signal.SIGCONT)
     stdout, stderr = child.communicate()
     return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
+def sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits for process `pid` (frozen, it takes it when it goes on)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    pending = int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return bool(pending >> (signal.SIGTERM - 1) & 1)
 
 
 def test_sigterm_under_two_processes_saves_one_step_and_resumes_bit_identical(tmp_path, tiny_folder, straight):
