@@ -40,7 +40,7 @@ def test_accelerate_takes_the_prepared_loader_only(accelerator, capsys):
     assert accelerate_resume(accelerator, raw) is raw
     said = lines(capsys)
     assert len(said) == 1 and "takes what accelerator.prepare(loader) returns, got a DataLoader" in said[0], said
-    assert "the run goes on as Accelerate alone runs it" in said[0]
+    assert "resumes as Accelerate alone resumes it (its saves are still made whole or absent)" in said[0]
 
 
 def test_accelerate_given_the_loader_twice(accelerator, capsys):
@@ -112,6 +112,85 @@ def test_accelerate_saves_whole_folders_where_automatic_naming_puts_them(tmp_pat
     own = saved_folders(tmp_path / "own", line=False)
     assert own == ["checkpoints", "checkpoints/checkpoint_1", "checkpoints/checkpoint_2"]
     assert saved_folders(tmp_path / "line", line=True) == own
+
+
+class SaveCount:
+    """A state registered for checkpointing: which save a checkpoint holds."""
+
+    def __init__(self):
+        self.saves = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"saves": self.saves}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.saves = state["saves"]
+
+
+def automatic_naming(project: Path, line: bool):
+    """An accelerator saving into `project`/checkpoints under automatic naming (3 kept), its loader, its count."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    naming = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True, total_limit=3)
+    accelerator, count = Accelerator(cpu=True, project_config=naming), SaveCount()
+    accelerator.register_for_checkpointing(count)
+    loader = accelerator.prepare(data_loader())
+    return accelerator, accelerate_resume(accelerator, loader) if line else loader, count
+
+
+def save_three(project: Path, line: bool) -> None:
+    accelerator, loader, count = automatic_naming(project, line)
+    for _ in zip(range(3), loader):
+        count.saves += 1
+        accelerator.save_state()
+
+
+def checkpoint_names(project: Path) -> list[str]:
+    return sorted(path.name for path in (project / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("line", [False, True])
+def test_accelerate_saves_after_load_state_where_the_uninterrupted_run_saves(tmp_path, line):
+    """Accelerate alone counts its saves from 0 again after load_state: the resumed run's save prunes
+    checkpoint_0 and takes its name, the lowest, and the next load_state takes an older one instead."""
+    save_three(tmp_path, line)
+    resumed, loader, count = automatic_naming(tmp_path, line)
+    resumed.load_state()
+    assert count.saves == 3
+    count.saves += 1
+    resumed.save_state()
+    again, loader, count = automatic_naming(tmp_path, line)
+    again.load_state()
+    if line:
+        assert (count.saves, checkpoint_names(tmp_path)) == (4, ["checkpoint_1", "checkpoint_2", "checkpoint_3"])
+    else:  # by hand: the 4th save is lost to the next resume
+        assert (count.saves, checkpoint_names(tmp_path)) == (3, ["checkpoint_0", "checkpoint_1", "checkpoint_2"])
+
+
+def test_accelerate_refuses_a_save_onto_a_checkpoint_before_pruning(tmp_path):
+    """A new run in a used project, without load_state: Accelerate alone would prune checkpoint_0 and save there."""
+    save_three(tmp_path, line=True)
+    again, loader, count = automatic_naming(tmp_path, line=True)
+    with pytest.raises(ValueError, match="checkpoint_0 already exists, and nothing was saved or removed"):
+        again.save_state()
+    assert checkpoint_names(tmp_path) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+
+
+@pytest.mark.parametrize(("folder", "staged"), [("step_1", ".exactresume-partial/step_1"),
+                                               ("ckpt/step_1", ".exactresume-partial/ckpt/step_1")])  # fmt: skip
+def test_accelerate_stages_a_save_beside_its_parent_never_above_the_working_directory(
+    accelerator, tmp_path, monkeypatch, folder, staged
+):
+    from exactresume.integrations import accelerate_atomic
+
+    renamed, real = [], accelerate_atomic.replace_folder
+    monkeypatch.setattr(accelerate_atomic, "replace_folder", lambda old, new: renamed.append(old) or real(old, new))
+    monkeypatch.chdir(tmp_path)
+    accelerate_resume(accelerator, accelerator.prepare(data_loader()))
+    accelerator.save_state(folder)
+    assert renamed == [tmp_path / staged]
+    assert (tmp_path / folder / "exactresume-rank0.pt").exists() and not (tmp_path / ".exactresume-partial").exists()
 
 
 class Tiny(torch.nn.Module):

@@ -34,18 +34,24 @@ def accelerate_resume(accelerator, loader):
     try:
         if not hasattr(accelerator, "register_save_state_pre_hook"):
             raise UserError(f"this Accelerate has no save_state hooks (it supports Accelerate {SUPPORTED} on)")
+        atomic_saves(accelerator)  # whatever becomes of the loader: every save whole or absent
         state = shards.read_through(loader)
     except UserError as error:
         twice = "twice" in str(error)
-        notice(f"{NAME}: {error}" + ("" if twice else "; the run goes on as Accelerate alone runs it"))
+        notice(f"{NAME}: {error}" + ("" if twice else _standing_aside(accelerator)))
         return loader
-    atomic_saves(accelerator)
     made = getattr(accelerator, COUNT, 0)  # loaders made resumable on this accelerator before: each its own file
     setattr(accelerator, COUNT, made + 1)
     name = shards.state_file(accelerator.process_index, made)
     accelerator.register_save_state_pre_hook(lambda models, weights, folder: _save(state, Path(folder) / name))
     accelerator.register_load_state_pre_hook(lambda models, folder: _load(loader, state, Path(folder) / name))
     return loader
+
+
+def _standing_aside(accelerator) -> str:
+    if hasattr(accelerator, "register_save_state_pre_hook"):
+        return "; this loader resumes as Accelerate alone resumes it (its saves are still made whole or absent)"
+    return "; the run goes on as Accelerate alone runs it"
 
 
 def _save(state: LoopState, path: Path) -> None:

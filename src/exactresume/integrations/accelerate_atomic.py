@@ -5,14 +5,22 @@ folder as it was, never one cut short that `load_state` fails on.
 RNG, ours). With the line it writes them into `.exactresume-partial/` one level above the folder's
 parent (for `ckpt/step_5`: `.exactresume-partial/ckpt/step_5`), outside the folder a loop lists to
 find its newest checkpoint, and outside `checkpoints/` under automatic_checkpoint_naming, where
-Accelerate's own listing would take it for one. Once every process has written, the files are made
-durable and the folder is put at its name in one rename, over the old one if there was one; the
-oldest beyond `total_limit` are removed only then.
+Accelerate's own listing would take it for one; inside the parent where the parent is the working
+directory (a project's own folder: nothing is written above it) or the folder above cannot take it.
+Once every process has written, the files are made durable and the folder is put at its name in one
+rename, over the old one if there was one; the oldest beyond `total_limit` are removed only then.
+
+Under automatic_checkpoint_naming, `load_state` leaves Accelerate's count of saves at 0, and its next
+`save_state` prunes, then finds `checkpoint_0` there and raises. With the line `load_state` sets the
+count after the newest checkpoint (the number the uninterrupted run saves next), and a save whose
+folder exists is refused before anything is pruned.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -27,12 +35,17 @@ def atomic_saves(accelerator) -> None:
     if getattr(accelerator, MADE, False):
         return
     setattr(accelerator, MADE, True)
-    original = accelerator.save_state
+    original, original_load = accelerator.save_state, accelerator.load_state
 
     def save_state(output_dir=None, safe_serialization: bool = True, **kwargs):
         target = _target(accelerator, output_dir)
-        if target is None or (target.exists() and _automatic(accelerator)):  # Accelerate's own refusal, as it words it
+        if target is None:
             return original(output_dir, safe_serialization, **kwargs)
+        if target.exists() and _automatic(accelerator):  # Accelerate would prune first, then raise
+            raise ValueError(
+                f"{target} already exists, and nothing was saved or removed: set "
+                "accelerator.project_configuration.iteration to the number to save next (load_state sets it)"
+            )
         staging = _staging(target)
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
@@ -47,11 +60,27 @@ def atomic_saves(accelerator) -> None:
             _commit(staging, target, None)
         return str(target)
 
-    accelerator.save_state = save_state
+    def load_state(input_dir=None, **kwargs):
+        loaded = original_load(input_dir, **kwargs)
+        if _automatic(accelerator):
+            _count_after_newest(accelerator)
+        return loaded
+
+    accelerator.save_state, accelerator.load_state = save_state, load_state
 
 
 def _automatic(accelerator) -> bool:
     return bool(accelerator.project_configuration.automatic_checkpoint_naming)
+
+
+def _count_after_newest(accelerator) -> None:
+    """Accelerate's count of saves after the newest `checkpoints/checkpoint_N`: N + 1, where the
+    uninterrupted run's next save goes (never lowered, never onto a folder that exists)."""
+    folder = Path(accelerator.project_dir, "checkpoints")
+    names = os.listdir(folder) if folder.is_dir() else []
+    numbers = [int(found[0]) for name in names if (found := re.findall(r"\d+", name))]
+    configuration = accelerator.project_configuration
+    configuration.iteration = max([configuration.iteration, *(number + 1 for number in numbers)])
 
 
 def _target(accelerator, output_dir) -> Path | None:
@@ -64,12 +93,22 @@ def _target(accelerator, output_dir) -> Path | None:
 
 
 def _staging(target: Path) -> Path:
-    """Where `target` is written before its rename: beside its parent, on the same disk (a rename cannot cross)."""
+    """Where `target` is written before its rename: beside its parent, on the same disk (a rename cannot
+    cross); inside the parent where that is the working directory, or the folder above is not fit."""
     parent = target.parent
-    above = parent.parent if parent.parent != parent else parent
-    if above.exists() and parent.exists() and above.stat().st_dev != parent.stat().st_dev:
-        above = parent  # the parent is a disk of its own: stage inside it
+    above = parent.parent
+    if parent == Path.cwd() or above == parent or not _fit_for_staging(above, parent):
+        return parent / PARTIAL / target.name
     return above / PARTIAL / parent.name / target.name
+
+
+def _fit_for_staging(above: Path, parent: Path) -> bool:
+    """Whether `above` can be written and lies on `parent`'s disk (checked where they exist yet)."""
+    if not above.exists():
+        return True  # made with the checkpoint's parent
+    if not os.access(above, os.W_OK):
+        return False
+    return not parent.exists() or above.stat().st_dev == parent.stat().st_dev
 
 
 @contextlib.contextmanager
@@ -88,7 +127,8 @@ def _commit(staging: Path, target: Path, keep: int | None) -> None:
     fsync_tree(staging)
     target.parent.mkdir(parents=True, exist_ok=True)
     replace_folder(staging, target)
-    for empty in (staging.parent, staging.parent.parent):
+    partial = next(folder for folder in staging.parents if folder.name == PARTIAL)
+    for empty in dict.fromkeys((staging.parent, partial)):  # left where no other save is staged
         with contextlib.suppress(OSError):
             empty.rmdir()
     if keep is not None:
