@@ -22,6 +22,7 @@ import torch
 from exactresume.cli import main
 from exactresume.doctor.warm import TRACED_KIND
 from exactresume.forkserver import client as forkserver
+from exactresume.lab import runs
 
 # Small runs keep the suite fast; exactness does not depend on size.
 MOTO_SECRET = "moto-secret-never-printed"  # the secret key conftest.moto_s3 sets: no message may show it
@@ -64,7 +65,7 @@ def run_cli(*args: object, check: bool = False, env: dict[str, str] | None = Non
     process's environment and `env`: forked from the server of `exactresume` runs (forkserver/), which
     imported torch once, so that a test pays for a process, not for torch's imports again."""
     with stable_environ():
-        finished = forkserver.run_cli(list(args), env=env)
+        finished = runs.run_cli(list(args), env=env)
     if check and finished.returncode != 0:
         raise AssertionError(f"exactresume {' '.join(map(str, args))} exited {finished.returncode}:\n{finished.stderr}")
     return finished
@@ -81,7 +82,7 @@ def spawn_cli(*args: object, env: dict[str, str] | None = None) -> forkserver.Ru
     """`exactresume ARGS` started in a new process as run_cli starts it, not waited for: a handle like
     subprocess.Popen's (pid, send_signal, poll, wait, communicate), for a test that stops or kills it."""
     with stable_environ():
-        return forkserver.spawn_cli(list(args), env=env)
+        return runs.spawn_cli(list(args), env=env)
 
 
 def printed(process: forkserver.Run, needle: str, timeout: float = 120) -> str:

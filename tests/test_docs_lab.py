@@ -25,7 +25,7 @@ def test_the_lab_records_its_config_and_machine_first(tmp_path, monkeypatch):
     def stop(*args, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(lab_module, "start_cli_server", lambda: None)
+    monkeypatch.setattr(lab_module, "start_runs_server", lambda: None)
     monkeypatch.setattr(lab_module, "ensure_data", stop)  # the lab's first real step: stop there
     config = LabConfig(train=TrainConfig(steps=12, dropout=0.1), stop_at=5, out=tmp_path, nproc=2)
     with pytest.raises(Stop):

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from exactresume.forkserver import client as forkserver
+from exactresume.lab import runs
 from exactresume.store.weights import read_weights
 from helpers import SMALL, assert_one_line_error
 
@@ -32,9 +32,9 @@ def test_forked_run_equals_cold_process_run(tmp_path, kjv_folder):
             ]
         ]
 
-    warm = forkserver.run_cli(flags("warm"))
+    warm = runs.run_cli(flags("warm"))
     assert warm.returncode == 0, warm.stderr
-    cold = subprocess.run([sys.executable, "-m", "exactresume.cli", *flags("cold")], capture_output=True, text=True)
+    cold = subprocess.run([sys.executable, "-m", "exactresume", *flags("cold")], capture_output=True, text=True)
     assert cold.returncode == 0, cold.stderr
     warm_weights, cold_weights = (
         read_weights(tmp_path / "warm" / "final.pth")[0],
@@ -45,15 +45,13 @@ def test_forked_run_equals_cold_process_run(tmp_path, kjv_folder):
 
 
 def test_forked_run_reports_a_refusal_in_one_line(tmp_path, kjv_folder):
-    finished = forkserver.run_cli(
-        ["train", "--out", str(tmp_path), "--data", str(kjv_folder), *SMALL, "--stop-at", "99"]
-    )
+    finished = runs.run_cli(["train", "--out", str(tmp_path), "--data", str(kjv_folder), *SMALL, "--stop-at", "99"])
     assert_one_line_error(finished, "--stop-at")
 
 
 def test_spawned_runs_run_side_by_side_and_signals_reach_each(tmp_path, kjv_folder):
     train = ["train", "--out", str(tmp_path / "killed"), "--data", str(kjv_folder), *SMALL]
-    killed, asked = forkserver.spawn_cli(train), forkserver.spawn_cli(["--help"])
+    killed, asked = runs.spawn_cli(train), runs.spawn_cli(["--help"])
     assert len({killed.pid, asked.pid, os.getpid()}) == 3 and killed.poll() is None
     killed.kill()
     assert killed.wait(timeout=60) == -signal.SIGKILL and killed.poll() == -signal.SIGKILL

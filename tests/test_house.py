@@ -8,6 +8,7 @@ import ast
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,36 @@ def test_a_module_level_function_no_other_file_names_is_private():
                 if not any(node.name in found for other, found in words.items() if other != path):
                     lonely.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}")
     assert lonely == [], lonely
+
+
+def layer_of(module: str, layers: list[str]) -> int | None:
+    """The floor of `module` in the import linter's layers (0 the top), None for the package's own files."""
+    for floor, rooms in enumerate(layers):
+        if any(module == room or module.startswith(room + ".") for room in map(str.strip, rooms.split("|"))):
+            return floor
+    return None
+
+
+def test_no_module_names_a_higher_one_in_a_string():
+    """The import linter sees imports; a module named in a string (for import_module, a fork server's
+    preload, a `python -m`) is a tie it cannot see, so none may point up the house."""
+    root = PACKAGE.parents[1]
+    layers = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        floor = layer_of(module, layers)
+        tree = ast.parse(path.read_text())
+        documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        documented = [node for node in ast.walk(tree) if isinstance(node, documented)]
+        docstrings = {id(node.body[0].value) for node in documented if ast.get_docstring(node, clean=False)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                for named in re.findall(r"exactresume(?:\.\w+)+", node.value):
+                    named_floor = layer_of(named, layers)
+                    if floor is not None and named_floor is not None and named_floor < floor:
+                        upward.append(f"{module}:{node.lineno} names {named}")
+    assert upward == [], upward
 
 
 def test_no_module_below_the_commands_reads_flags():

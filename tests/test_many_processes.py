@@ -9,6 +9,7 @@ torchrun starts in all (straight, stopped, resumed), a few steps each.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -63,21 +64,28 @@ def stop_with_sigterm(folder: Path, data: Path) -> subprocess.CompletedProcess:
     while logged_steps(folder) == 0 and child.poll() is None:
         time.sleep(0.01)
     ranks = ranks_of(child)
-    for rank in ranks:
-        os.kill(rank, signal.SIGSTOP)
+    signal_each(ranks, signal.SIGSTOP)
     child.send_signal(signal.SIGTERM)  # to the command only: it passes it through torchrun to every rank
     deadline = time.monotonic() + 60
     while not all(sigterm_pending(rank) for rank in ranks) and time.monotonic() < deadline:
         time.sleep(0.01)
-    for rank in ranks:
-        os.kill(rank, signal.SIGCONT)
+    signal_each(ranks, signal.SIGCONT)
     stdout, stderr = child.communicate()
     return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
 
 
+def signal_each(pids: list[int], number: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # one that ended is what the test then finds
+            os.kill(pid, number)
+
+
 def sigterm_pending(pid: int) -> bool:
-    """Whether a SIGTERM waits for process `pid` (frozen, it takes it when it goes on)."""
-    status = Path(f"/proc/{pid}/status").read_text()
+    """Whether a SIGTERM waits for process `pid` (frozen, it takes it when it goes on), or it ended."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
     pending = int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.M).group(1), 16)
     return bool(pending >> (signal.SIGTERM - 1) & 1)
 

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in (None, "help"):
         return _show_help(parser, getattr(args, "topic", None))
-    args.argv = argv  # what --nproc runs on each rank, and what a stopped run's summary continues
+    # What --nproc runs on each rank (this command, by this function), and what a stopped run's summary continues.
+    args.argv, args.main = argv, main
     try:
         with summary_stdout(args), extras_needed():
             return args.func(args)
@@ -126,8 +127,13 @@ def exit_as_rank(code: int) -> None:
     os._exit(code)
 
 
-if __name__ == "__main__":
+def run_command_line() -> None:
+    """`exactresume` on this process's arguments, exiting with its code (a torchrun rank: at once)."""
     exit_code = main()
     if launched_by_torchrun():
         exit_as_rank(exit_code)
     sys.exit(exit_code)
+
+
+if __name__ == "__main__":
+    run_command_line()

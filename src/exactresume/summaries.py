@@ -93,7 +93,7 @@ def launcher() -> list[str]:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     nodes = max(1, int(os.environ["WORLD_SIZE"]) // local)
     where = ["--standalone"] if nodes == 1 else ["--nnodes", str(nodes)]
-    return ["torchrun", *where, "--nproc-per-node", str(local), "-m", "exactresume.cli"]
+    return ["torchrun", *where, "--nproc-per-node", str(local), "-m", "exactresume"]
 
 
 def continue_command(argv: list[str], resume: Path) -> str:

@@ -43,11 +43,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from exactresume.forkserver.client import start_cli_server
+    from exactresume.lab.runs import start_runs_server
 
     train = config_from_args(args)
     if 1 <= args.stop_at < train.steps:  # else LabConfig refuses it below: start nothing for a refusal
-        start_cli_server()  # before importing torch here, so the fork server's imports overlap with ours
+        start_runs_server()  # before importing torch here, so the fork server's imports overlap with ours
     from exactresume.lab.lab import LabConfig, run_lab
     from exactresume.world import launched_by_torchrun
 

@@ -166,7 +166,7 @@ def train(args: argparse.Namespace, job, world) -> int:
     if job.dry_run and plan is not None:
         return 0
     if plan is not None and job.processes > 1:  # the ranks are this process's children's children
-        code, who = _launch_ranks(argv, job.processes), resource.RUSAGE_CHILDREN
+        code, who = _launch_ranks(args.main, argv, job.processes), resource.RUSAGE_CHILDREN
     else:
         mode = progress_mode(args) if world.is_main else "none"
         code, who = _train_here(job, world, args.label, mode), resource.RUSAGE_SELF
@@ -183,11 +183,13 @@ def memory(plan, who: int) -> dict | None:
     return {"peak_bytes": resource.getrusage(who).ru_maxrss * 1024, "planned_bytes": plan.process_bytes}
 
 
-def _launch_ranks(argv: list[str], processes: int) -> int:
-    """`train --nproc N`: the same command in N processes (parallel.launch); this one sums up after."""
+def _launch_ranks(main, argv: list[str], processes: int) -> int:
+    """`train --nproc N`: the same command, `main(ARGV)`, in N processes (parallel.launch), each a fork
+    of this one with the training modules imported; this one sums up after."""
+    import exactresume.training.job_run  # noqa: F401  (imported once here, not in every rank)
     from exactresume.parallel.launch import launch
 
-    return launch([*argv, "--no-summary"], processes)
+    return launch(main, [*argv, "--no-summary"], processes)
 
 
 def _train_here(job, world, label: str, mode: str) -> int:

@@ -1,6 +1,6 @@
 """Runs forked from a fork server (serve.py), or started cold where they cannot be, as Popen-like handles.
 
-    run = spawn([sys.executable, "-m", "exactresume.cli", "train", ...], preload=TRAINING)
+    run = spawn([sys.executable, "-m", "exactresume", "train", ...], kind=ServerKind(preload=("torch",)))
     run.wait(); stdout, stderr = run.output()          # pid, poll, wait, send_signal, kill, communicate
 
 One server per Python, preload and tracer (and, where given, server environment), for the life of this
@@ -21,7 +21,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import weakref
@@ -202,37 +201,11 @@ def _server_for(python: str, kind: ServerKind, server_env: dict[str, str] | None
     return server
 
 
-# What `exactresume ...` runs need imported: training and torch._dynamo (building any torch optimizer
-# imports it), and where the s3 extra installed boto3, what a run to or from s3:// imports.
-CLI_KIND = ServerKind(
-    preload=("exactresume.training.job_run", "torch._dynamo"),
-    optional=("boto3", "botocore.config", "exactresume.store.s3.folder", "exactresume.store.s3.sharded"),
-)
-
-
-def _cli_command(argv: list[str]) -> list[str]:
-    """`exactresume ARGV` as this Python runs it."""
-    return [sys.executable, "-m", "exactresume.cli", *map(str, argv)]
-
-
-def start_cli_server() -> None:
-    """Start the server of `exactresume` runs now, so that its imports overlap with the caller's own."""
+def start_server(python: str, kind: ServerKind) -> None:
+    """Start the server of `python` and `kind` now, so that its imports overlap with the caller's own."""
     if hasattr(os, "fork"):
         with _servers_lock:
-            _server_for(sys.executable, CLI_KIND, None, None)
-
-
-def spawn_cli(argv: list[str], env: dict[str, str] | None = None) -> Run:
-    """`exactresume ARGV` in a new process, forked from the server of `exactresume` runs; `env` beside
-    this process's environment."""
-    return spawn(_cli_command(argv), os.environ | (env or {}), kind=CLI_KIND)
-
-
-def run_cli(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`exactresume ARGV` in a new process, waited for: its exit code and output."""
-    run = spawn_cli(argv, env)
-    stdout, stderr = run.communicate()
-    return subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr)
+            _server_for(python, kind, None, None)
 
 
 def spawn(

@@ -8,7 +8,7 @@ user's Python, which may not have it):
 One request per line on stdin, one answer per line on stdout:
 
     in   {"id": 3, "argv": ["train.py", "--out", "ckpt"], "env": {...}, "cwd": "...", "stdout": PATH, "stderr": PATH}
-         ("module": "exactresume.cli" runs `python -m` that module; "stderr" absent: into stdout's file)
+         ("module": "exactresume" runs `python -m` that module; "stderr" absent: into stdout's file)
     out  "ready" once its imports are done; "pid ID N" when run ID started; "exit ID CODE" when it ended
          (CODE negative: the signal that ended it)
 

@@ -22,8 +22,8 @@ from exactresume.core.data import ensure_data
 from exactresume.core.steplog import read_loss_log, read_samples
 from exactresume.errors import UserError
 from exactresume.flags import config_flags
-from exactresume.forkserver.client import run_cli, start_cli_server
 from exactresume.lab.record import RUN_RECORD, run_record
+from exactresume.lab.runs import run_cli, start_runs_server
 from exactresume.parallel.split import check_split
 from exactresume.progress import ByteProgress
 from exactresume.store.contents import resume_size_breakdown
@@ -196,7 +196,7 @@ def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
     log = log if progress_mode != "none" else (lambda message: None)
     ensure_writable_folder(config.out / DETAILS)
     write_json(config.out / DETAILS / RUN_RECORD, run_record(config))
-    start_cli_server()
+    start_runs_server()
     torch.set_num_threads(config.train.threads)  # for the lab's own figures (fp16 logits) as for its runs
     started = time.perf_counter()
     ensure_data(config.data, log, ByteProgress("prepare: encode", progress_mode))

@@ -1,14 +1,16 @@
 """The agent of `--nproc N`: PyTorch's elastic agent (the engine torchrun runs), started in a process
 forked from the launcher (launch.py), that starts the N ranks as forks of itself.
 
-Each rank is a new process that begins with torch, torch._dynamo and our training modules imported,
-and nothing else: the launcher imported them (PRELOAD) before forking, and never built a model, ran
-an operator or drew a random number (the lab's warm starts rest on the same fact). A rank started
-cold would import them again: seconds of CPU per rank before its first step, on every launch.
+Each rank is a new process that begins with torch, torch._dynamo and the command's own modules
+imported, and nothing else: the launcher imported them (PRELOAD, and what its caller imported)
+before forking, and never built a model, ran an operator or drew a random number (the lab's warm
+starts rest on the same fact). A rank started cold would import them again: seconds of CPU per rank
+before its first step, on every launch.
 
 The agent is torchrun's `--standalone`: one node, a c10d rendezvous on a free local port, no
-restarts. Each rank runs `exactresume ARGV` as a rank torchrun started would (RANK, WORLD_SIZE,
-MASTER_ADDR ... in its environment) and exits with its command's code.
+restarts. Each rank runs the command it is given, `main(ARGV)` (the CLI's, handed down by its
+caller: this layer sits below it), as a rank torchrun started would (RANK, WORLD_SIZE, MASTER_ADDR
+... in its environment), and exits with its code.
 
 Under `exactresume doctor`, whose tracer runs in the launcher, the ranks are spawned instead: each
 is a fresh Python, traced by the doctor as a process of its own.
@@ -21,11 +23,10 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-# What every rank needs before its first step; imported by the launcher, so that each fork has it.
-PRELOAD = ("torch._dynamo", "torch.distributed.launcher.api", "exactresume.training.job_run")
-CLI_MODULE = "exactresume.cli"  # the rank's command, named by module: the CLI sits above this layer
+# What every rank needs of torch before its first step; imported by the launcher, so that each fork has it.
+PRELOAD = ("torch._dynamo", "torch.distributed.launcher.api")
 TRACED = "EXACTRESUME_DOCTOR_TRACE"  # set where the doctor's tracer runs (doctor/tracer/shim)
 
 
@@ -35,15 +36,16 @@ def preload() -> None:
         importlib.import_module(module)
 
 
-def run_agent(argv: Sequence[str], nproc: int) -> int:
-    """Run `exactresume ARGV` on N ranks of this machine under the elastic agent; the first failed
-    rank's exit code (128 + N for a signal), 0 when every rank succeeded."""
+def run_agent(main: Callable[[list[str]], int], argv: Sequence[str], nproc: int) -> int:
+    """Run `main(ARGV)` on N ranks of this machine under the elastic agent; the first failed rank's
+    exit code (128 + N for a signal), 0 when every rank succeeded. `main` is a module's function
+    (spawned ranks unpickle it by name)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     try:
-        elastic_launch(agent_config(nproc), _run_rank)(list(argv))
+        elastic_launch(agent_config(nproc), _run_rank)(main, list(argv))
     except ChildFailedError as failed:
         code = failed.get_first_failure()[1].exitcode
         return code if code >= 0 else 128 - code
@@ -68,13 +70,13 @@ def agent_config(nproc: int):
     )
 
 
-def _run_rank(argv: list[str]) -> None:
-    """One rank: `exactresume ARGV` in this process; a failure leaves with its command's exit code."""
+def _run_rank(main: Callable[[list[str]], int], argv: list[str]) -> None:
+    """One rank: `main(ARGV)` in this process; a failure leaves with its command's exit code."""
     # A fork has the agent's handlers (they raise into the agent's loop): a rank starts with the defaults.
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    code = importlib.import_module(CLI_MODULE).main(argv)
+    code = main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     if code:

@@ -2,14 +2,15 @@
 engine torchrun runs), the ranks forked from this process (agent.py).
 
     exactresume train ... --nproc 2
-    = torchrun --standalone --nproc-per-node 2 -m exactresume.cli -- train ... --nproc 2,
+    = torchrun --standalone --nproc-per-node 2 -m exactresume -- train ... --nproc 2,
       each rank a fork that starts with torch imported
 
-This process imports what the ranks need (agent.PRELOAD), then forks the agent, which forks the
-ranks. Each rank finds its rank in the environment the agent sets (world.World.from_env) and
-ignores --nproc. A user's mistake is met by every rank alike; the launcher prints it once, as one
-line, with the rank's exit code (2, or 74 for a disk that refused a write), instead of the agent's
-failure report.
+This process imports what the ranks need (agent.PRELOAD; its caller imported the command's own
+modules), then forks the agent, which forks the ranks, each running the command's `main(ARGV)`.
+Each rank finds its rank in the environment the agent sets (world.World.from_env) and ignores
+--nproc. A user's mistake is met by every rank alike; the launcher prints it once, as one line, with
+the rank's exit code (2, or 74 for a disk that refused a write), instead of the agent's failure
+report.
 
 Preemption: the agent runs in its own session, and a SIGTERM or SIGINT to this process is passed on
 to it, as is a SIGTERM when this process dies (kill -9 included); the agent passes it to every rank
@@ -27,7 +28,7 @@ import re
 import signal
 import sys
 import traceback
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from exactresume.errors import UserError
 from exactresume.parallel.agent import preload, run_agent
@@ -44,8 +45,8 @@ def first_error(stderr: str) -> str | None:
     return next((line for line in stderr.splitlines() if ERROR_LINE.match(line)), None)
 
 
-def launch(argv: Collection[str], nproc: int) -> int:
-    """Run `exactresume ARGV` in N processes; a rank's one line and exit code when one fails."""
+def launch(main: Callable[[list[str]], int], argv: Collection[str], nproc: int) -> int:
+    """Run the command `main(ARGV)` in N processes; a rank's one line and exit code when one fails."""
     if not hasattr(os, "fork"):
         raise UserError("--nproc needs a system with fork (Linux, macOS); start torchrun yourself here")
     preload()
@@ -55,7 +56,7 @@ def launch(argv: Collection[str], nproc: int) -> int:
     agent = os.fork()
     if agent == 0:
         os.close(read_end)
-        _be_the_agent(argv, nproc, write_end, launcher)
+        _be_the_agent(main, argv, nproc, write_end, launcher)
     os.close(write_end)
     with _passing_signals_to(agent), os.fdopen(read_end, errors="replace") as agent_stderr:
         stderr = agent_stderr.read()  # the agent's and the ranks' stderr, until the last of them ends
@@ -68,7 +69,7 @@ def launch(argv: Collection[str], nproc: int) -> int:
     return exit_code(error, code)
 
 
-def _be_the_agent(argv: Collection[str], nproc: int, stderr_fd: int, launcher: int) -> None:
+def _be_the_agent(main: Callable, argv: Collection[str], nproc: int, stderr_fd: int, launcher: int) -> None:
     """In the forked agent: its own session (a terminal's Ctrl-C reaches the ranks once, through the
     agent, not twice), SIGTERM when the launcher dies (kill -9 included: the ranks save and stop, none
     is left behind), stderr to the launcher's pipe; run the ranks, exit with the code. Never returns."""
@@ -83,7 +84,7 @@ def _be_the_agent(argv: Collection[str], nproc: int, stderr_fd: int, launcher: i
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # the descriptors, where a caller redirected them
         # torchrun would set 1 and warn; split this machine's cores between the processes instead.
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        code = run_agent(argv, nproc)
+        code = run_agent(main, argv, nproc)
     except BaseException:
         traceback.print_exc()
     finally:

@@ -1,7 +1,7 @@
 """Many processes: one run as N replicas under torch.distributed (DistributedDataParallel).
 
     exactresume train ... --nproc 2                                # relaunches itself under torchrun
-    torchrun --nproc-per-node 2 -m exactresume.cli -- train ...   # or launch it yourself (multi-node too)
+    torchrun --nproc-per-node 2 -m exactresume -- train ...   # or launch it yourself (multi-node too)
 
 The global batch stays `--batch`: every rank draws the whole global batch of window starts from
 the same generator state and trains on its own slice, so the samples seen are a function of the
