@@ -255,6 +255,29 @@ def test_reserved_part_names_are_refused(tmp_path):
         quiet_store(tmp_path).save(1, {"identity": GlobalRng()})  # a store's identity= is kept under it
 
 
+@pytest.mark.parametrize(
+    "call",
+    ["save_resume", "load_resume", "open_resume", "store.save", "store.load", "sharded.save", "sharded.load"],
+)
+def test_every_public_call_names_a_part_without_state_dict_alike(tmp_path, call):
+    """Parts are checked where they enter, once, with one line, whichever call they enter by."""
+    from exactresume import load_resume, open_resume, save_resume
+
+    good, bad = make_parts(), {"model": torch.nn.Linear(2, 2), "data": object()}
+    save_resume(tmp_path / "resume.pth", good, step=1)
+    calls = {
+        "save_resume": lambda: save_resume(tmp_path / "other.pth", bad, step=1),
+        "load_resume": lambda: load_resume(tmp_path / "resume.pth", bad),
+        "open_resume": lambda: open_resume(tmp_path / "resume.pth").restore(bad),
+        "store.save": lambda: quiet_store(tmp_path / "store").save(1, bad),
+        "store.load": lambda: quiet_store(tmp_path / "store").load(bad),
+        "sharded.save": lambda: CheckpointStore(tmp_path / "sharded", sharded=True).save(1, bad),
+        "sharded.load": lambda: CheckpointStore(tmp_path / "sharded", sharded=True).load(bad),
+    }
+    with pytest.raises(FieldError, match=r"^parts: data \(object\) has no state_dict\(\) / load_state_dict\(\)$"):
+        calls[call]()
+
+
 def test_fault_specs_parse_and_refuse_nonsense():
     assert Fault.parse("rename") == Fault("rename", 1, "kill")
     assert Fault.parse("write@3:enospc") == Fault("write", 3, "enospc")

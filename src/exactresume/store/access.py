@@ -149,7 +149,8 @@ def load_resume(
     (`skip` and `fresh` as in resume.restore; each rank of `world`, by default torchrun's, its own
     entry of the per-rank parts; with `identity`, only a file saved by that run); the step it was saved
     at (None: saved without one)."""
-    parts = per_rank(parts, given_world(world, World.from_env()))  # a mistake in the call first
+    check_parts(parts)  # a mistake in the call first
+    parts = per_rank(parts, given_world(world, World.from_env()))
     identity = check_identity(identity)
     state = read_resume(path)
     refuse_another_run(state, identity, path)
@@ -187,6 +188,7 @@ class Resumed:
         part first: a different run is refused, and with `identity` a state saved by another identity;
         each rank of `world`, by default torchrun's, its own entry of the per-rank parts); the step it
         continues from."""
+        check_parts(parts)
         parts = per_rank(parts, given_world(world, World.from_env()))
         refuse_another_run(self.state, check_identity(identity), self.path)
         if self.kind == "sharded":

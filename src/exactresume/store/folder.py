@@ -370,7 +370,7 @@ class ShardedCheckpointStore(CheckpointStore):
         """As a CheckpointStore's `load`, each rank reading the newest checkpoint that verifies whole."""
         from exactresume.store.sharded import sharded_parts
 
-        check_parts(parts)
+        check_parts(parts)  # before sharded_parts reads them; the load's own check then passes
         return super().load(sharded_parts(parts), skip, fresh, clean, any_identity)
 
     def verifies(self, checkpoint: Checkpoint) -> bool:

@@ -122,6 +122,7 @@ class NumberedStore:
         In the background, it returns once the state is copied (or at once: background.py), and with
         `coalesce` a save asked for while the one before is still being written is skipped (None).
         Under many processes every rank calls it, and every rank skips together."""
+        check_parts(parts)
         parts = for_one_file(parts, self.world, "CheckpointStore(folder, sharded=True, world=World.from_env())")
         if self.skips(coalesce):
             return None

@@ -44,7 +44,6 @@ PER_RANK_KEY = "per_rank"
 def capture(parts: Mapping[str, Stateful], step: int | None = None, identity: dict | None = None) -> dict:
     """The resume state of `parts` (and the step it is saved at, and the run's identity: identity.py) as
     one dict: tensors and plain values only."""
-    check_parts(parts)
     header = {"format": RESUME_FORMAT, "version": RESUME_VERSION}
     if step is not None:
         header[STEP_KEY] = check_step(step)
@@ -52,7 +51,8 @@ def capture(parts: Mapping[str, Stateful], step: int | None = None, identity: di
 
 
 def check_parts(parts: Any) -> None:
-    """FieldError unless `parts` maps names to objects with `state_dict()` and `load_state_dict()`."""
+    """FieldError unless `parts` maps names to objects with `state_dict()` and `load_state_dict()`. Called
+    where parts enter, by the public calls (access.py, the stores' save and load); the rest trusts them."""
     if not isinstance(parts, Mapping):
         raise FieldError(f"parts must be a dict of name -> part, got a {type(parts).__name__}", "parts")
     for name, part in parts.items():
@@ -66,7 +66,6 @@ def check_parts(parts: Any) -> None:
 def for_one_file(parts: Mapping[str, Stateful], world: World, instead: str) -> dict[str, Stateful]:
     """`parts` as a save of one file by rank 0 of `world` takes them (`per_rank`), once what one file
     cannot hold is refused (`_check_one_file`) and what it leaves out is said (`_note_one_rank`)."""
-    check_parts(parts)
     _check_one_file(parts, instead)
     _note_one_rank(parts, world)
     return per_rank(parts, world)
@@ -146,7 +145,6 @@ def restore(
     of names, a tensor of another shape or dtype, or a part's own `load_state_dict` failing is a
     CheckpointError naming `source`, and every part is left as it was.
     """
-    check_parts(parts)
     skip, fresh = _names_of(skip, "skip"), _names_of(fresh, "fresh")
     loading = [name for name in _ordered(parts) if name not in skip and name in state]
     loaded: dict[str, Any] = {}  # each part's state before it loaded, to put back if a later one fails
@@ -319,7 +317,6 @@ def saved_world_size(state: Mapping) -> int:
 
 def per_rank(parts: Mapping[str, Stateful], world: World) -> dict[str, Stateful]:
     """`parts` as every rank saves and restores them: a per-rank part keeps every rank's state."""
-    check_parts(parts)
     return {name: PerRank(part, world) if _is_per_rank(part) else part for name, part in parts.items()}
 
 
