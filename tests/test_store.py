@@ -278,6 +278,23 @@ def test_every_public_call_names_a_part_without_state_dict_alike(tmp_path, call)
         calls[call]()
 
 
+def test_a_save_refused_for_a_checkpoint_it_has_not_loaded_is_refused_until_that_one_is_moved_away(tmp_path):
+    parts = make_parts()
+    with quiet_store(tmp_path) as first:
+        for step in (1, 2):
+            first.save(step, parts)
+    second = quiet_store(tmp_path)  # a loop that forgot to load
+    for step in (1, 5):  # over the run's own, and past it: that would prune it
+        with pytest.raises(CheckpointError, match="already holds step-00000001.pth, a checkpoint this store has not"):
+            second.save(step, parts)
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for step in (1, 2):
+        (tmp_path / checkpoint_name(step)).rename(aside / checkpoint_name(step))
+    assert second.save(1, parts) == tmp_path / checkpoint_name(1)
+    second.close()
+
+
 def test_fault_specs_parse_and_refuse_nonsense():
     assert Fault.parse("rename") == Fault("rename", 1, "kill")
     assert Fault.parse("write@3:enospc") == Fault("write", 3, "enospc")

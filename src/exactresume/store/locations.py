@@ -135,3 +135,11 @@ def location(value: str | Path | S3Location, config: S3Config | None = None) -> 
 def _with_config(value: object, config: S3Config) -> object:
     """`value` reached through `config` when it is an object store location; anything else as it is."""
     return replace(value, config=config) if isinstance(value, S3Location) else value
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint of a store (a file, or an object): where it lives and the step its name says it holds."""
+
+    step: int
+    path: Location

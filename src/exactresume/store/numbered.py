@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from exactresume.errors import CheckpointError, FieldError, StorageError, UserError
 from exactresume.store.background import BEFORE_RETURN, BackgroundWriter
 from exactresume.store.identity import check_identity, refuse_another_run
-from exactresume.store.locations import Location
+from exactresume.store.locations import Checkpoint, Location
 from exactresume.store.resume import (
     STEP_KEY,
     capture,
@@ -38,6 +38,7 @@ from exactresume.store.resume import (
     restore,
     started_fresh,
 )
+from exactresume.store.save_gate import SaveGate
 from exactresume.world import World, given_world, launched_by_torchrun
 
 if TYPE_CHECKING:
@@ -51,14 +52,6 @@ NAMED = 3  # checkpoints a refusal names before "and N more"
 def checkpoint_name(step: int) -> str:
     """The file name of the checkpoint at `step`: zero-padded so names sort like steps."""
     return f"step-{step:08d}.pth"
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One checkpoint of a store (a file, or an object) and the step its name says it holds."""
-
-    step: int
-    path: Location
 
 
 def snapshot(step: int, parts: Mapping[str, Stateful], identity: dict | None = None) -> dict:
@@ -85,18 +78,15 @@ class NumberedStore:
     every checkpoint of the folder is damaged) is never written over or deleted by this store: every
     `save` refuses until a `load` succeeds (with `skip=` / `fresh=` / `any_identity=`) or the file is
     moved away. Nor does a save at a step that a verified checkpoint of the folder has reached, unless
-    this store loaded or wrote it: a loop that forgot to load cannot write over its own run.
+    this store loaded or wrote it: a loop that forgot to load cannot write over its own run. The
+    store's `gate` (save_gate.py) holds what decides, and decides.
     """
 
     folder: Location
     keep: int | None
     identity: dict | None = None  # the run's, saved with each checkpoint and checked by `load` (identity.py)
-    refused: Checkpoint | None = None  # the checkpoint the last load could not load
-    refusal: str = ""  # the line each save says while `refused` is in the folder
+    gate: SaveGate  # whether a save may run (save_gate.py): set by `_set_saving`
     held_skips: list[Skipped] | None = None  # what `load_newest` passed over, not said yet
-    known: int | None = None  # the furthest step this store loaded or saved: the run it writes has reached it
-    passed_over: frozenset = frozenset()  # what its last load skipped: never deleted by its retention
-    blocked: Checkpoint | None = None  # a checkpoint a save was refused for: every later save is refused
 
     world: World = World()
     writer: BackgroundWriter | None = None  # with background=True, on the rank that writes
@@ -107,7 +97,7 @@ class NumberedStore:
     ) -> None:
         """The options every store takes: saves in the background (copying as `copy` says), the processes
         that save together (`world`; rank 0 writes), and the run's `identity` (identity.py)."""
-        self.identity = check_identity(identity)
+        self.identity, self.gate = check_identity(identity), SaveGate()
         if not isinstance(background, bool):
             raise FieldError(f"background must be True or False, got {background!r}", "background")
         if copy is not None and not background:
@@ -211,44 +201,24 @@ class NumberedStore:
         return refused
 
     def check_save(self, step: Any) -> int:
-        """The step to save at, or a one-line error when this store must not save (see the class)."""
+        """The step to save at, or a one-line error when this store must not save (save_gate.py)."""
         step = check_step(step)
-        if self.refused is not None and self.refused.path in [c.path for c in self.checkpoints()]:
-            raise CheckpointError(self.refusal)
-        ahead = self.blocked or self.unknown_from(step)
-        if ahead is not None:
-            self.blocked = ahead  # a loop that catches this and goes on must not prune the run later
-            raise CheckpointError(
-                f"{self.folder} already holds {ahead.path.name}, a checkpoint this store has not loaded: load "
-                "the folder first (store.load(parts)), or save into another folder"
-            )
+        self.gate.check(step, self.folder, self.checkpoints(), self.verifies)
         return step
 
     def reached(self, step: int) -> None:
-        """A save at `step` is durable: the checkpoints up to the furthest step this store loaded or wrote
-        are its run's own (a loop that saves an earlier step again may still save the later ones)."""
-        self.known = step if self.known is None else max(self.known, step)
-        self.passed_over = self.passed_over - {self.path_for(step)}  # a checkpoint again: kept or pruned as any
+        """A save at `step` is durable."""
+        self.gate.saved(step, self.path_for(step))
 
     def continue_from(self, step: int) -> None:
         """The run this store writes was resumed at `step` from elsewhere: its checkpoints up to there are its own."""
-        self.known = step
-
-    def unknown_from(self, step: int) -> Checkpoint | None:
-        """A checkpoint at `step` or later, past what this store loaded or wrote, whose bytes verify: a save
-        at `step` would write over it, or continue another run beside it."""
-        for checkpoint in self.checkpoints():
-            beyond = checkpoint.step >= step and (self.known is None or checkpoint.step > self.known)
-            if beyond and checkpoint.path not in self.passed_over and self.verifies(checkpoint):
-                return checkpoint
-        return None
+        self.gate.resumed_at(step)
 
     def _retain(self, step: int) -> None:
         """Delete all but the newest `keep` checkpoints up to `step` (`_delete`); a failure here only warns."""
         if self.keep is None:
             return
-        kept = [c for c in self.checkpoints() if c.step <= step and c.path not in self.passed_over]
-        older = kept[: -self.keep]
+        older = self.gate.prunable(self.checkpoints(), step)[: -self.keep]
         try:
             self.faults.reached("retention")
             self._delete(older)
@@ -299,9 +269,9 @@ class NumberedStore:
         try:
             starting = restore(state, parts, skip=skip, fresh=fresh, source=checkpoint.path)
         except CheckpointError:
-            self._refuse_saves(checkpoint, _misfit_saves(checkpoint))
+            self.gate.refuse(checkpoint, _misfit_saves(checkpoint))
             raise
-        self.refused, self.blocked, self.known = None, None, checkpoint.step
+        self.gate.loaded(checkpoint.step)
         for name in starting:
             self.notify(started_fresh(checkpoint.path, name))
         return checkpoint.step
@@ -316,7 +286,7 @@ class NumberedStore:
         finally:
             held, self.held_skips = self.held_skips, None
         if found is None and held:
-            self._refuse_saves(held[0].checkpoint, _damaged_saves(self.folder))
+            self.gate.refuse(held[0].checkpoint, _damaged_saves(self.folder))
             raise _none_loadable(self.folder, held)
         for skipped in held:
             self.notify(skipped.line())
@@ -327,17 +297,13 @@ class NumberedStore:
         try:
             refuse_another_run(state, self.identity, checkpoint.path, ANOTHER_RUN_WAY_OUT)
         except CheckpointError:
-            self._refuse_saves(checkpoint, _another_run_saves(checkpoint))
+            self.gate.refuse(checkpoint, _another_run_saves(checkpoint))
             raise
-
-    def _refuse_saves(self, checkpoint: Checkpoint, refusal: str) -> None:
-        """Every save says `refusal` while `checkpoint` is in the folder (see the class)."""
-        self.refused, self.refusal = checkpoint, refusal
 
     def skipped(self, checkpoint: Checkpoint, error: CheckpointError, damaged: bool) -> None:
         """Say that `checkpoint` was passed over on the way to an older one, and why; keep it from retention.
         Inside `newest_loadable` it is said only once an older one is found."""
-        self.passed_over = self.passed_over | {checkpoint.path}
+        self.gate.pass_over(checkpoint.path)
         if self.held_skips is not None:
             self.held_skips.append(Skipped(checkpoint, error, damaged))
         else:
@@ -404,7 +370,6 @@ def _none_loadable(folder: Location, passed: list[Skipped]) -> CheckpointError:
 
 __all__ = [
     "CHECKPOINT_NAME",
-    "Checkpoint",
     "NumberedStore",
     "check_checkpoint",
     "UNREADABLE_SUFFIX",

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from exactresume.config import check_keep
 from exactresume.errors import CheckpointError, notice
 from exactresume.store.faults import FaultPoints
-from exactresume.store.locations import S3Config, S3Location, location
+from exactresume.store.locations import Checkpoint, S3Config, S3Location, location
 from exactresume.store.lock import FolderLock
-from exactresume.store.numbered import CHECKPOINT_NAME, Checkpoint, NumberedStore, check_checkpoint
+from exactresume.store.numbered import CHECKPOINT_NAME, NumberedStore, check_checkpoint
 from exactresume.store.s3.client import ObjectStore
 from exactresume.store.s3.commit import COMMIT_SUFFIX, commit_of
 from exactresume.store.s3.files import load_committed, publish_sealed

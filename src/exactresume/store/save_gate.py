@@ -1,0 +1,91 @@
+"""Whether a store may save into its folder: what it knows of the folder's checkpoints, in one state.
+
+A store writes a folder only as the run it writes has it, so that no save writes over, or prunes, a
+checkpoint it has no right to. Three facts decide, and `check` is the one place that reads them:
+
+- `ours_up_to`: the furthest step this store loaded or saved, or the step its run resumed at from
+  elsewhere: the checkpoints up to there are its run's own, to write over or prune.
+- `bar`: a checkpoint this store must not save beside, and the line every save says while it is in
+  the folder: one a load could not load (the parts differ, another run's identity, every checkpoint
+  damaged), or one ahead of what the store knows that a save met (a loop that forgot to load, or
+  another run's; a loop that catches the error and goes on must not prune it later).
+- `passed_over`: the checkpoints the last load skipped (damaged, or of a format this release does
+  not read): never pruned, and no bar to a save, which writes beside them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from exactresume.errors import CheckpointError
+from exactresume.store.locations import Checkpoint, Location
+
+
+@dataclass(frozen=True)
+class Bar:
+    """A checkpoint that stops every save while it is in the folder, and the line those saves say."""
+
+    checkpoint: Checkpoint
+    line: str
+
+
+@dataclass
+class SaveGate:
+    ours_up_to: int | None = None
+    bar: Bar | None = None
+    passed_over: frozenset[Location] = field(default_factory=frozenset)
+
+    def check(
+        self, step: int, folder: object, checkpoints: list[Checkpoint], verifies: Callable[[Checkpoint], bool]
+    ) -> None:
+        """CheckpointError (the bar's line) when a save at `step` must not run among `folder`'s `checkpoints`."""
+        if self.bar is not None and self.bar.checkpoint.path in {checkpoint.path for checkpoint in checkpoints}:
+            raise CheckpointError(self.bar.line)
+        ahead = self._ahead(step, checkpoints, verifies)
+        if ahead is not None:
+            self.bar = Bar(ahead, _not_loaded(folder, ahead))
+            raise CheckpointError(self.bar.line)
+
+    def _ahead(
+        self, step: int, checkpoints: list[Checkpoint], verifies: Callable[[Checkpoint], bool]
+    ) -> Checkpoint | None:
+        """A checkpoint at `step` or later, past what this store loaded or wrote, whose bytes verify: a save
+        at `step` would write over it, or continue another run beside it."""
+        for checkpoint in checkpoints:
+            beyond = checkpoint.step >= step and (self.ours_up_to is None or checkpoint.step > self.ours_up_to)
+            if beyond and checkpoint.path not in self.passed_over and verifies(checkpoint):
+                return checkpoint
+        return None
+
+    def saved(self, step: int, path: Location) -> None:
+        """A save at `step` is durable at `path`: a checkpoint of the run again, kept or pruned as any (a
+        loop that saves an earlier step again may still save the later ones)."""
+        self.ours_up_to = step if self.ours_up_to is None else max(self.ours_up_to, step)
+        self.passed_over = self.passed_over - {path}
+
+    def loaded(self, step: int) -> None:
+        """A load of the checkpoint at `step` succeeded: the run is this store's up to there, nothing bars it."""
+        self.ours_up_to, self.bar = step, None
+
+    def resumed_at(self, step: int) -> None:
+        """The run this store writes was resumed at `step` from elsewhere: its checkpoints up to there are its own."""
+        self.ours_up_to = step
+
+    def refuse(self, checkpoint: Checkpoint, line: str) -> None:
+        """Every save says `line` while `checkpoint` is in the folder."""
+        self.bar = Bar(checkpoint, line)
+
+    def pass_over(self, path: Location) -> None:
+        self.passed_over = self.passed_over | {path}
+
+    def prunable(self, checkpoints: list[Checkpoint], step: int) -> list[Checkpoint]:
+        """The checkpoints up to `step` that retention may count and delete (oldest first)."""
+        return [c for c in checkpoints if c.step <= step and c.path not in self.passed_over]
+
+
+def _not_loaded(folder: object, ahead: Checkpoint) -> str:
+    return (
+        f"{folder} already holds {ahead.path.name}, a checkpoint this store has not loaded: load "
+        "the folder first (store.load(parts)), or save into another folder"
+    )
