@@ -3,6 +3,7 @@ real, moto in this process). What tests share besides fixtures is in helpers.py.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from exactresume.core.data import PrepareConfig, prepare
-from helpers import MOTO_SECRET, TINY_TEXT
+from helpers import MOTO_SECRET, OFFLINE, TINY_TEXT
+
+os.environ.update(OFFLINE)  # before any test starts a process or a fork server (helpers.OFFLINE)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -93,6 +93,22 @@ def printed(process: forkserver.Run, needle: str, timeout: float = 120) -> str:
     return stderr
 
 
+# No test downloads a model or a dataset: set for the whole session (conftest.py) before any process or
+# fork server starts, since huggingface_hub and datasets read them once, as they are imported.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+# What the framework scripts (tests/doctor_scripts) import, for a server to import once: transformers
+# is a lazy module, so its Trainer and GPT-2 are named themselves (with the datasets the Trainer imports,
+# they cost each new process three seconds); Lightning, Accelerate and datasets load whole.
+FRAMEWORK_MODULES = (
+    "pytorch_lightning",
+    "transformers.trainer",
+    "transformers.models.gpt2.modeling_gpt2",
+    "accelerate",
+    "datasets",
+)
+
+
 def run_python(
     script: Path, *args: object, env: dict[str, str] | None = None, preload: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
@@ -103,12 +119,20 @@ def run_python(
     modules the server imports first (`datasets` costs each new process two seconds)."""
     command = [sys.executable, str(script), *map(str, args)]
     log = Path(tempfile.mkdtemp(prefix="exactresume-python-")) / "output"
-    with stable_environ():
-        kind = replace(TRACED_KIND, optional=TRACED_KIND.optional + preload)
-        code = forkserver.spawn(command, os.environ | (env or {}), log, kind).wait()
+    code = spawn_python(command, log, env, preload).wait()
     output = log.read_text(errors="replace")
     shutil.rmtree(log.parent)
     return subprocess.CompletedProcess(command, code, output, output)
+
+
+def spawn_python(
+    command: list[str], log: Path, env: dict[str, str] | None = None, preload: tuple[str, ...] = ()
+) -> forkserver.Run:
+    """`command` (`python SCRIPT ARGS`, or `python -m MODULE ARGS`) started as run_python starts it, its
+    output appended to `log`, not waited for."""
+    with stable_environ():
+        kind = replace(TRACED_KIND, optional=TRACED_KIND.optional + preload)
+        return forkserver.spawn(command, os.environ | (env or {}), log, kind)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ session, side by side.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +22,8 @@ import pytest
 import torch
 
 from exactresume.cli import main
-from exactresume.doctor.warm import Launcher
 from helpers import once_per_session, stable_environ
-from test_doctor_frameworks import OFFLINE, SCRIPTS, compare, run_script
+from test_doctor_frameworks import SCRIPTS, compare, run_script
 
 pytest.importorskip("datasets", reason="the test extra's datasets (Hugging Face streaming)")
 
@@ -63,9 +61,8 @@ DOCTOR = {
 
 def by_hand(truth: Truth, folder: Path) -> dict:
     """Resume name -> which resumed steps drew the straight run's batch, and which final tensors are equal."""
-    launcher, script = Launcher(warm=True, logs=folder), str(SCRIPTS / f"{truth.script}.py")
+    script = str(SCRIPTS / f"{truth.script}.py")
     run_script(
-        launcher,
         [sys.executable, script, "--out", str(folder / "s"), "--record", str(folder / "a"), *truth.straight],
         folder / "s.log",
     )
@@ -84,7 +81,7 @@ def by_hand(truth: Truth, folder: Path) -> dict:
             str(folder / f"{name}.pt"),
             *flags,
         ]
-        run_script(launcher, command, folder / f"{name}.log")
+        run_script(command, folder / f"{name}.log")
         found[name] = compare(folder / "a", folder / f"{name}.pt", 4) | equal_tensors(
             folder / "a", folder / f"{name}.pt"
         )
@@ -112,8 +109,6 @@ def doctor(name: str, folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def causes(tmp_path_factory) -> dict:
     """Every doctor case and every truth by hand, once: "doctor" -> name -> result, "truth" -> name -> ..."""
-    for name, value in OFFLINE.items():
-        os.environ.setdefault(name, value)
 
     def every_case(root: Path) -> dict:
         jobs = [("truth", name, lambda f, t=truth: by_hand(t, f)) for name, truth in TRUTHS.items()]

@@ -22,12 +22,18 @@ import pytest
 import torch
 
 from exactresume.cli import main
-from exactresume.doctor.warm import Launcher
-from helpers import assert_one_line_error, call_cli, once_per_session, stable_environ
+from helpers import (
+    FRAMEWORK_MODULES,
+    OFFLINE,
+    assert_one_line_error,
+    call_cli,
+    once_per_session,
+    spawn_python,
+    stable_environ,
+)
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @dataclass(frozen=True)
@@ -69,18 +75,27 @@ def by_hand(case: Case, folder: Path) -> dict:
     the resumed steps drew the straight run's batch, which straight step each resumed batch matches,
     and whether the final weights are equal."""
     straight, resumed = folder / "straight", folder / "resumed"
-    launcher = Launcher(warm=True, logs=folder)  # each a new process, forked: see test_doctor.py
-    run_script(launcher, case.command(straight, "--record", str(folder / "a")), folder / "straight.log")
+    run_script(case.command(straight, "--record", str(folder / "a")), folder / "straight.log")
     resumed.mkdir(parents=True)
     copy = shutil.copytree if (straight / case.checkpoint).is_dir() else shutil.copy2
     copy(straight / case.checkpoint, resumed / (case.copied_as or case.checkpoint))
-    run_script(launcher, case.command(resumed, "--resume", "--record", str(folder / "b")), folder / "resumed.log")
+    run_script(case.command(resumed, "--resume", "--record", str(folder / "b")), folder / "resumed.log")
     suffixes = ["-0.pt", "-1.pt"] if case.launcher != (sys.executable,) else [""]
     return {str(rank): compare(folder / f"a{s}", folder / f"b{s}", case.resume_step) for rank, s in enumerate(suffixes)}
 
 
-def run_script(launcher: Launcher, command: list[str], log: Path) -> None:
-    code = launcher.start(command, os.environ | OFFLINE, log).wait()
+# The scripts that import a framework (or datasets); the others import torch alone.
+FRAMEWORK_SCRIPTS = {"hf_trainer", "lightning_checkpoint", "accelerate_loop", "hf_streaming"}
+
+
+def run_script(command: list[str], log: Path) -> None:
+    """Each a new process, forked (see test_doctor.py); a framework's script from a server that imported
+    the frameworks once, as test_integrations.py's runs are: the truth by hand need not pay their imports
+    again (the doctor's own runs, forked from a server that holds torch alone, pay them as a user's do).
+    The other scripts fork from that one: a fork of the larger server costs them more than it saves."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    framework = any(Path(word).stem in FRAMEWORK_SCRIPTS for word in command if word.endswith(".py"))
+    code = spawn_python(command, log, OFFLINE, FRAMEWORK_MODULES if framework else ()).wait()
     assert code == 0, f"{command} exited {code}: {log.read_text()[-2000:]}"
 
 
@@ -118,8 +133,6 @@ def run_case(root: Path, name: str) -> tuple[str, dict]:
 @pytest.fixture(scope="module")
 def frameworks(tmp_path_factory) -> dict:
     """Every case through the doctor and by hand, once: name -> code, verdict, doctor.json, truth."""
-    for name, value in OFFLINE.items():
-        os.environ.setdefault(name, value)
 
     def every_case(root: Path) -> dict:
         with ThreadPoolExecutor(3) as pool:

@@ -5,7 +5,8 @@ and never trusted. In this process, with the frameworks' own objects (exactness:
 
 from __future__ import annotations
 
-import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from exactresume import accelerate_resume, lightning_resume, trainer_resume
+from exactresume.errors import FieldError
 from exactresume.integrations.read_through import ReadThrough
 from exactresume.integrations.transformers import newest_complete
 from exactresume.store.sealed import save_sealed
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def data_loader() -> DataLoader:
@@ -168,13 +168,68 @@ def test_accelerate_saves_after_load_state_where_the_uninterrupted_run_saves(tmp
         assert (count.saves, checkpoint_names(tmp_path)) == (3, ["checkpoint_0", "checkpoint_1", "checkpoint_2"])
 
 
-def test_accelerate_refuses_a_save_onto_a_checkpoint_before_pruning(tmp_path):
-    """A new run in a used project, without load_state: Accelerate alone would prune checkpoint_0 and save there."""
-    save_three(tmp_path, line=True)
-    again, loader, count = automatic_naming(tmp_path, line=True)
-    with pytest.raises(ValueError, match="checkpoint_0 already exists, and nothing was saved or removed"):
+def saved_counts(project: Path) -> dict[str, bytes]:
+    """Each checkpoint folder's saved SaveCount, as bytes."""
+    return {path.parent.name: path.read_bytes() for path in project.glob("checkpoints/*/custom_checkpoint_0.pkl")}
+
+
+@pytest.mark.parametrize("saves", [3, 5])
+def test_accelerate_refuses_a_new_run_among_another_runs_checkpoints_before_pruning(tmp_path, saves):
+    """A new run in a used project, without load_state. Accelerate alone (by hand, on a copy) prunes the
+    old run's oldest and saves checkpoint_0 where pruning freed it: an old checkpoint is lost, and the
+    next load_state takes the old run's newest. With the line the save is refused, and nothing moves."""
+    project = tmp_path / "project"
+    first, loader, count = automatic_naming(project, line=False)
+    for number in range(saves):
+        count.saves = number + 1
+        first.save_state()
+    kept = saved_counts(project)
+    shutil.copytree(project, tmp_path / "alone")
+    alone, loader, count = automatic_naming(tmp_path / "alone", line=False)
+    alone.save_state()
+    after = saved_counts(tmp_path / "alone")
+    assert [name for name, saved in kept.items() if after.get(name) != saved], "by hand: an old checkpoint is lost"
+    again, loader, count = automatic_naming(project, line=True)
+    written = f"holds checkpoint_{saves - 1}, at or past checkpoint_0 that this save would write; nothing was"
+    with pytest.raises(ValueError, match=written):
         again.save_state()
-    assert checkpoint_names(tmp_path) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    assert saved_counts(project) == kept
+
+
+def test_accelerate_says_at_a_save_that_the_workers_draw(capsys):
+    """Random numbers drawn in the loader's workers live there: no checkpoint holds them."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)  # its own: the module's holds the other tests' loaders
+    noisy = DataLoader(NoisyDataset(), batch_size=4, shuffle=True, num_workers=1)
+    loader = accelerate_resume(accelerator, accelerator.prepare(noisy))
+    for _ in zip(range(2), loader):
+        pass
+    with tempfile.TemporaryDirectory() as folder:
+        accelerator.save_state(folder)
+    said = lines(capsys)
+    assert len(said) == 1 and "draws random numbers in its workers" in said[0], said
+
+
+class NoisyDataset(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((4,), float(index)) + torch.randn(4)  # the augmentation, drawn in the worker
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (lambda acc: (data_loader(), acc), "takes the Accelerator first, got a DataLoader"),
+        (lambda acc: (None, data_loader()), "takes the Accelerator first, got a NoneType"),
+        (lambda acc: (acc, torch.nn.Linear(2, 2)), "takes the DataLoader accelerator.prepare returned, got a Linear"),
+    ],
+)
+def test_accelerate_line_called_wrong_is_one_line(accelerator, arguments, message):
+    with pytest.raises(FieldError, match=f"^accelerate_resume\\(accelerator, loader\\) {message}$"):
+        accelerate_resume(*arguments(accelerator))
 
 
 @pytest.mark.parametrize(("folder", "staged"), [("step_1", ".exactresume-partial/step_1"),

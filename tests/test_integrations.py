@@ -23,11 +23,9 @@ import pytest
 import torch
 import torch.distributed.run
 
-from helpers import once_per_session, run_python
+from helpers import FRAMEWORK_MODULES, OFFLINE, once_per_session, run_python
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
-FRAMEWORKS_PRELOADED = ("pytorch_lightning", "transformers", "accelerate")
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 STEPS = 10
 SAMPLES, BATCH = 48, 8  # the scripts' Accelerate and Lightning data; the Trainer's: 24 samples of 4
 TORCHRUN = (torch.distributed.run.__file__, "--standalone", "--nproc-per-node", "2")
@@ -107,7 +105,7 @@ def run(framework: Framework, out: Path, record: Path, *more: str) -> str:
     if framework.launcher:
         finished = run_python(Path(framework.launcher[0]), *framework.launcher[1:], script, *flags, env=OFFLINE)
     else:
-        finished = run_python(script, *flags, env=OFFLINE, preload=FRAMEWORKS_PRELOADED)
+        finished = run_python(script, *flags, env=OFFLINE, preload=FRAMEWORK_MODULES)
     assert finished.returncode == 0, finished.stdout[-3000:]
     return finished.stdout
 
@@ -210,9 +208,9 @@ def run_killed(framework: Framework, out: Path, step: int, resumes: bool = True)
     """Killed (SIGKILL) while the framework writes step's checkpoint, then resumed in the same folder."""
     script = SCRIPTS / f"{framework.script}.py"
     flags = ["--out", out, "--steps", STEPS, "--save-every", 1, *framework.flags]
-    killed = run_python(script, *flags, "--kill-in-save", step, env=OFFLINE, preload=FRAMEWORKS_PRELOADED)
+    killed = run_python(script, *flags, "--kill-in-save", step, env=OFFLINE, preload=FRAMEWORK_MODULES)
     if not resumes:  # the framework's own resume, expected to fail: its code and its last words
-        failed = run_python(script, *flags, "--resume", env=OFFLINE, preload=FRAMEWORKS_PRELOADED)
+        failed = run_python(script, *flags, "--resume", env=OFFLINE, preload=FRAMEWORK_MODULES)
         return {"killed_code": killed.returncode, "code": failed.returncode, "last": failed.stdout.strip()[-300:]}
     printed = run(framework, out, out.with_name("killed-resumed"), "--resume")
     return {

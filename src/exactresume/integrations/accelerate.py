@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exactresume.errors import CheckpointError, UserError, notice
+from exactresume.errors import CheckpointError, FieldError, UserError, notice
 from exactresume.store.sealed import load_sealed, save_sealed
 
 from . import shard as shards
@@ -31,6 +31,7 @@ SUPPORTED = "0.32"  # the oldest Accelerate with both state hooks and the shard'
 
 def accelerate_resume(accelerator, loader):
     """`loader` (from `accelerator.prepare`), made to resume exactly through save_state and load_state."""
+    _check_arguments(accelerator, loader)
     try:
         if not hasattr(accelerator, "register_save_state_pre_hook"):
             raise UserError(f"this Accelerate has no save_state hooks (it supports Accelerate {SUPPORTED} on)")
@@ -46,6 +47,24 @@ def accelerate_resume(accelerator, loader):
     accelerator.register_save_state_pre_hook(lambda models, weights, folder: _save(state, Path(folder) / name))
     accelerator.register_load_state_pre_hook(lambda models, folder: _load(loader, state, Path(folder) / name))
     return loader
+
+
+def _check_arguments(accelerator, loader) -> None:
+    """FieldError for what is no Accelerator or no DataLoader at all (swapped, None): a mistake in the call,
+    not a loader the line stands aside for."""
+    from torch.utils.data import DataLoader
+
+    if not (hasattr(accelerator, "save_state") and hasattr(accelerator, "prepare")):
+        raise FieldError(
+            f"{NAME}(accelerator, loader) takes the Accelerator first, got a {type(accelerator).__name__}",
+            "accelerator",
+        )
+    if not isinstance(loader, DataLoader):
+        raise FieldError(
+            f"{NAME}(accelerator, loader) takes the DataLoader accelerator.prepare returned, got a "
+            f"{type(loader).__name__}",
+            "loader",
+        )
 
 
 def _standing_aside(accelerator) -> str:

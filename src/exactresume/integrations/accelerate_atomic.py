@@ -12,8 +12,8 @@ rename, over the old one if there was one; the oldest beyond `total_limit` are r
 
 Under automatic_checkpoint_naming, `load_state` leaves Accelerate's count of saves at 0, and its next
 `save_state` prunes, then finds `checkpoint_0` there and raises. With the line `load_state` sets the
-count after the newest checkpoint (the number the uninterrupted run saves next), and a save whose
-folder exists is refused before anything is pruned.
+count after the newest checkpoint (the number the uninterrupted run saves next), and a save among
+the checkpoints of a run it did not load (at or past its number) is refused before anything is pruned.
 """
 
 from __future__ import annotations
@@ -41,11 +41,8 @@ def atomic_saves(accelerator) -> None:
         target = _target(accelerator, output_dir)
         if target is None:
             return original(output_dir, safe_serialization, **kwargs)
-        if target.exists() and _automatic(accelerator):  # Accelerate would prune first, then raise
-            raise ValueError(
-                f"{target} already exists, and nothing was saved or removed: set "
-                "accelerator.project_configuration.iteration to the number to save next (load_state sets it)"
-            )
+        if _automatic(accelerator):
+            _refuse_another_runs_checkpoints(target)
         staging = _staging(target)
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
@@ -73,12 +70,29 @@ def _automatic(accelerator) -> bool:
     return bool(accelerator.project_configuration.automatic_checkpoint_naming)
 
 
+def _refuse_another_runs_checkpoints(target: Path) -> None:
+    """ValueError, before anything is written or pruned, where `checkpoints/` holds `target` or a later
+    number: the checkpoints of a run this one did not load_state (Accelerate alone would prune them as
+    its own, and save among them)."""
+    numbers = _numbers(target.parent)
+    if numbers and max(numbers) >= int(target.name.rpartition("_")[2]):
+        raise ValueError(
+            f"{target.parent} holds checkpoint_{max(numbers)}, at or past {target.name} that this save would "
+            "write; nothing was saved or removed: load_state() first to continue that run (it sets the count), "
+            "set accelerator.project_configuration.iteration, or use another project folder"
+        )
+
+
+def _numbers(folder: Path) -> list[int]:
+    """The numbers of the checkpoint folders in `folder` (none where it does not exist)."""
+    names = os.listdir(folder) if folder.is_dir() else []
+    return [int(found[0]) for name in names if (found := re.findall(r"\d+", name))]
+
+
 def _count_after_newest(accelerator) -> None:
     """Accelerate's count of saves after the newest `checkpoints/checkpoint_N`: N + 1, where the
     uninterrupted run's next save goes (never lowered, never onto a folder that exists)."""
-    folder = Path(accelerator.project_dir, "checkpoints")
-    names = os.listdir(folder) if folder.is_dir() else []
-    numbers = [int(found[0]) for name in names if (found := re.findall(r"\d+", name))]
+    numbers = _numbers(Path(accelerator.project_dir, "checkpoints"))
     configuration = accelerator.project_configuration
     configuration.iteration = max([configuration.iteration, *(number + 1 for number in numbers)])
 

@@ -155,11 +155,17 @@ class ResumableLoader:
         self.sources.set_global(self.plan.put_back)
 
     def state_dict(self) -> dict:
+        self._said_at_save()
+        return self.position.to_state(LoaderShape.of(self.loader))
+
+    def _said_at_save(self) -> None:
+        """Once, at a save: an order that cannot be restored exactly, random numbers drawn in the workers."""
         self._caution()
         if self.draws.seen() and not self.position.worker_draws:
             self.position.worker_draws = True
+            if self.finished is not None:  # what a save between epochs holds
+                self.finished.worker_draws = True
             notice(worker_draws_caveat(self.loader))
-        return self.position.to_state(LoaderShape.of(self.loader))
 
     @property
     def between_epochs(self) -> bool:
@@ -171,6 +177,7 @@ class ResumableLoader:
         ahead of its loop (the epoch it reads may have ended under it, the next not begun) or stops
         asking at the epoch's length: once the loop took the whole epoch, the state is the next epoch's,
         as a save between epochs gives."""
+        self._said_at_save()
         ended = self.between_epochs
         position = self.finished if ended else self.position
         if not 0 <= taken <= position.consumed:
