@@ -10,8 +10,9 @@ directory (a project's own folder: nothing is written above it) or the folder ab
 Once every process has written, the files are made durable and the folder is put at its name in one
 rename, over the old one if there was one; the oldest beyond `total_limit` are removed only then.
 
-Under automatic_checkpoint_naming, `load_state` leaves Accelerate's count of saves at 0, and its next
-`save_state` prunes, then finds `checkpoint_0` there and raises. With the line `load_state` sets the
+Under automatic_checkpoint_naming, `load_state` leaves Accelerate's count of saves at 0: its next
+`save_state` prunes the oldest and saves as `checkpoint_0`, the lowest number (or raises where that
+name is still taken), so the next `load_state` takes an older checkpoint than the last one saved. With the line `load_state` sets the
 count after the newest checkpoint (the number the uninterrupted run saves next), and a save among
 the checkpoints of a run it did not load (at or past its number) is refused before anything is pruned.
 """
