@@ -12,9 +12,10 @@ rename, over the old one if there was one; the oldest beyond `total_limit` are r
 
 Under automatic_checkpoint_naming, `load_state` leaves Accelerate's count of saves at 0: its next
 `save_state` prunes the oldest and saves as `checkpoint_0`, the lowest number (or raises where that
-name is still taken), so the next `load_state` takes an older checkpoint than the last one saved. With the line `load_state` sets the
-count after the newest checkpoint (the number the uninterrupted run saves next), and a save among
-the checkpoints of a run it did not load (at or past its number) is refused before anything is pruned.
+name is still taken), so the next `load_state` takes an older checkpoint than the last one saved.
+With the line `load_state` sets the count after the newest checkpoint (the number the uninterrupted
+run saves next), and a save among the checkpoints of a run it did not load (at or past its number)
+is refused before anything is pruned.
 """
 
 from __future__ import annotations
