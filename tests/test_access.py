@@ -170,3 +170,14 @@ def test_a_ranks_save_without_world_under_torchrun_says_once_what_it_keeps(tmp_p
         "exactresume: rank 1 of 2 saves rng without world=: the file keeps this rank's state of them only; "
         "give world=World.from_env() on every rank to keep each rank's"
     ]
+
+
+def test_a_resume_file_the_storage_refuses_is_one_line_and_the_old_file_stays(tmp_path):
+    from exactresume.errors import StorageError
+    from exactresume.parts import StepCounter
+
+    (tmp_path / "resume.pth").write_bytes(b"what was there")
+    (tmp_path / "resume.pth.tmp").mkdir()  # where the new bytes would go: the write is refused there
+    with pytest.raises(StorageError, match=r"^could not write .*resume\.pth: .*; what was there before is intact$"):
+        save_resume(tmp_path / "resume.pth", {"step": StepCounter()}, step=1)
+    assert (tmp_path / "resume.pth").read_bytes() == b"what was there"

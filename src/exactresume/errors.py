@@ -71,6 +71,11 @@ class StorageError(UserError):
         storage_error.errno = error.errno
         return storage_error
 
+    @classmethod
+    def replacing(cls, path: object, error: OSError) -> StorageError:
+        """The line for a file or folder written in place of what was at `path`, which the write left as it was."""
+        return cls.from_os_error(str(path), error, "; what was there before is intact")
+
 
 class ReadBackError(OSError):
     """A file that was written and fsynced but did not read back as written (errno EIO)."""

@@ -123,7 +123,7 @@ def _save_sharded(
     try:
         save_sharded(target, parts, world, step, identity)
     except OSError as error:
-        raise StorageError.from_os_error(str(target), error, "; what was there before is intact") from error
+        raise StorageError.replacing(target, error) from error
 
 
 def read_resume(path: Location | str, needs: Collection[str] = ()) -> dict:

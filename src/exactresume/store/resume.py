@@ -251,7 +251,7 @@ def save_resume_file(
     try:
         save_sealed(Path(path), state)
     except OSError as error:
-        raise StorageError.from_os_error(str(path), error, "; what was there before is intact") from error
+        raise StorageError.replacing(path, error) from error
     return Path(path)
 
 
