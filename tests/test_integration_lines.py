@@ -248,6 +248,24 @@ def test_accelerate_stages_a_save_beside_its_parent_never_above_the_working_dire
     assert (tmp_path / folder / "exactresume-rank0.pt").exists() and not (tmp_path / ".exactresume-partial").exists()
 
 
+def test_accelerate_staging_survives_another_runs_cleanup_of_the_shared_folder(tmp_path, monkeypatch):
+    """Two runs saving under one folder: the other's save, ending, removes the empty `.exactresume-partial`
+    between this one's making of it and of its own folder inside (seen in the suite, two resumes at once)."""
+    from exactresume.integrations import accelerate_atomic
+
+    staging, real_mkdir, calls = tmp_path / ".exactresume-partial" / "run" / "step_1", Path.mkdir, []
+
+    def mkdir_raced(path, *args, **kwargs):
+        calls.append(path)
+        if path == staging and len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory", str(path))  # the other run's rmdir won
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_raced)
+    accelerate_atomic._make_staging(staging)
+    assert staging.is_dir() and calls.count(staging) >= 2
+
+
 class Tiny(torch.nn.Module):
     def __init__(self):
         super().__init__()

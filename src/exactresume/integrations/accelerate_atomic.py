@@ -48,6 +48,7 @@ def atomic_saves(accelerator) -> None:
         staging = _staging(target)
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+            _make_staging(staging)
         accelerator.wait_for_everyone()
         with _naming_off(accelerator):
             original(str(staging), safe_serialization, **kwargs)
@@ -125,6 +126,18 @@ def _fit_for_staging(above: Path, parent: Path) -> bool:
     if not os.access(above, os.W_OK):
         return False
     return not parent.exists() or above.stat().st_dev == parent.stat().st_dev
+
+
+def _make_staging(staging: Path, tries: int = 8) -> None:
+    """`mkdir -p staging`, again where another run's save, done meanwhile, removed an empty folder on the
+    way (its `.exactresume-partial`): once `staging` exists, no such cleanup can remove what holds it."""
+    for attempt in range(tries):
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == tries - 1:
+                raise
 
 
 @contextlib.contextmanager
