@@ -78,7 +78,7 @@ def _refuse_another_runs_checkpoints(target: Path) -> None:
     number: the checkpoints of a run this one did not load_state (Accelerate alone would prune them as
     its own, and save among them)."""
     numbers = _numbers(target.parent)
-    if numbers and max(numbers) >= int(target.name.rpartition("_")[2]):
+    if numbers and max(numbers) >= _number(target.name):
         raise ValueError(
             f"{target.parent} holds checkpoint_{max(numbers)}, at or past {target.name} that this save would "
             "write; nothing was saved or removed: load_state() first to continue that run (it sets the count), "
@@ -89,7 +89,13 @@ def _refuse_another_runs_checkpoints(target: Path) -> None:
 def _numbers(folder: Path) -> list[int]:
     """The numbers of the checkpoint folders in `folder` (none where it does not exist)."""
     names = os.listdir(folder) if folder.is_dir() else []
-    return [int(found[0]) for name in names if (found := re.findall(r"\d+", name))]
+    return [number for name in names if (number := _number(name)) is not None]
+
+
+def _number(name: str) -> int | None:
+    """The number of a checkpoint folder named `checkpoint_N`, as Accelerate reads it: its first digits."""
+    found = re.search(r"\d+", name)
+    return int(found.group()) if found else None
 
 
 def _count_after_newest(accelerator) -> None:
@@ -168,6 +174,6 @@ def _prune(new: Path, keep: int) -> None:
     """As Accelerate prunes before it saves (the lowest numbers first, beside the new one `keep` - 1 at most),
     but after the new checkpoint is in place."""
     others = [folder for folder in new.parent.iterdir() if folder != new]
-    others.sort(key=lambda folder: int("".join(filter(str.isdigit, folder.name)) or -1))
+    others.sort(key=lambda folder: -1 if (number := _number(folder.name)) is None else number)
     for folder in others[: max(len(others) - (keep - 1), 0)]:
         shutil.rmtree(folder)

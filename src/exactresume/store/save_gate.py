@@ -37,7 +37,7 @@ class SaveGate:
     passed_over: frozenset[Location] = field(default_factory=frozenset)
 
     def check(
-        self, step: int, folder: object, checkpoints: list[Checkpoint], verifies: Callable[[Checkpoint], bool]
+        self, step: int, folder: Location, checkpoints: list[Checkpoint], verifies: Callable[[Checkpoint], bool]
     ) -> None:
         """CheckpointError (the bar's line) when a save at `step` must not run among `folder`'s `checkpoints`."""
         if self.bar is not None and self.bar.checkpoint.path in {checkpoint.path for checkpoint in checkpoints}:
@@ -84,7 +84,7 @@ class SaveGate:
         return [c for c in checkpoints if c.step <= step and c.path not in self.passed_over]
 
 
-def _not_loaded(folder: object, ahead: Checkpoint) -> str:
+def _not_loaded(folder: Location, ahead: Checkpoint) -> str:
     return (
         f"{folder} already holds {ahead.path.name}, a checkpoint this store has not loaded: load "
         "the folder first (store.load(parts)), or save into another folder"
