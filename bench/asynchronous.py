@@ -32,7 +32,7 @@ from exactresume.config import TrainConfig
 from exactresume.core.data import ensure_data, load_tokens
 from exactresume.core.steplog import LOSS_HEADER, StepLog
 from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import CheckpointStore
 from exactresume.training.loop import Run, build_run
 
 from .measure import interleave, ratio, timed

@@ -32,7 +32,7 @@ import torch
 from exactresume.core.data import ensure_data
 from exactresume.errors import CheckpointError
 from exactresume.store.faults import FAULT_ENV
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.sealed import verify
 from exactresume.store.weights import read_weights
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
-from exactresume.store.resume import save_resume_file
+from exactresume.store.access import save_resume
 from exactresume.training.divergence import DivergenceLog
 from exactresume.training.job import TrainJob
 from exactresume.training.job_run import prepare_run
@@ -33,7 +33,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         first = build_run(config, load_tokens(args.data))
         train_step(first)
-        save_resume_file(Path(folder) / "resume.pth", first.parts())
+        save_resume(Path(folder) / "resume.pth", first.parts())
         job = TrainJob(
             config, args.data, Path(folder), resume=Path(folder) / "resume.pth", skip_parts=frozenset({"optimizer"})
         )

@@ -1,7 +1,7 @@
 """Resume-file figures: a sealed save and a verified load vs the disk and vs plain torch moving the same bytes.
 
-Save: `save_resume_file` (atomic: tmp file, fsync, rename, folder fsync; checksummed) vs one `write` of as
-many bytes from a warm buffer plus `fsync`, and vs a plain `torch.save` + `fsync` of the same state;
+Save: `save_resume` (atomic: tmp file, fsync, rename, folder fsync; checksummed, read back) vs one
+`write` of as many bytes from a warm buffer plus `fsync`, and vs a plain `torch.save` + `fsync` of the same state;
 safetensors on the same tensors for comparison. Load: `read_resume_file` (checksum, then deserialize) vs
 reading the file's bytes into newly allocated memory, and vs a plain `torch.load` of the plain
 `torch.save` file followed by the xxh3 of its bytes; all from the page cache (the files were just
@@ -35,7 +35,8 @@ from safetensors.torch import load_file, save_file
 from exactresume.atomic import fsync_path
 from exactresume.config import TrainConfig
 from exactresume.core.data import ensure_data, load_tokens
-from exactresume.store.resume import capture, read_resume_file, save_resume_file
+from exactresume.store.access import save_resume
+from exactresume.store.resume import capture, read_resume_file
 from exactresume.training.loop import Run, build_run, train_step
 
 from .measure import Trial, interleave, load_average, ratio, timed
@@ -124,13 +125,13 @@ def removing(path: Path, action) -> Trial:
 
 def bench_save(run: Run, folder: Path, reps: int) -> dict:
     resume, state, preset = folder / "resume.pth", capture(run.parts()), run.config.preset
-    save_resume_file(resume, run.parts())
+    save_resume(resume, run.parts())
     size = resume.stat().st_size
     disk_buffer = torch.ones(size, dtype=torch.uint8)  # touched: warm memory, like the state's tensors
     flat = flat_tensors(state)
     paths = {name: folder / f"{name}.bin" for name in ("disk", "torch_save", "safetensors")}
     trials = {
-        "sealed": removing(resume, lambda: save_resume_file(resume, run.parts())),
+        "sealed": removing(resume, lambda: save_resume(resume, run.parts())),
         "disk": removing(paths["disk"], lambda: write_and_fsync(paths["disk"], memoryview(disk_buffer.numpy()))),
         "torch_save": removing(
             paths["torch_save"], lambda: (torch.save(state, paths["torch_save"]), fsync_path(paths["torch_save"]))
@@ -153,7 +154,7 @@ def bench_save(run: Run, folder: Path, reps: int) -> dict:
             "vs_torch_save": judged(ratio(times["sealed"], times["torch_save"]), "save", "torch_save", preset),
             "torch_save_vs_disk_ratio": ratio(times["torch_save"], times["disk"]),
             "safetensors_vs_disk_ratio": ratio(times["safetensors"], times["disk"]),
-            "what": "save_resume_file (atomic, fsynced, checksummed) / one write + fsync of as many bytes; "
+            "what": "save_resume (atomic, fsynced, checksummed, read back) / one write + fsync of as many bytes; "
             "vs_torch_save: / a plain torch.save of the same state + fsync",
         },
     }

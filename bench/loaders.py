@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from exactresume.loaders.resumable import ResumableLoader
 from exactresume.parts import GlobalRng
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import CheckpointStore
 
 from .measure import interleave, ratio, timed
 

@@ -25,8 +25,8 @@ import torch
 
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
-from exactresume.store.access import load_resume
-from exactresume.store.resume import capture, save_resume_file
+from exactresume.store.access import load_resume, save_resume
+from exactresume.store.resume import capture
 from exactresume.training.loop import build_run, train
 
 from .measure import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -63,7 +63,7 @@ def phase(action) -> tuple[int, int, object]:
 def train_and_save(config: TrainConfig, data: Path, resume: Path, steps: int) -> dict:
     run = build_run(config, load_tokens(data))
     built, train_peak, _ = phase(lambda: train(run, steps))
-    save_before, save_peak, _ = phase(lambda: save_resume_file(resume, run.parts()))
+    save_before, save_peak, _ = phase(lambda: save_resume(resume, run.parts()))
     size = state_bytes(capture(run.parts()))
     return {
         "state_bytes": size,

@@ -26,8 +26,8 @@ from pathlib import Path
 from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.core.steplog import LOSS_HEADER, StepLog
-from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import PART_BYTES, S3Config
+from exactresume.store.numbered import CheckpointStore
 from exactresume.training.loop import build_run
 
 from .asynchronous import bench_async_throughput

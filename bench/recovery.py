@@ -32,7 +32,7 @@ def child(kind: str, spawned: float, preset: str, data: str, out: str, batch: in
     mark = lambda name: marks.__setitem__(name, time.time() - spawned)  # noqa: E731
     from exactresume.config import TrainConfig
     from exactresume.core.data import load_tokens
-    from exactresume.store.folder import CheckpointStore
+    from exactresume.store.numbered import CheckpointStore
     from exactresume.store.resume import restore
     from exactresume.store.sealed import load_sealed
     from exactresume.training.loop import build_run, train_step

@@ -12,8 +12,8 @@ from exactresume.config import TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.errors import CheckpointError, UserError
 from exactresume.store.access import AUTO, load_resume, open_resume, save_resume
-from exactresume.store.folder import CheckpointStore
-from exactresume.store.numbered import checkpoint_name
+from exactresume.store.layout import checkpoint_name
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.weights import save_weights
 from exactresume.training.loop import build_run, train
 from exactresume.world import World

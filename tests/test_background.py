@@ -20,8 +20,8 @@ from exactresume.core.data import load_tokens
 from exactresume.errors import CheckpointError, StorageError, UserError
 from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP, StagingMemory
 from exactresume.store.faults import Fault, FaultPoints
-from exactresume.store.folder import CheckpointStore
-from exactresume.store.numbered import snapshot
+from exactresume.store.numbered import CheckpointStore
+from exactresume.store.resume import capture
 from exactresume.training.loop import build_run, train
 from helpers import SMALL, assert_one_line_error, call_cli
 
@@ -263,7 +263,7 @@ def test_an_unknown_copy_mode_is_refused(tmp_path):
 
 def test_staging_memory_is_reused_and_keeps_tied_storage_shared(fp16_run):
     staging = StagingMemory()
-    state = snapshot(2, fp16_run.parts())
+    state = capture(fp16_run.parts(), 2)
     first = staging.copy(state)
     pool = [storage.data_ptr() for storage in staging.pool]
     second = staging.copy(state)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import CheckpointStore
 from helpers import SMALL, train_cli
 
 

@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 
 from exactresume.forkserver.client import Run
 from exactresume.store.faults import FAULT_ENV, STAGES
-from exactresume.store.folder import CheckpointStore
-from exactresume.store.numbered import checkpoint_name
+from exactresume.store.layout import checkpoint_name
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.sealed import save_sealed, verify
 from exactresume.store.weights import read_weights
 from helpers import (

@@ -13,8 +13,8 @@ import torch
 
 from exactresume.errors import CheckpointError, FieldError
 from exactresume.store.access import load_resume, open_resume, save_resume
-from exactresume.store.folder import CheckpointStore
-from exactresume.store.numbered import checkpoint_name
+from exactresume.store.layout import checkpoint_name
+from exactresume.store.numbered import CheckpointStore
 from helpers import call_cli
 
 SEED_0 = {"seed": 0, "steps": 120, "data": "kjv"}

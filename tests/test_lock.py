@@ -19,8 +19,8 @@ from exactresume.errors import UserError
 from exactresume.forkserver.client import Run
 from exactresume.parts import GlobalRng
 from exactresume.store.faults import FAULT_ENV
-from exactresume.store.folder import CheckpointStore
 from exactresume.store.lock import HELD_ENV, LOCK_NAME, FolderLock, read_holder
+from exactresume.store.numbered import CheckpointStore
 from helpers import (
     SMALL,
     assert_one_line_error,
@@ -162,7 +162,7 @@ def test_a_second_checkpoint_store_is_refused_in_this_process_and_another(tmp_pa
     assert second.load({"count": restored}, skip=["rng"], clean=False) == 1 and restored.value == 1  # no lock
     assert [c.step for c in second.checkpoints()] == [1]
     script = (
-        "import sys; from exactresume.store.folder import CheckpointStore;"
+        "import sys; from exactresume.store.numbered import CheckpointStore;"
         f"CheckpointStore({str(folder)!r}).save(2, {{}})"
     )
     (tmp_path / "other.py").write_text(script)

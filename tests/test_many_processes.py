@@ -26,7 +26,7 @@ from exactresume.core.steplog import read_divergence
 from exactresume.errors import UserError
 from exactresume.parallel.replicas import process_group
 from exactresume.parallel.replicate import replicate
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.weights import read_weights
 from exactresume.world import World
 from helpers import assert_one_line_error, call_cli, free_port, ranks_of, run_cli, spawn_cli

@@ -79,7 +79,7 @@ def test_load_model_reads_plain_unsealed_minimind_files(tmp_path):
 
 
 def test_load_model_reads_resume_file_with_its_config(tmp_path):
-    from exactresume.store.resume import save_resume_file
+    from exactresume.store.access import save_resume
     from exactresume.training.run_identity import RunIdentity
 
     config = ModelConfig(hidden_size=64, num_hidden_layers=2, vocab_size=300, rope_theta=1e4)
@@ -89,7 +89,7 @@ def test_load_model_reads_resume_file_with_its_config(tmp_path):
         "model": model,
         "optimizer": torch.optim.AdamW(model.parameters()),
     }
-    save_resume_file(tmp_path / "resume.pth", parts)
+    save_resume(tmp_path / "resume.pth", parts)
     state = torch.load(tmp_path / "resume.pth", weights_only=True)
     state.update(step=0, gen_state=torch.Generator().get_state(), rng={})
     torch.save(state, tmp_path / "complete.pth")

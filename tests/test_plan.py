@@ -18,7 +18,7 @@ import exactresume.training.plan as plan_module
 from exactresume.config import PRESETS, TrainConfig
 from exactresume.core.data import load_tokens
 from exactresume.core.model import MiniMindLM
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import CheckpointStore
 from exactresume.training.loop import build_run
 from exactresume.training.plan import check_disk, parameter_count, plan_run
 from helpers import SMALL, assert_one_line_error, call_cli, run_cli

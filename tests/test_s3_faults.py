@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from exactresume.store.faults import FAULT_ENV, OBJECT_STORE_STAGES
-from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.s3.files import COPY_PREFIX
 from helpers import (
     SMALL,

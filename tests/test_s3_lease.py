@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from exactresume.errors import UserError
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.s3.lease import LEASE_NAME, SECONDS_ENV
 
 BUCKET = "leases"
@@ -62,14 +62,13 @@ def test_an_expired_lease_is_taken_over(s3, monkeypatch):
     monkeypatch.setenv(SECONDS_ENV, "0.3")
     first = store()
     first.commit(1, state(1))
-    first.lease.stopped.set()  # its holder died: nothing renews it
+    first.place.lease.stopped.set()  # its holder died: nothing renews it
     second = store(wait_lock=30.0)
     started = time.monotonic()
     second.remove_leftovers()  # moto sends no Date: the waiter's own clock sees it unrenewed for 0.3 s
     assert time.monotonic() - started >= 0.3
-    assert (
-        json.loads(s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read())["token"] == second.lease.token
-    )
+    holder = json.loads(s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read())
+    assert holder["token"] == second.place.lease.token
     with pytest.raises(UserError, match="lost its lease"):
         first.commit(2, state(2))
     second.close()
@@ -109,7 +108,7 @@ def test_seaweedfs_refuses_a_second_writer_and_hands_over_an_expired_lease(s3_se
     first.commit(1, state(1))
     with pytest.raises(UserError, match=f"is being written by pid {os.getpid()}"):
         CheckpointStore(s3_prefix, keep=1, config=config).commit(2, state(2))
-    first.lease.stopped.set()  # its holder died: nothing renews it
+    first.place.lease.stopped.set()  # its holder died: nothing renews it
     second = CheckpointStore(s3_prefix, keep=1, config=config, wait_lock=30.0)
     second.commit(2, state(2))
     with pytest.raises(UserError, match="lost its lease"):
@@ -130,7 +129,7 @@ def test_a_killed_holder_on_this_host_is_taken_over_at_once(s3):
         taker.commit(1, state(1))
         assert (
             json.loads(s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read())["token"]
-            == taker.lease.token
+            == taker.place.lease.token
         )
 
 
@@ -157,7 +156,7 @@ def test_a_lease_from_a_clock_an_hour_ahead_expires_after_its_own_time(s3):
         taker.remove_leftovers()
         assert time.monotonic() - started >= 0.3
         assert json.loads(s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read())["token"] == (
-            taker.lease.token
+            taker.place.lease.token
         )
 
 
@@ -212,7 +211,7 @@ def test_the_resume_state_is_written_under_the_runs_lease(s3, name, sharded):
         run.commit(1, state(1))
         save_resume(target, parts(), 1, sharded=sharded)  # the run's own lease: no second one is taken
         assert json.loads(s3.get_object(Bucket=BUCKET, Key=f"run/{LEASE_NAME}")["Body"].read())["token"] == (
-            run.lease.token
+            run.place.lease.token
         )
         plant(s3)  # another run took the prefix
         before = versions(s3)

@@ -14,8 +14,8 @@ import torch
 import xxhash
 
 from exactresume.errors import CheckpointError, StorageError, UserError
-from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config, S3Location, location
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.s3 import upload as s3_upload
 from exactresume.store.s3.client import ObjectStore
 from exactresume.store.s3.commit import commit_of
@@ -80,7 +80,7 @@ def test_save_commits_last_and_keep_deletes_only_older(s3):
     assert names == lease + [f"run/step-0000000{n}.pth{end}" for n in (2, 3) for end in ("", ".commit")]
     assert loaded(checkpoints) == (3, 3.0)
     with local_folder() as folder:  # the object is a plain torch file: the lab's dict with nothing of ours
-        state = torch.load(fetch_file(checkpoints.objects, checkpoints.path_for(3), folder), weights_only=True)
+        state = torch.load(fetch_file(checkpoints.place.objects, checkpoints.path_for(3), folder), weights_only=True)
     assert torch.equal(state["weights"]["tensor"], torch.full((1000,), 3.0)) and state["checkpoint_step"] == 3
 
 
@@ -181,7 +181,7 @@ def test_newest_is_one_paginated_listing_beyond_a_thousand_keys(s3):
     for number in range(1001):
         server.put_object(BUCKET, f"run/other-{number:04d}", b"")
     calls = []
-    client = checkpoints.objects.client
+    client = checkpoints.place.objects.client
     listing = client.list_objects_v2
     client.list_objects_v2 = lambda **arguments: calls.append(arguments) or listing(**arguments)
     assert [c.step for c in checkpoints.checkpoints()] == [1, 2]
@@ -192,7 +192,7 @@ def test_multipart_upload_survives_a_failed_part_and_refuses_a_lost_one(s3):
     from botocore.exceptions import ClientError
 
     checkpoints = saved(store(part_bytes=5 << 20), 1, size=3 << 20)  # 12 MiB: three parts
-    client, failures = checkpoints.objects.client, []
+    client, failures = checkpoints.place.objects.client, []
     upload_part, complete = client.upload_part, client.complete_multipart_upload
 
     def flaky(**arguments):
@@ -219,7 +219,7 @@ def test_multipart_upload_survives_a_failed_part_and_refuses_a_lost_one(s3):
 
 def test_a_lagging_listing_costs_recency_never_trust(s3):
     checkpoints = saved(store(), 1, 2)
-    client = checkpoints.objects.client
+    client = checkpoints.place.objects.client
     listing = client.list_objects_v2
 
     def lagging(**arguments):  # the newest commit not yet listed
@@ -241,7 +241,8 @@ def test_errors_name_the_store_never_a_credential(s3):
         CheckpointStore("s3://no-such-bucket/run").checkpoints()
     checkpoints = saved(store(), 1)
     with local_folder() as folder:
-        assert MOTO_SECRET.encode() not in fetch_file(checkpoints.objects, checkpoints.path_for(1), folder).read_bytes()
+        local = fetch_file(checkpoints.place.objects, checkpoints.path_for(1), folder)
+        assert MOTO_SECRET.encode() not in local.read_bytes()
     assert MOTO_SECRET not in os.environ.get("AWS_ENDPOINT_URL", "")
 
 
@@ -277,3 +278,31 @@ def test_a_sharded_folder_is_read_by_ranged_gets_each_item_verified(s3, monkeypa
     s3.put_object(Bucket=BUCKET, Key=key, Body=data[:200] + bytes([data[200] ^ 1]) + data[201:])
     with pytest.raises(CheckpointError, match="are damaged"):
         load_sharded_s3(target)
+
+
+def test_a_sharded_store_on_a_prefix_keeps_cleans_skips_damage_and_resumes(s3):
+    """The sharded layout on an object store: each checkpoint a prefix committed by its commit.pth."""
+    said: list[str] = []
+
+    def sharded() -> CheckpointStore:
+        return CheckpointStore(f"s3://{BUCKET}/run", keep=2, sharded=True, notify=said.append)
+
+    parts = {"weights": Tensor(0, 64)}
+    with sharded() as checkpoints:
+        for step in (1, 2, 3):
+            parts["weights"].tensor.fill_(float(step))
+            assert checkpoints.save(step, parts) == location(f"s3://{BUCKET}/run/step-{step:08d}.dcp")
+    keys = sorted(entry["Key"] for entry in s3.list_objects_v2(Bucket=BUCKET)["Contents"])
+    assert sorted({key.split("/")[1] for key in keys}) == ["step-00000002.dcp", "step-00000003.dcp"]
+    assert "run/step-00000003.dcp/commit.pth" in keys
+    s3.put_object(Bucket=BUCKET, Key="run/step-00000004.dcp/__0_0.distcp", Body=b"a save killed before its commit")
+    shard = next(key for key in keys if key.startswith("run/step-00000003.dcp/") and key.endswith(".distcp"))
+    data = s3.get_object(Bucket=BUCKET, Key=shard)["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=shard, Body=data[:-1] + bytes([data[-1] ^ 1]))  # the newest one damaged
+    resumed = {"weights": Tensor(-1, 64)}
+    with sharded() as checkpoints:
+        assert checkpoints.load(resumed) == 2
+    assert torch.equal(resumed["weights"].tensor, torch.full((64,), 2.0))
+    assert len(said) == 1 and "step-00000003.dcp" in said[0] and "damaged" in said[0], said
+    left = {entry["Key"] for entry in s3.list_objects_v2(Bucket=BUCKET)["Contents"]}
+    assert not any(key.startswith("run/step-00000004.dcp/") for key in left)  # cleaned by the writer's load

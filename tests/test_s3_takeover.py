@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from exactresume.errors import UserError
-from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.s3.lease import LEASE_NAME, SECONDS_ENV
 from helpers import once_per_session, run_cli, spawn_cli, train_cli
 

@@ -8,8 +8,8 @@ import os
 import boto3
 import torch
 
-from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import S3Config, location
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.s3.client import ObjectStore
 from exactresume.store.s3.files import load_committed
 from helpers import SMALL, assert_one_line_error, assert_same_run, call_cli, run_cli, train_cli

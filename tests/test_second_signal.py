@@ -15,7 +15,7 @@ import signal
 import pytest
 
 from exactresume.store.faults import FaultPoints
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import CheckpointStore
 from exactresume.training.joblog import RunLogs
 from helpers import SMALL, call_cli, one_torch_thread, run_python
 

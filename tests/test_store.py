@@ -13,9 +13,9 @@ import torch
 from exactresume.errors import CheckpointError, FieldError, StorageError, UserError
 from exactresume.parts import GeneratorPart, GlobalRng
 from exactresume.store.faults import FAULT_ENV, STAGES, Fault
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.layout import checkpoint_name
 from exactresume.store.lock import LOCK_NAME
-from exactresume.store.numbered import checkpoint_name
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.sealed import save_sealed
 from helpers import call_cli
 
@@ -116,7 +116,7 @@ def test_failed_retention_only_warns(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_that_reads_back_damaged_is_removed(tmp_path, monkeypatch):
-    import exactresume.store.folder as store_module
+    import exactresume.store.disk as store_module
 
     parts = make_parts()
     quiet_store(tmp_path).save(1, parts)

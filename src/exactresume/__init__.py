@@ -31,7 +31,7 @@ PUBLIC = {
     "read_resume": "exactresume.store.access",
     "open_resume": "exactresume.store.access",
     "Resumed": "exactresume.store.access",
-    "CheckpointStore": "exactresume.store.folder",
+    "CheckpointStore": "exactresume.store.numbered",
     "S3Config": "exactresume.store.locations",
     "read_weights": "exactresume.store.weights",
     "save_weights": "exactresume.store.weights",

@@ -117,7 +117,7 @@ def log_rows(path: Path) -> list[list[str]]:
 def train_summary(job, argv: list[str], memory: dict | None = None) -> dict:
     """What `exactresume train` wrote (a TrainJob's outputs), the step its log reached and how to go on."""
     rows = log_rows(job.log_file)
-    from exactresume.store.folder import CheckpointStore  # imports torch: only once a run is over
+    from exactresume.store.numbered import CheckpointStore  # imports torch: only once a run is over
 
     checkpoints = [checkpoint.path for checkpoint in CheckpointStore(job.checkpoint_folder, keep=None).checkpoints()]
     stopped = job.stop_at is not None

@@ -17,7 +17,7 @@ from exactresume.forkserver.client import Run, ServerKind, spawn, start_server
 # and where the s3 extra installed boto3, what a run to or from s3:// imports.
 TRAINING_RUNS = ServerKind(
     preload=("exactresume.training.job_run", "torch._dynamo"),
-    optional=("boto3", "botocore.config", "exactresume.store.s3.folder", "exactresume.store.s3.sharded"),
+    optional=("boto3", "botocore.config", "exactresume.store.s3.prefix", "exactresume.store.s3.sharded"),
 )
 
 

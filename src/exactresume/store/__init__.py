@@ -1,5 +1,5 @@
-"""Everything on disk, and nothing of the model or the loop: the resume file of parts (resume), its seal
-(sealed, onepass), the checkpoint folder (folder.CheckpointStore), background saves, fault injection,
-sharded DCP folders, weights and safetensors files, what a file or folder holds (contents, listing),
-one writer per folder (lock), and the object store (s3/, a room of its own). Imports the base layer only.
+"""Everything on disk, and nothing of the model or the loop: resume files (resume), their seal (sealed,
+onepass), one store of numbered checkpoints (numbered: a place and a layout), background saves, faults,
+sharded DCP folders, weights files, listings, one writer per folder (lock), and the object store (s3/).
+Imports the base layer only.
 """

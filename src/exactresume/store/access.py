@@ -4,7 +4,8 @@ One file: `save_resume(path, parts, step)`, `load_resume(path, parts)` and `read
 path or an `s3://` object alike (`sharded=True`: a DCP folder every rank writes its shard of). Under
 many processes (`world=`) every rank calls them: the per-rank parts keep every rank's state, and
 rank 0 writes the file (every rank its shard, sharded). A run's numbered checkpoints are saved by
-its CheckpointStore (folder.py), whatever its options.
+its CheckpointStore (numbered.py), whatever its options; a local resume file is written and read
+back by the same steps as a store's checkpoint (disk.py).
 
 In: `open_resume(source)` takes a resume file, a checkpoint folder (any CheckpointStore's, whatever
 its parts), a sharded DCP folder or "auto" (the newest valid checkpoint in the run's own checkpoint
@@ -27,10 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from exactresume.errors import CheckpointError, FieldError, StorageError, notice
-from exactresume.store.folder import CheckpointStore, holds_sharded_checkpoints
+from exactresume.store.disk import write_verified
 from exactresume.store.formats import is_sharded_folder, path_kind
 from exactresume.store.identity import check_identity, refuse_another_run
 from exactresume.store.locations import Location, S3Location, is_s3, location
+from exactresume.store.numbered import store_reading
 from exactresume.store.resume import (
     capture,
     check_parts,
@@ -39,7 +41,6 @@ from exactresume.store.resume import (
     per_rank,
     read_resume_file,
     restore,
-    save_resume_file,
     saved_step,
     saved_world_size,
     started_fresh,
@@ -106,8 +107,11 @@ def _save_file(
         from exactresume.store.s3.files import publish_leased  # under the prefix's lease
 
         publish_leased(ObjectStore(target.config), target, capture(parts, step, identity))
-    else:
-        save_resume_file(target, parts, step, identity)
+    else:  # a slot of its own, written and read back as a store's checkpoint is (disk.py)
+        try:
+            write_verified(target, capture(parts, step, identity))
+        except OSError as error:
+            raise StorageError.replacing(target, error) from error
 
 
 def _save_sharded(
@@ -259,8 +263,7 @@ def _step_of(path: Path, state: dict) -> int:
 def _newest_in(folder: Location, needs: Collection[str], notify, required: bool) -> Resumed | None:
     """The newest valid checkpoint of a store folder; nothing in it is deleted (it may be someone else's)."""
     skipped: list[str] = []
-    sharded = not is_s3(folder) and holds_sharded_checkpoints(folder)
-    store = CheckpointStore(folder, keep=None, notify=skipped.append, sharded=sharded, world=World())
+    store = store_reading(folder, skipped.append)
     found = store.load_newest() if required else store.newest_loadable()  # a run's own: never fresh over damage
     if found is None and required:
         what = "uncommitted object(s)" if is_s3(folder) else ".tmp leftover(s)"
@@ -272,5 +275,5 @@ def _newest_in(folder: Location, needs: Collection[str], notify, required: bool)
     if found is None:
         return None
     checkpoint, state = found
-    kind = "sharded" if sharded else "store"
+    kind = "sharded" if store.layout.sharded else "store"
     return Resumed(check_resume_state(checkpoint.path, state, needs), checkpoint.step, checkpoint.path, kind)

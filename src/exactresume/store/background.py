@@ -108,7 +108,7 @@ class StagingMemory:
 
 
 class Stages(Protocol):
-    """What the writer needs of its store (numbered.py's NumberedStore): its step check, its commit
+    """What the writer needs of its store (numbered.py's CheckpointStore): its step check, its commit
     stages and their fault points, and its one line for a refused write."""
 
     folder: Any

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from exactresume.errors import UserError
 
 FAULT_ENV = "EXACTRESUME_FAULT"
-# The stages of CheckpointStore.save, in order (see folder.py; atomic.atomic_write reports the middle four).
+# The stages of CheckpointStore.save, in order (numbered.py, disk.py; atomic.atomic_write reports the middle four).
 STAGES = ("snapshot", "write", "fsync", "rename", "folder-fsync", "verify", "retention")
-# On an object store (s3/folder.py): snapshot, write (the local copy), upload (each part), commit, retention.
+# On an object store (s3/prefix.py): snapshot, write (the local copy), upload (each part), commit, retention.
 OBJECT_STORE_STAGES = ("snapshot", "write", "upload", "commit", "retention")
 ACTIONS = ("kill", "stop", "enospc", "eio")
 

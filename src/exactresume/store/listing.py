@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from exactresume.errors import CheckpointError
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.layout import UNREADABLE_SUFFIX
 from exactresume.store.locations import Location, S3Location
-from exactresume.store.numbered import UNREADABLE_SUFFIX
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.resume import RESERVED_NAMES, check_resume_state
 from exactresume.store.sealed import load_sealed
 

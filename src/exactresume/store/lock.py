@@ -77,7 +77,7 @@ class FolderLock:
         path = folder / LOCK_NAME
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as error:  # what to do depends on what the lock was for: its taker's to say (folder.py)
+        except OSError as error:  # what to do depends on what the lock was for: its taker's to say (disk.py)
             raise StorageError.from_os_error(f"the lock file of {folder}", error) from error
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exactresume.errors import CheckpointError, FieldError, StorageError, UserError, notice
+from exactresume.errors import CheckpointError, FieldError, UserError, notice
 from exactresume.store.fit import check_names, check_tensors
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, RESUME_VERSIONS, check_format
 from exactresume.store.identity import IDENTITY_KEY, with_identity
-from exactresume.store.sealed import load_sealed, save_sealed
+from exactresume.store.sealed import load_sealed
 from exactresume.world import World
 
 if TYPE_CHECKING:  # PyTorch's own part protocol, DCP's: importing DCP costs a second, so only for types
@@ -239,20 +239,6 @@ def saved_step(state: Mapping) -> int | None:
     """The step a state was saved at: its `checkpoint_step`, or in older files the `step` part."""
     step = state.get(STEP_KEY, state.get("step"))
     return int(step) if isinstance(step, int) else None
-
-
-def save_resume_file(
-    path: Path, parts: Mapping[str, Stateful], step: int | None = None, identity: dict | None = None
-) -> Path:
-    """Write `parts` (saved at `step`, by the run `identity` names) as one local resume file, atomically,
-    with its checksum; returns `path`. A write the storage refuses is a StorageError, and what was at
-    `path` is left as it was."""
-    state = capture(parts, step, identity)
-    try:
-        save_sealed(Path(path), state)
-    except OSError as error:
-        raise StorageError.replacing(path, error) from error
-    return Path(path)
 
 
 def check_resume_state(path: Path, state: object, needs: Collection[str] = ()) -> dict:

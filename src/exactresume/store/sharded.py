@@ -46,13 +46,13 @@ from exactresume.atomic import fsync_path, replace_folder, tmp_path
 from exactresume.errors import CheckpointError
 from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
 from exactresume.store.formats import check_format
+from exactresume.store.layout import COMMIT
 from exactresume.store.resume import capture, check_resume_state, is_dtensor, tensors_in
 from exactresume.store.sealed import load_sealed, save_sealed
 from exactresume.world import World
 
 SHARDED_FORMAT = "exactresume.sharded"
 SHARDED_VERSION = 1
-COMMIT = "commit.pth"
 CHUNK = 8 << 20
 
 

@@ -59,7 +59,7 @@ def read_weights(path: Location) -> tuple[StateDict, ModelConfig | None]:
 
 
 def _newest_checkpoint(folder: Path) -> dict:
-    from exactresume.store.folder import CheckpointStore
+    from exactresume.store.numbered import CheckpointStore
 
     found = CheckpointStore(folder, keep=None).load_newest()  # each one passed over is named on stderr
     if found is None:

@@ -31,9 +31,9 @@ from exactresume.parallel.replicate import replicate
 from exactresume.progress import Progress
 from exactresume.store.access import open_resume
 from exactresume.store.background import DURING_NEXT_STEP
-from exactresume.store.folder import CheckpointStore
 from exactresume.store.locations import is_s3
 from exactresume.store.lock import FolderLock
+from exactresume.store.numbered import CheckpointStore
 from exactresume.training.divergence import DivergenceLog
 from exactresume.training.job import ALLOWED_CHANGES, AUTO_RESUME, TrainJob
 from exactresume.training.joblog import RunLogs, ignore, note, warn

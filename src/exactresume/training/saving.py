@@ -17,7 +17,7 @@ from pathlib import Path
 from exactresume.errors import StorageError
 from exactresume.parallel.fsdp import full_model_state
 from exactresume.store.access import save_resume
-from exactresume.store.folder import CheckpointStore
+from exactresume.store.numbered import CheckpointStore
 from exactresume.store.weights import save_weights
 from exactresume.training.advice import advice
 from exactresume.training.loop import Run

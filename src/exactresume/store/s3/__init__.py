@@ -4,7 +4,7 @@ boto3 is behind one door, client.py's ObjectStore (bounded requests, retries, on
 rest of the package enters through a small face, and the other modules here are this room's own
 (the import contract in pyproject.toml holds it):
 
-    folder.S3CheckpointStore                     a CheckpointStore on a prefix (store/folder.py makes one)
+    prefix.S3Prefix                              where a CheckpointStore on a prefix keeps its checkpoints
     files.publish_leased / load_committed        one resume file written under the prefix's lease, read back
     kinds.s3_kind / read_s3_resume / local_copy  what a location holds, a verified resume state, a local copy
     sharded.save_sharded_s3 / load_sharded_s3    a DCP folder of every rank's shard

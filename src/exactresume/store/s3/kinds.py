@@ -16,7 +16,9 @@ import contextlib
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, notice
+from exactresume.store.faults import FaultPoints
+from exactresume.store.layout import ONE_FILE
 from exactresume.store.locations import S3Location
 from exactresume.store.resume import check_resume_state
 from exactresume.store.s3.client import ObjectStore
@@ -71,15 +73,15 @@ def local_copy(target: S3Location) -> Iterator[Path]:
 def _newest_copy(objects: ObjectStore, prefix: S3Location, folder: Path) -> Path:
     """A local store folder in `folder` holding the newest checkpoint under `prefix` whose objects verify
     against its commit (each newer one passed over is named on stderr, as a resume names it)."""
-    from exactresume.store.s3.folder import S3CheckpointStore
+    from exactresume.store.s3.prefix import S3Prefix
 
-    store = S3CheckpointStore(prefix, keep=None)
+    place = S3Prefix(prefix, notice, FaultPoints())
     local = folder / "checkpoints"  # beside the downloads, never one of their names
     local.mkdir()
-    for checkpoint in reversed(store.checkpoints()):
+    for checkpoint in reversed(place.checkpoints(ONE_FILE)):
         try:
             fetch_file(objects, checkpoint.path, folder).rename(local / checkpoint.path.name)
             return local
         except CheckpointError as error:
-            store.notify(f"skipping damaged checkpoint {error}")  # as a resume from the prefix says it
+            notice(f"skipping damaged checkpoint {error}")  # as a resume from the prefix says it
     raise CheckpointError(f"{prefix} holds no checkpoint that verifies (step-*.pth)")
