@@ -24,7 +24,6 @@ import torch
 from exactresume.core.steplog import read_samples
 from exactresume.store.faults import FAULT_ENV, STAGES
 from helpers import (
-    assert_lab_dict,
     assert_one_line_error,
     assert_weights_equal,
     descendants,
@@ -123,16 +122,28 @@ def test_stopped_on_two_nodes_resumed_on_one_node_is_bit_identical(runs, tmp_pat
     assert_weights_equal(runs / "straight2" / "final.pth", out / "final.pth")
 
 
-def test_a_single_file_checkpoint_holds_the_whole_state_and_resumes_bit_identically(runs, tmp_path, kjv_folder):
-    """--save-every under FSDP2 writes one file per checkpoint, gathered from every rank's shards."""
+def test_every_rank_writes_its_shard_of_each_checkpoint_and_auto_resume_reads_it(runs, tmp_path, kjv_folder):
+    """--save-every under FSDP2 writes each checkpoint sharded, every rank its own rows, nothing gathered on
+    one rank; --resume auto continues from it bit-identically on 2 processes, and resharded on 1."""
     checkpoints = runs / "nodes" / "checkpoints"
-    assert sorted(path.name for path in checkpoints.glob("*.pth")) == ["step-00000002.pth", "step-00000003.pth"]
-    gathered = assert_lab_dict(checkpoints / "step-00000003.pth", 3)  # the whole state, gathered from the shards
-    weights = sum(t.numel() for name, t in gathered["model"].items() if name != "lm_head.weight")
-    moments = sum(t.numel() for state in gathered["optimizer"]["state"].values() for t in state.values() if t.dim())
-    assert moments == 2 * weights  # every rank's rows, not one rank's shard
-    train(tmp_path, kjv_folder, "--nproc", 2, "--shard", "fsdp", "--resume", checkpoints)
-    assert_weights_equal(runs / "straight2" / "final.pth", tmp_path / "final.pth")
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step-00000002.dcp", "step-00000003.dcp"]
+    newest = checkpoints / "step-00000003.dcp"
+    shards = sorted(newest.glob("*.distcp"))
+    assert [path.name for path in shards] == ["__0_0.distcp", "__1_0.distcp"]
+    sizes = [path.stat().st_size for path in shards]
+    assert max(sizes) < 0.75 * sum(sizes), sizes  # each rank wrote its own rows, not the whole state
+    marker = torch.load(newest / "commit.pth", weights_only=True)  # a plain torch file: nothing of ours
+    assert (marker["processes"], marker["step"]) == (2, 3)
+    listed = run_cli("inspect", checkpoints, check=True).stdout
+    assert "2 checkpoints; a resume continues from step 3" in listed and "step-00000003.dcp  verified" in listed
+    for nproc in (2, 1):
+        out = tmp_path / f"on-{nproc}"
+        shutil.copytree(checkpoints, out / "checkpoints")
+        train(out, kjv_folder, "--nproc", nproc, "--shard", "fsdp", "--resume", "auto", "--samples", out / "s.csv")
+    assert_weights_equal(runs / "straight2" / "final.pth", tmp_path / "on-2" / "final.pth")
+    reference = read_samples(runs / "reference" / "samples.csv")
+    assert read_samples(tmp_path / "on-1" / "s.csv") == {step: reference[step] for step in range(STOP + 1, 9)}
+    assert max_abs_difference(runs / "reference" / "final.pth", tmp_path / "on-1" / "final.pth") < CROSS_N_ATOL
 
 
 @pytest.mark.parametrize(("source", "nproc"), [("nodes", 1), ("nodes", 4), ("stop1", 2)])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from exactresume.store.faults import FAULT_ENV
 from exactresume.store.locations import S3Config, location
 from exactresume.store.s3.kinds import local_copy
 from exactresume.store.s3.lease import LEASE_NAME
@@ -79,3 +80,30 @@ def _a_run_that_lost_the_prefix_leaves_its_sharded_state_alone(tmp_path, data, s
     assert code == 2 and "\n" not in stderr and "lost its lease: " in stderr and "pid 4242" in stderr, (code, stderr)
     after = {item["Key"]: item["ETag"] for item in client.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]}
     assert after == before and f"{key}/resume.dcp/commit.pth" in after
+
+
+def test_fsdp_checkpoints_are_sharded_on_the_store_and_a_kill_mid_upload_resumes_bit_identical(
+    tmp_path, kjv_folder, s3_server, s3_prefix
+):
+    """Under --shard fsdp every rank uploads its own shard of each checkpoint, rank 0 commits last: a rank
+    killed in its upload leaves the previous checkpoint the newest committed, and --resume auto continues
+    from it as the straight run went."""
+    endpoint, fsdp = s3_server.endpoint, ("--nproc", 2, "--shard", "fsdp")
+    train(tmp_path / "straight", kjv_folder, endpoint, *fsdp)
+    out, flags = tmp_path / "run", (*fsdp, "--checkpoints", s3_prefix, "--save-every", 2, "--resume", "auto")
+    reach = ("--s3-endpoint", endpoint, "--samples", out / "samples.csv")
+    env = {"OMP_NUM_THREADS": "1", FAULT_ENV: "upload@3:kill"}  # rank 0's 2nd save: its shard, then DCP's index
+    killed = train_cli(out, "--data", kjv_folder, *FLAGS, *reach, *flags, env=env)
+    assert killed.returncode != 0, killed.stdout
+    client, bucket, key = s3_server.client(), *s3_prefix.removeprefix("s3://").split("/", 1)
+
+    def commits() -> list[str]:
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{key}/")["Contents"]
+        return sorted(item["Key"].removeprefix(f"{key}/") for item in listed if item["Key"].endswith("/commit.pth"))
+
+    assert commits() == ["step-00000002.dcp/commit.pth"]
+    train(out, kjv_folder, endpoint, *flags)
+    assert_weights_equal(tmp_path / "straight" / "final.pth", out / "final.pth")
+    assert commits() == [f"step-0000000{step}.dcp/commit.pth" for step in (4, 6, 8)]  # keep 3
+    shards = committed_shards(endpoint, f"{s3_prefix}/step-00000008.dcp")
+    assert shards["processes"] == 2 and {"__0_0.distcp", "__1_0.distcp"} <= shards["files"].keys()

@@ -117,9 +117,9 @@ def log_rows(path: Path) -> list[list[str]]:
 def train_summary(job, argv: list[str], memory: dict | None = None) -> dict:
     """What `exactresume train` wrote (a TrainJob's outputs), the step its log reached and how to go on."""
     rows = log_rows(job.log_file)
-    from exactresume.store.numbered import CheckpointStore  # imports torch: only once a run is over
+    from exactresume.store.numbered import store_reading  # imports torch: only once a run is over
 
-    checkpoints = [checkpoint.path for checkpoint in CheckpointStore(job.checkpoint_folder, keep=None).checkpoints()]
+    checkpoints = [checkpoint.path for checkpoint in store_reading(job.checkpoint_folder, notify=print).checkpoints()]
     stopped = job.stop_at is not None
     files = {
         "resume": written(job.resume_file) if stopped else None,

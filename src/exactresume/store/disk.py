@@ -142,12 +142,17 @@ class DiskFolder:
         write_verified(checkpoint.path, state, faults, before_publish)
 
     def write_sharded(
-        self, checkpoint: Checkpoint, parts: Mapping[str, Stateful], world: World, identity: dict | None
+        self,
+        checkpoint: Checkpoint,
+        parts: Mapping[str, Stateful],
+        world: World,
+        identity: dict | None,
+        faults: FaultPoints,
     ) -> None:
-        """Every rank writes its shard; rank 0 prepares the folder first and commits last (sharded.py)."""
+        """Every rank writes its shard; rank 0 commits last and reads it back verified (sharded.py)."""
         from exactresume.store.sharded import save_sharded  # DCP takes a second to import: only when used
 
-        save_sharded(checkpoint.path, parts, world, checkpoint.step, identity)
+        save_sharded(checkpoint.path, parts, world, checkpoint.step, identity, faults.reached)
 
     # -- reading and pruning ----------------------------------------------------------------------
 

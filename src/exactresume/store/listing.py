@@ -1,9 +1,9 @@
 """A checkpoint folder's checkpoints, each verified and described: `exactresume inspect FOLDER`.
 
 Any CheckpointStore's folder, whatever its parts (`train --save-every`'s, or a loop of one's own):
-every `step-*.pth` is read as `--resume FOLDER` reads it (checksum first, then weights_only), and
-reported with its step, its parts and their sizes, or with the reason it is refused. The newest
-checkpoint that verifies is the one a resume from the folder continues from.
+every `step-*.pth` (or sharded `step-*.dcp`) is read as `--resume FOLDER` reads it (checksum first,
+then weights_only), and reported with its step, its parts and their sizes, or with the reason it is
+refused. The newest checkpoint that verifies is the one a resume from the folder continues from.
 """
 
 from __future__ import annotations
@@ -13,32 +13,26 @@ from typing import Any
 
 from exactresume.errors import CheckpointError
 from exactresume.store.layout import UNREADABLE_SUFFIX
-from exactresume.store.locations import Location, S3Location
-from exactresume.store.numbered import CheckpointStore
+from exactresume.store.locations import Checkpoint, Location, S3Location
+from exactresume.store.numbered import CheckpointStore, store_reading
 from exactresume.store.resume import RESERVED_NAMES, check_resume_state
-from exactresume.store.sealed import load_sealed
-
-
-def _load(path: Location) -> Any:
-    if isinstance(path, S3Location):  # the committed object, downloaded and verified (s3/files.py)
-        from exactresume.store.s3.client import ObjectStore
-        from exactresume.store.s3.files import load_committed
-
-        return load_committed(ObjectStore(path.config), path)
-    return load_sealed(path)
 
 
 def _size(path: Location) -> int | None:
+    """A checkpoint's bytes: a file's or object's, or those of every file or object of a sharded one."""
     if isinstance(path, S3Location):
         from exactresume.store.s3.client import ObjectStore
 
-        return ObjectStore(path.config).size(path)
-    return path.stat().st_size
+        objects = ObjectStore(path.config)
+        size = objects.size(path)
+        return sum(objects.list(path).values()) if size is None else size
+    return sum(file.stat().st_size for file in path.iterdir()) if path.is_dir() else path.stat().st_size
 
 
-def _checkpoint(step: int, path: Location, summarize) -> dict:
+def _checkpoint(store: CheckpointStore, checkpoint: Checkpoint, summarize) -> dict:
+    step, path = checkpoint.step, checkpoint.path
     try:
-        state = check_resume_state(path, _load(path))
+        state = check_resume_state(path, store.place.read(checkpoint, store.layout))
     except CheckpointError as error:
         return {"step": step, "path": str(path), "status": "damaged", "problem": str(error), "parts": {}}
     parts = {name: summarize(value) for name, value in state.items() if name not in RESERVED_NAMES}
@@ -50,7 +44,7 @@ def _checkpoint(step: int, path: Location, summarize) -> dict:
 
 def list_checkpoints(folder: Location, summarize) -> dict:
     """The folder's checkpoints (oldest first), each verified; `summarize(value)` sizes one part."""
-    store = CheckpointStore(folder, keep=None, notify=lambda message: None)
+    store = store_reading(folder, notify=lambda message: None)
     found, set_aside = store.checkpoints(), _set_aside(store, folder)
     if not found:
         leftovers = store.leftovers()
@@ -59,7 +53,7 @@ def list_checkpoints(folder: Location, summarize) -> dict:
         details += [f"{len(set_aside)} damaged checkpoint(s) set aside as {UNREADABLE_SUFFIX}"] if set_aside else []
         detail = f": only {' and '.join(details)}" if details else ""
         raise CheckpointError(f"{folder} is a folder holding no checkpoint (step-*.pth) and no sharded one{detail}")
-    checkpoints = [_checkpoint(c.step, c.path, summarize) for c in found]
+    checkpoints = [_checkpoint(store, c, summarize) for c in found]
     for checkpoint, file in zip(checkpoints, found):
         checkpoint["file_bytes"] = _size(file.path)
     valid = [c["step"] for c in checkpoints if c["status"] == "verified"]

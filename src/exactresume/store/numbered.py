@@ -75,7 +75,12 @@ class Place(Protocol):
         self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, before_publish: Callable[[], None] | None
     ) -> None: ...
     def write_sharded(
-        self, checkpoint: Checkpoint, parts: Mapping[str, Stateful], world: World, identity: dict | None
+        self,
+        checkpoint: Checkpoint,
+        parts: Mapping[str, Stateful],
+        world: World,
+        identity: dict | None,
+        faults: FaultPoints,
     ) -> None: ...
     def read(self, checkpoint: Checkpoint, layout: Layout) -> Any: ...
     def verifies(self, checkpoint: Checkpoint, layout: Layout) -> bool: ...
@@ -203,7 +208,7 @@ class CheckpointStore:
         self.world.barrier()
         with self._told_as_one_line(step):
             self.faults.reached("snapshot")
-            self.place.write_sharded(checkpoint, parts, self.world, self.identity)
+            self.place.write_sharded(checkpoint, parts, self.world, self.identity, self.faults)
         self.reached(step)
         if self.world.is_main:
             self._retain(step)
@@ -428,14 +433,11 @@ class CheckpointStore:
 
 
 def store_reading(folder: Location, notify: Callable[[str], None]) -> CheckpointStore:
-    """A store that reads `folder` (nothing pruned) in the layout of its checkpoints: sharded where it holds
-    sharded checkpoints and no one-file ones."""
-    store = CheckpointStore(folder, keep=None, notify=notify, world=World())
-    if not store.checkpoints():
-        sharded = CheckpointStore(folder, keep=None, notify=notify, sharded=True, world=World())
-        if sharded.checkpoints():
-            return sharded
-    return store
+    """A store that reads `folder` (nothing pruned) in the layout of its newest checkpoint: sharded where
+    that one is a sharded folder."""
+    one_file, sharded = (CheckpointStore(folder, keep=None, notify=notify, sharded=s, world=World()) for s in (0, 1))
+    newest = {store: max((c.step for c in store.checkpoints()), default=-1) for store in (one_file, sharded)}
+    return sharded if newest[sharded] > newest[one_file] else one_file
 
 
 def _place(

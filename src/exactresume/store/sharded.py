@@ -149,22 +149,35 @@ def _module_of(optimizer: torch.optim.Optimizer, parts: Mapping[str, Stateful]) 
 
 
 def save_sharded(
-    folder: Path, parts: Mapping[str, Stateful], world: World, step: int | None = None, identity: dict | None = None
+    folder: Path,
+    parts: Mapping[str, Stateful],
+    world: World,
+    step: int | None = None,
+    identity: dict | None = None,
+    stage: Callable[[str], None] = lambda name: None,
 ) -> None:
     """Every rank writes its shard (saved at `step`, by the run `identity` names) into FOLDER.tmp/; rank 0
-    commits it and puts it at `folder`."""
+    commits it, puts it at `folder` and reads it back verified. `stage(name)` is called at each stage, a
+    fault-injection point (store/faults.py): "write" on every rank, then on rank 0 "fsync" (every shard
+    is durable, the commit not yet written), "rename", "folder-fsync" and "verify"."""
     staging = tmp_path(folder)
     state = capture(sharded_parts(parts), step, identity)
     if world.is_main:
         shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
         staging.mkdir(parents=True)
     world.barrier()
+    stage("write")
     with quiet_single_process(), first_failure():
         # sync_files: each shard and the metadata are fsynced before DCP returns.
         dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=True), no_dist=world.size == 1)
     if world.is_main:  # dcp.save returns on rank 0 only after every rank's shard and the metadata are written
+        stage("fsync")
         write_commit(staging, world.size, step)
+        stage("rename")
         replace_folder(staging, folder)
+        stage("folder-fsync")
+        stage("verify")
+        verify_sharded(folder)
     world.barrier()
 
 

@@ -76,7 +76,7 @@ class TrainJob:
         if self.sharded and self.stop_at is None:
             raise UserError("--sharded only makes sense with --stop-at (it is how the resume state is written)")
         if self.async_save and self.config.fsdp:
-            # Gathering a sharded model is a collective: it cannot run in rank 0's writer thread alone.
+            # Every rank writes its shard of each checkpoint: rank 0's writer thread cannot do it alone.
             raise UserError("--async-save does not combine with --shard fsdp: its checkpoints are saved synchronously")
         self._check_waiting()
         if self.divergence is not None and self.resume is None:

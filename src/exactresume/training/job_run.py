@@ -9,7 +9,8 @@ checkpoints go out through the CheckpointStore's own `save`, the final file thro
 (saving.py); the logs and the job's lines are joblog.py's. Under many
 processes (parallel/) every rank runs the job: every rank builds and restores its replica and takes
 part in each save (the per-rank parts are gathered from all), only rank 0 writes the files and the
-logs; with `sharded` (always under `--shard fsdp`) every rank writes its shard of OUT/resume.dcp.
+logs; with `sharded` (always under `--shard fsdp`) every rank writes its shard of OUT/resume.dcp, and
+under `--shard fsdp` of each checkpoint (no gather).
 
 How it ends: the finished run (exit 0); a user's mistake (UserError, 2); a disk that refuses a write
 (StorageError, 74: the previous checkpoint is intact and nothing half-written is left); SIGTERM or
@@ -94,7 +95,8 @@ class JobRun:
         job = self.job
         wait = {"wait_lock": job.wait_lock} if is_s3(job.checkpoint_folder) else {}
         copy = DURING_NEXT_STEP if job.async_save else None
-        options = {"background": job.async_save, "copy": copy, "world": self.world, **wait}
+        # Under FSDP2 every rank writes its shard of each checkpoint: nothing is gathered on one rank.
+        options = {"background": job.async_save, "copy": copy, "world": self.world, "sharded": job.config.fsdp, **wait}
         return CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=self.notify, lock=lock, **options)
 
     def _check_outputs(self) -> None:
@@ -145,7 +147,7 @@ class JobRun:
         parts = run.parts() if resumed.kind == "sharded" else run.file_parts()
         resumed.restore(parts, skip=skip_parts, world=world)
         change = _world_change(resumed.saved_world_size, world.size, bool(self.job.config.micro_batch))
-        if world.is_main and resumed.kind == "store":
+        if world.is_main and str(resumed.path) != str(job.resume):  # the newest checkpoint of a folder
             note(f"resumed from {resumed.path} at step {resumed.step}")
         if world.is_main and change:
             print(change)
@@ -187,7 +189,7 @@ class JobRun:
         if step != self.saved_step:
             self.logs.sync()
             with stopping_on_error(store, step):
-                store.save(step, run.file_parts())
+                store.save(step, run.parts() if store.layout.sharded else run.file_parts())
             self.saved_step = step
         return store.path_for(step)
 

@@ -123,12 +123,17 @@ class S3Prefix:
         lease.check()
 
     def write_sharded(
-        self, checkpoint: Checkpoint, parts: Mapping[str, Stateful], world: World, identity: dict | None
+        self,
+        checkpoint: Checkpoint,
+        parts: Mapping[str, Stateful],
+        world: World,
+        identity: dict | None,
+        faults: FaultPoints,
     ) -> None:
         """Every rank uploads its shard; rank 0 commits once all have, under the lease (s3/sharded.py)."""
         from exactresume.store.s3.sharded import save_sharded_s3  # DCP takes a second to import: only when used
 
-        save_sharded_s3(checkpoint.path, parts, world, checkpoint.step, identity)
+        save_sharded_s3(checkpoint.path, parts, world, checkpoint.step, identity, self.objects, faults.reached)
 
     # -- reading and pruning ----------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ the local copy as sharded.py reads a folder (every check again).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
@@ -53,17 +53,21 @@ def save_sharded_s3(
     world: World,
     step: int | None = None,
     identity: dict | None = None,
+    objects: ObjectStore | None = None,
+    stage: Callable[[str], None] = lambda name: None,
 ) -> None:
     """Every rank writes and uploads its shard (saved at `step`, by the run `identity` names); rank 0
     commits once all have, under the lease of the folder's prefix (s3/lease.py), checked before the old
-    commit goes and the new one is written."""
+    commit goes and the new one is written. `stage(name)` is called at "write" (every rank) and at
+    "commit" (rank 0), fault-injection points (store/faults.py), as `objects`' own before each part."""
     import torch.distributed.checkpoint as dcp
 
-    objects = ObjectStore(target.config)
+    objects = objects or ObjectStore(target.config)
     state = capture(sharded_parts(parts), step, identity)
     with contextlib.ExitStack() as held:
         lease = _unpublish(objects, target, world, held)  # from here until the new commit, the prefix is not trusted
         with local_folder(state_bytes(state) // world.size) as staging:
+            stage("write")
             with quiet_single_process(), first_failure():
                 dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=False), no_dist=world.size == 1)
             index = world.gather((staging / ".metadata").read_bytes() if world.is_main else None)[0]  # rank 0's
@@ -74,6 +78,7 @@ def save_sharded_s3(
         if None in everyone:
             raise StorageError(f"another rank could not upload its shard of {target}; it is not committed")
         if world.is_main:
+            stage("commit")
             lease.check()
             objects_of_all = {name: info for mine, _ in everyone for name, info in mine.items()}
             ranges = {name: items for _, theirs in everyone for name, items in theirs.items()}
