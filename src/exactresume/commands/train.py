@@ -67,6 +67,16 @@ def _add_checkpoint_flags(checkpoints) -> None:
     )
     add_s3_flags(checkpoints)
     checkpoints.add_argument(
+        "--local-checkpoints",
+        type=given_path,
+        metavar="DIR",
+        help="save each --save-every checkpoint to this fast local folder (a local disk, /dev/shm) and copy "
+        "every --durable-every N-th step to --checkpoints in the background",
+    )
+    checkpoints.add_argument(
+        "--durable-every", type=int, metavar="N", help="with --local-checkpoints: which steps go to --checkpoints"
+    )
+    checkpoints.add_argument(
         "--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (0: all; default 3)"
     )
     checkpoints.add_argument(
@@ -134,6 +144,8 @@ def _job_from(args: argparse.Namespace, world):
         divergence=args.divergence,
         wait_lock=args.wait_lock,
         checkpoints=place(args.checkpoints, args) if args.checkpoints else None,
+        local_checkpoints=args.local_checkpoints,
+        durable_every=args.durable_every,
         processes=world.size if launched_by_torchrun() else args.nproc,
         force=args.force,
         dry_run=args.dry_run,

@@ -31,8 +31,8 @@ from exactresume.errors import CheckpointError, FieldError, StorageError, notice
 from exactresume.store.disk import write_verified
 from exactresume.store.formats import is_sharded_folder, path_kind
 from exactresume.store.identity import check_identity, refuse_another_run
-from exactresume.store.locations import Location, S3Location, is_s3, location
-from exactresume.store.numbered import store_reading
+from exactresume.store.locations import Checkpoint, Location, S3Location, is_s3, location
+from exactresume.store.numbered import CheckpointStore, store_reading
 from exactresume.store.resume import (
     capture,
     check_parts,
@@ -59,6 +59,7 @@ __all__ = [
     "load_resume",
     "open_resume",
     "read_resume",
+    "resumed_from",
     "save_resume",
 ]
 
@@ -272,8 +273,10 @@ def _newest_in(folder: Location, needs: Collection[str], notify, required: bool)
         raise CheckpointError("; ".join([f"{folder} holds no complete checkpoint", *details]))
     for message in skipped:
         notify(message)
-    if found is None:
-        return None
-    checkpoint, state = found
+    return None if found is None else resumed_from(store, *found, needs)
+
+
+def resumed_from(store: CheckpointStore, checkpoint: Checkpoint, state: dict, needs: Collection[str] = ()) -> Resumed:
+    """The checkpoint `store` found (its newest_loadable), as a Resumed: refused when it lacks a part in `needs`."""
     kind = "sharded" if store.layout.sharded else "store"
     return Resumed(check_resume_state(checkpoint.path, state, needs), checkpoint.step, checkpoint.path, kind)

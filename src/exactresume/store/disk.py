@@ -24,7 +24,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
 from exactresume.errors import CheckpointError, ReadBackError, StorageError, UserError
@@ -39,6 +39,7 @@ from exactresume.world import World
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
 
+COPY_CHUNK = 8 << 20  # a tier's copy moves this many bytes a read
 NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})  # a folder one may read but not write
 
 
@@ -153,6 +154,11 @@ class DiskFolder:
         from exactresume.store.sharded import save_sharded  # DCP takes a second to import: only when used
 
         save_sharded(checkpoint.path, parts, world, checkpoint.step, identity, faults.reached)
+
+    def write_copy(self, checkpoint: Checkpoint, source: BinaryIO) -> None:
+        """A verified checkpoint of another tier copied in, byte for byte, by the same stages (once `prepare`d)."""
+        atomic_write(checkpoint.path, lambda file: shutil.copyfileobj(source, file, COPY_CHUNK))
+        _verify_written(checkpoint.path, FaultPoints())
 
     # -- reading and pruning ----------------------------------------------------------------------
 

@@ -35,9 +35,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from exactresume.config import check_keep
 from exactresume.errors import CheckpointError, FieldError, StorageError, UserError, notice
@@ -45,46 +44,25 @@ from exactresume.store.background import BEFORE_RETURN, BackgroundWriter
 from exactresume.store.disk import DiskFolder
 from exactresume.store.faults import FaultPoints
 from exactresume.store.identity import check_identity, refuse_another_run
-from exactresume.store.layout import ONE_FILE, SHARDED, Layout, check_checkpoint
+from exactresume.store.layout import ONE_FILE, SHARDED, check_checkpoint
 from exactresume.store.locations import Checkpoint, Location, S3Config, S3Location, location
 from exactresume.store.lock import FolderLock
+from exactresume.store.place import Place
+from exactresume.store.refusals import (
+    ANOTHER_RUN_WAY_OUT,
+    Skipped,
+    another_run_saves,
+    damaged_saves,
+    misfit_saves,
+    none_loadable,
+)
 from exactresume.store.resume import capture, check_parts, check_step, for_one_file, per_rank, restore, started_fresh
 from exactresume.store.save_gate import SaveGate
+from exactresume.store.tiers import DurableCopy
 from exactresume.world import World, given_world, launched_by_torchrun
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
-
-NAMED = 3  # checkpoints a refusal names before "and N more"
-
-
-class Place(Protocol):
-    """Where a store's checkpoints live: a folder on a disk (disk.py) or a prefix of a bucket (s3/prefix.py)."""
-
-    folder: Location
-
-    def hold_lock(self) -> None: ...
-    def release(self) -> None: ...
-    def checkpoints(self, layout: Layout) -> list[Checkpoint]: ...
-    def leftovers(self, layout: Layout) -> list[Location]: ...
-    def set_aside(self) -> list[Location]: ...
-    def remove_leftovers(self, layout: Layout) -> list[Location]: ...
-    def unwritable(self, error: OSError) -> str | None: ...
-    def prepare(self, checkpoint: Checkpoint, layout: Layout) -> None: ...
-    def write_file(
-        self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, before_publish: Callable[[], None] | None
-    ) -> None: ...
-    def write_sharded(
-        self,
-        checkpoint: Checkpoint,
-        parts: Mapping[str, Stateful],
-        world: World,
-        identity: dict | None,
-        faults: FaultPoints,
-    ) -> None: ...
-    def read(self, checkpoint: Checkpoint, layout: Layout) -> Any: ...
-    def verifies(self, checkpoint: Checkpoint, layout: Layout) -> bool: ...
-    def delete(self, older: list[Checkpoint], layout: Layout) -> None: ...
 
 
 class CheckpointStore:
@@ -111,12 +89,19 @@ class CheckpointStore:
         identity: dict | None = None,
         config: S3Config | None = None,
         wait_lock: float = 0.0,
+        local: Path | str | None = None,
+        durable_every: int | None = None,
     ):
         """`lock`: the folder's lock, held by the caller (a training job's); `config` and `wait_lock`: how
-        an `s3://` prefix is reached, and how long a save waits for another run's lease to end."""
+        an `s3://` prefix is reached, and how long a save waits for another run's lease to end; `local`
+        and `durable_every`: every save to the folder `local`, every `durable_every`-th step copied to
+        `folder` (tiers.py)."""
         self.keep, self.faults = check_keep(keep), FaultPoints.from_environment()
         self.layout = SHARDED if sharded else ONE_FILE
         self.place = _place(folder, notify, lock, self.faults, config, wait_lock)
+        self.places, self.durable = [self.place], None  # where checkpoints are read: the landing tier first
+        if local is not None or durable_every is not None:
+            self._add_local_tier(local, durable_every)
         self.folder: Location = self.place.folder
         self.identity, self.gate = check_identity(identity), SaveGate()
         self.world, self.writer = _saving_world(background, copy, world, sharded), None
@@ -125,6 +110,19 @@ class CheckpointStore:
         if background and self.world.is_main:
             self.writer = BackgroundWriter(self, copy or BEFORE_RETURN)
 
+    def _add_local_tier(self, local: Path | str | None, durable_every: int | None) -> None:
+        """Saves land in the folder `local`; every `durable_every`-th step is copied to the store's folder."""
+        if local is None or durable_every is None:
+            given, missing = ("local", "durable_every") if durable_every is None else ("durable_every", "local")
+            raise FieldError(f"{given}= and {missing}= go together: a local tier, and which steps go durable", missing)
+        if self.layout.sharded:
+            raise FieldError("a local tier holds one-file checkpoints; a sharded store saves to its folder", "local")
+        durable, landing = self.place, _place(local, self.notify, None, self.faults, None, 0.0)
+        if not isinstance(landing, DiskFolder):
+            raise FieldError(f"local= is a folder on this machine's disk, got {local}", "local")
+        self.place, self.places = landing, [landing, durable]
+        self.durable = DurableCopy(durable, self.layout, durable_every, self._retain_durable, self._durable_refused)
+
     @property
     def notify(self) -> Callable[[str], None]:
         """Where the store's lines go (a skipped checkpoint, one set aside, a failed pruning)."""
@@ -132,7 +130,8 @@ class CheckpointStore:
 
     @notify.setter
     def notify(self, notify: Callable[[str], None]) -> None:
-        self.place.notify = notify
+        for place in self.places:
+            place.notify = notify
 
     # -- what is there -----------------------------------------------------------------------------
 
@@ -140,34 +139,45 @@ class CheckpointStore:
         return self.folder / self.layout.name(step)
 
     def checkpoints(self) -> list[Checkpoint]:
-        """The checkpoints of the store, oldest step first (names only; nothing is read)."""
-        return self.place.checkpoints(self.layout)
+        """The checkpoints of the store, oldest step first (names only; nothing is read); with a local tier,
+        both tiers', a step in both listed durable first (a load tries the newest, and the local one first)."""
+        return self._listed(self.places)
+
+    def _listed(self, places: list[Place]) -> list[Checkpoint]:
+        tiers = enumerate(reversed(places))
+        listed = [(c.step, tier, c) for tier, place in tiers for c in place.checkpoints(self.layout)]
+        return [checkpoint for _, _, checkpoint in sorted(listed, key=lambda entry: entry[:2])]
 
     def leftovers(self) -> list[Location]:
         """What saves that a crash interrupted left: `.tmp` files and folders, or uncommitted objects."""
-        return self.place.leftovers(self.layout)
+        return [path for place in self.places for path in place.leftovers(self.layout)]
 
     def set_aside(self) -> list[Location]:
         """Checkpoints a save renamed `NAME.unreadable` rather than write over them: kept, never read."""
-        return self.place.set_aside()
+        return [path for place in self.places for path in place.set_aside()]
 
     def verifies(self, checkpoint: Checkpoint) -> bool:
         """Whether the checkpoint's bytes match their checksums (nothing is unpickled)."""
-        return self.place.verifies(checkpoint, self.layout)
+        return self._place_of(checkpoint).verifies(checkpoint, self.layout)
+
+    def _place_of(self, checkpoint: Checkpoint) -> Place:
+        return next(place for place in self.places if checkpoint.path.parent == place.folder)
 
     def remove_leftovers(self) -> list[Location]:
         """Delete the leftovers of interrupted saves (under the lock or lease); returns what was removed."""
         with self._one_writer():
-            return self.place.remove_leftovers(self.layout)
+            return [path for place in self.places for path in place.remove_leftovers(self.layout)]
 
     def hold_lock(self) -> None:
         """Take the folder's lock (or the prefix's lease) for this store's writes, else UserError."""
         with self._one_writer():
-            self.place.hold_lock()
+            for place in self.places:
+                place.hold_lock()
 
     def release(self) -> None:
         """Let another store write the folder."""
-        self.place.release()
+        for place in self.places:
+            place.release()
 
     # -- saving ------------------------------------------------------------------------------------
 
@@ -236,6 +246,8 @@ class CheckpointStore:
         self._prepare(checkpoint)
         self.place.write_file(checkpoint, state, self.faults, before_publish)
         self._retain(step)
+        if self.durable is not None and self.durable.due(step):
+            self.durable.copy(checkpoint)
         return checkpoint.path
 
     def skips(self, coalesce: bool) -> bool:
@@ -260,30 +272,40 @@ class CheckpointStore:
         """The run this store writes was resumed at `step` from elsewhere: its checkpoints up to there are its own."""
         self.gate.resumed_at(step)
 
-    def storage_error(self, step: int, error: OSError) -> StorageError:
-        """The one line for a save that the storage refused: what failed, why, and what is intact (where the
-        folder can still be listed), or that no save can succeed there; its cause is `error`."""
+    def storage_error(self, step: int, error: OSError, place: Place | None = None) -> StorageError:
+        """The one line for a save that the storage refused (in `place`: by default the tier saves land in):
+        what failed, why, and what is intact (where the folder can still be listed), or that no save can
+        succeed there; its cause is `error`."""
+        place = place or self.place
         try:
             existing = self.checkpoints()
             after = f"; {existing[-1].path} is intact" if existing else "; no earlier checkpoint exists"
         except OSError:
             after = ""
-        unwritable = self.place.unwritable(error)
+        unwritable = place.unwritable(error)
         after += f"; {unwritable}" if unwritable else ""
-        refused = StorageError.from_os_error(f"the checkpoint at step {step} in {self.folder}", error, after)
+        refused = StorageError.from_os_error(f"the checkpoint at step {step} in {place.folder}", error, after)
         refused.__cause__ = error
         return refused
 
-    def _retain(self, step: int) -> None:
-        """Delete all but the newest `keep` checkpoints up to `step`; a failure here only warns."""
+    def _retain(self, step: int, place: Place | None = None) -> None:
+        """Delete all but the newest `keep` checkpoints up to `step` of `place` (the tier saves land in);
+        a failure here only warns."""
+        place = place or self.place
         if self.keep is None:
             return
-        older = self.gate.prunable(self.checkpoints(), step)[: -self.keep]
+        older = self.gate.prunable(place.checkpoints(self.layout), step)[: -self.keep]
         try:
             self.faults.reached("retention")
-            self.place.delete(older, self.layout)
+            place.delete(older, self.layout)
         except OSError as error:
-            self.notify(f"warning: could not delete old checkpoints in {self.folder}: {error.strerror or error}")
+            self.notify(f"warning: could not delete old checkpoints in {place.folder}: {error.strerror or error}")
+
+    def _retain_durable(self, step: int) -> None:
+        self._retain(step, self.places[-1])
+
+    def _durable_refused(self, step: int, error: OSError) -> StorageError:
+        return self.storage_error(step, error, self.places[-1])
 
     @contextlib.contextmanager
     def _one_writer(self) -> Iterator[None]:
@@ -304,9 +326,11 @@ class CheckpointStore:
         return self.writer is not None and self.writer.busy()
 
     def wait(self) -> None:
-        """Block until the last save is durable, or raise its error (a synchronous save already is)."""
+        """Block until the last save is durable, and its copy to the durable tier is in; or raise its error."""
         if self.writer is not None:
             self.writer.wait()
+        if self.durable is not None:
+            self.durable.wait()
 
     def wait_for_copy(self) -> None:
         """Block until a background save has copied the state (copy="during-next-step"): from then on
@@ -324,6 +348,8 @@ class CheckpointStore:
         try:
             if self.writer is not None:
                 self.writer.close()
+            if self.durable is not None:
+                self.durable.wait()
         finally:
             self.release()
 
@@ -377,26 +403,44 @@ class CheckpointStore:
         try:
             starting = restore(state, parts, skip=skip, fresh=fresh, source=checkpoint.path)
         except CheckpointError:
-            self.gate.refuse(checkpoint, _misfit_saves(checkpoint))
+            self.gate.refuse(checkpoint, misfit_saves(checkpoint))
             raise
         self.gate.loaded(checkpoint.step)
         for name in starting:
             self.notify(started_fresh(checkpoint.path, name))
         return checkpoint.step
 
-    def load_newest(self) -> tuple[Checkpoint, dict] | None:
-        """The newest checkpoint that verifies, with its state; each one passed over is named to `notify`."""
-        for checkpoint in reversed(self.checkpoints()):
+    def load_newest(self, places: list[Place] | None = None) -> tuple[Checkpoint, dict] | None:
+        """The newest checkpoint that verifies (of `places`: by default every tier's), with its state; each
+        one passed over is named to `notify`. A local tier's checkpoint must also be this run's (its identity)."""
+        for checkpoint in reversed(self._listed(places or self.places)):
+            place = self._place_of(checkpoint)
             try:
-                state = self.place.read(checkpoint, self.layout)
+                state = place.read(checkpoint, self.layout)
             except CheckpointError as error:  # its bytes do not verify
                 self._skipped(checkpoint, error, damaged=True)
                 continue
             try:
+                if place is not self.places[-1]:  # a local tier, which another run may have used
+                    refuse_another_run(state, self.identity, checkpoint.path)
                 return checkpoint, check_checkpoint(checkpoint, state)
             except CheckpointError as error:  # sound bytes, but not a checkpoint this release reads
                 self._skipped(checkpoint, error, damaged=False)
         return None
+
+    def _agreed(self, found: tuple[Checkpoint, dict] | None) -> tuple[Checkpoint, dict] | None:
+        """Under many processes with a local tier (one a node): the checkpoint of the step every rank found,
+        else, for every rank, the durable tier's newest."""
+        if self.durable is None or self.world.size == 1:
+            return found
+        steps = self.world.gather(None if found is None else found[0].step)
+        if len(set(steps)) == 1:
+            return found
+        if self.world.is_main:
+            self.notify(
+                f"the ranks' local tiers hold different steps ({steps}): resuming from {self.places[-1].folder}"
+            )
+        return self.load_newest(self.places[-1:])
 
     def newest_loadable(self) -> tuple[Checkpoint, dict] | None:
         """`load_newest`, but a folder whose every checkpoint it passes over is refused (CheckpointError
@@ -408,18 +452,18 @@ class CheckpointStore:
         finally:
             held, self.held_skips = self.held_skips, None
         if found is None and held:
-            self.gate.refuse(held[0].checkpoint, _damaged_saves(self.folder))
-            raise _none_loadable(self.folder, held)
+            self.gate.refuse(held[0].checkpoint, damaged_saves(self.folder))
+            raise none_loadable(self.folder, held)
         for skipped in held:
             self.notify(skipped.line())
-        return found
+        return self._agreed(found)
 
     def _check_run(self, checkpoint: Checkpoint, state: dict) -> None:
         """CheckpointError when `checkpoint` is not this store's run by its identity; saves refuse then."""
         try:
             refuse_another_run(state, self.identity, checkpoint.path, ANOTHER_RUN_WAY_OUT)
         except CheckpointError:
-            self.gate.refuse(checkpoint, _another_run_saves(checkpoint))
+            self.gate.refuse(checkpoint, another_run_saves(checkpoint))
             raise
 
     def _skipped(self, checkpoint: Checkpoint, error: CheckpointError, damaged: bool) -> None:
@@ -471,64 +515,6 @@ def _saving_world(background: bool, copy: str | None, world: World | None, shard
     if sharded and background:
         raise FieldError("a sharded store saves in the foreground: every rank writes its shard", "background")
     return given_world(world, World.from_env() if sharded else World())
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """A checkpoint a load passed over, and why: its bytes do not verify (`damaged`), or it is not one
-    this release reads."""
-
-    checkpoint: Checkpoint
-    error: CheckpointError
-    damaged: bool
-
-    def line(self) -> str:
-        return f"skipping {'damaged ' if self.damaged else ''}checkpoint {self.error}"
-
-
-ANOTHER_RUN_WAY_OUT = (
-    "call store.load(parts, any_identity=True) (later saves record the store's identity), or use another folder"
-)
-
-
-def _another_run_saves(checkpoint: Checkpoint) -> str:
-    return (
-        f"{checkpoint.path} is not known to be this store's run (its identity), so this store saves nothing that "
-        "could write over or delete it: load it with store.load(parts, any_identity=True), or use another folder"
-    )
-
-
-def _misfit_saves(checkpoint: Checkpoint) -> str:
-    return (
-        f"{checkpoint.path} could not be loaded into the parts given, so this store saves nothing "
-        "that could write over or delete it: load it as the load's error says (skip=, fresh=, or the "
-        "parts it was saved from), or move it out of the folder"
-    )
-
-
-def _damaged_saves(folder: Location) -> str:
-    return (
-        f"no checkpoint of {folder} could be loaded, so this store saves nothing beside them: move them out "
-        "of the folder to start fresh, or use another folder"
-    )
-
-
-def _none_loadable(folder: Location, passed: list[Skipped]) -> CheckpointError:
-    """The one line for a folder none of whose checkpoints loads (`passed`, newest first): a run started
-    fresh there would train, and save, over them."""
-    names = [skipped.checkpoint.path.name for skipped in passed]
-    newest = passed[0]
-    reason = str(newest.error).removeprefix(f"{newest.checkpoint.path}: ")  # the line names the folder once
-    if len(names) == 1:
-        what = f"the only checkpoint in {folder} cannot be loaded ({names[0]}: {reason})"
-    else:
-        more = f" and {len(names) - NAMED} more" if len(names) > NAMED else ""
-        listed = ", ".join(names[:NAMED]) + more
-        what = f"none of the {len(names)} checkpoints in {folder} can be loaded ({listed}; the newest: {reason})"
-    return CheckpointError(
-        f"{what}; nothing was loaded, rather than start fresh over {'it' if len(names) == 1 else 'them'}: to start "
-        "fresh on purpose, move the checkpoints out of the folder (or delete them), or use another folder"
-    )
 
 
 __all__ = ["CheckpointStore", "store_reading"]

@@ -55,6 +55,8 @@ class TrainJob:
     divergence: Path | None = None  # step a fully restored twin alongside; log the distance (divergence.py)
     wait_lock: float = 0.0  # seconds to wait for another writer of OUT to finish
     checkpoints: Location | None = None  # where the periodic checkpoints go (default out/checkpoints)
+    local_checkpoints: Path | None = None  # a fast local tier every checkpoint lands in (store/tiers.py)
+    durable_every: int | None = None  # with a local tier: the steps copied to `checkpoints`
     processes: int = 1  # the processes the run trains on: --nproc, or under torchrun its world size
     force: bool = False  # start even when the plan says the run will not fit its memory or disk
     dry_run: bool = False  # print the plan and train nothing
@@ -79,10 +81,25 @@ class TrainJob:
             # Every rank writes its shard of each checkpoint: rank 0's writer thread cannot do it alone.
             raise UserError("--async-save does not combine with --shard fsdp: its checkpoints are saved synchronously")
         self._check_waiting()
+        self._check_tiers()
         if self.divergence is not None and self.resume is None:
             raise UserError("--divergence measures a resumed run against a full restore; it needs --resume")
         if self.divergence is not None and self.config.fsdp:  # the twin is one whole model on rank 0
             raise UserError("--divergence does not combine with --shard fsdp")
+
+    def _check_tiers(self) -> None:
+        if (self.local_checkpoints is None) != (self.durable_every is None):
+            raise UserError("--local-checkpoints and --durable-every N go together: the local tier, and its steps kept")
+        if self.local_checkpoints is None:
+            return
+        if self.save_every is None:
+            raise UserError("--local-checkpoints needs --save-every N: it is where those checkpoints land")
+        if self.durable_every < 1:
+            raise UserError(f"--durable-every must be at least 1, got {self.durable_every}")
+        if self.config.fsdp:  # each node would hold only its own ranks' shards
+            raise UserError("--local-checkpoints does not combine with --shard fsdp: its checkpoints are sharded")
+        if self.divergence is not None:  # the twin restores on rank 0 alone, where the tiers are chosen by all
+            raise UserError("--divergence does not combine with --local-checkpoints")
 
     def _check_waiting(self) -> None:
         check_wait_lock(self.wait_lock)

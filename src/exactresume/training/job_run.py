@@ -30,7 +30,7 @@ from exactresume.parallel.fsdp import shard_destinations
 from exactresume.parallel.replicas import process_group
 from exactresume.parallel.replicate import replicate
 from exactresume.progress import Progress
-from exactresume.store.access import open_resume
+from exactresume.store.access import open_resume, resumed_from
 from exactresume.store.background import DURING_NEXT_STEP
 from exactresume.store.locations import is_s3
 from exactresume.store.lock import FolderLock
@@ -63,12 +63,14 @@ class JobRun:
         self.run_state: Run | None = None  # built by `run`, then stepped
         self.divergence: DivergenceLog | None = None
         self.store: CheckpointStore | None = None  # opened by `run`
+        self.identity = {"out": str(job.out.resolve())}  # whose checkpoints a local tier's are (store/tiers.py)
         self.saved_step: int | None = None  # the step last checkpointed: each step is saved at most once
 
     def run(self) -> JobOutcome:
         with self._lock() as lock, process_group(self.world):
             self._check_outputs()  # every rank, once rank 0 holds OUT and the ranks have met
             with self._store(lock) as store:  # its close releases an s3:// prefix's lease
+                self.store = store
                 if self.world.is_main:
                     self._remove_leftovers(store)
                 self.world.barrier()  # no rank reads the store while rank 0 clears it
@@ -97,6 +99,9 @@ class JobRun:
         copy = DURING_NEXT_STEP if job.async_save else None
         # Under FSDP2 every rank writes its shard of each checkpoint: nothing is gathered on one rank.
         options = {"background": job.async_save, "copy": copy, "world": self.world, "sharded": job.config.fsdp, **wait}
+        if job.local_checkpoints is not None:  # a local checkpoint is this run's when it was written into OUT's run
+            tiers = {"local": job.local_checkpoints, "durable_every": job.durable_every, "identity": self.identity}
+            options |= tiers
         return CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=self.notify, lock=lock, **options)
 
     def _check_outputs(self) -> None:
@@ -139,7 +144,11 @@ class JobRun:
         needs = [name for name in run.parts() if name not in skip_parts]
         # A sharded folder is read straight into this rank's shards; a single file holds the full state.
         into = shard_destinations(run.model)
-        resumed = open_resume(job.resume, job.checkpoint_folder, needs, notify=self.notify, destination=into)
+        if job.resume == AUTO_RESUME and job.local_checkpoints is not None:  # the newest of both tiers
+            found = self.store.newest_loadable()
+            resumed = None if found is None else resumed_from(self.store, *found, needs)
+        else:
+            resumed = open_resume(job.resume, job.checkpoint_folder, needs, notify=self.notify, destination=into)
         if resumed is None:
             if world.is_main:
                 note(f"no checkpoint in {job.checkpoint_folder}; starting at step 0")
@@ -220,6 +229,9 @@ class JobRun:
             if self.store.coalesced and self.world.is_main:
                 skipped = self.store.coalesced
                 note(f"{skipped} periodic checkpoint(s) skipped: the one before was still being written")
+            if self.store.durable is not None and self.store.durable.skipped and self.world.is_main:
+                left = self.store.durable.skipped
+                note(f"{left} durable checkpoint(s) left to the local tier: the copy before was still going up")
         resume_file = job.resume_file if job.stop_at is not None else None
         write_outputs(run, resume_file, job.weights_file, job.writes_sharded, self.world)
 

@@ -25,7 +25,7 @@ import torch
 
 from exactresume.errors import CheckpointError, MissingObject
 from exactresume.store.locations import S3Location
-from exactresume.store.s3.client import ObjectInfo, ObjectStore
+from exactresume.store.s3.client import ObjectInfo, ObjectStore, file_info
 from exactresume.store.s3.commit import (
     COMMIT_FORMAT,
     COMMIT_VERSION,
@@ -36,7 +36,7 @@ from exactresume.store.s3.commit import (
     write_commit,
 )
 from exactresume.store.s3.lease import lease_for
-from exactresume.store.s3.upload import SealedUpload
+from exactresume.store.s3.upload import SealedUpload, upload_file
 from exactresume.store.sealed import load_sealed, save_unsealed
 
 Stage = Callable[[str], None]
@@ -128,6 +128,18 @@ def publish_leased(objects: ObjectStore, target: S3Location, state: Any) -> None
                 lease.check()
 
         publish_sealed(objects, target, state, stage, lease.check)
+
+
+def publish_file(objects: ObjectStore, target: S3Location, path: Path, check: Callable[[], None]) -> None:
+    """Upload the local sealed file `path` as it is to `target`, verified, then commit it (as publish_sealed
+    does); `check()` (the lease's) runs before the old commit is deleted and before the new one is written."""
+    info = file_info(path)
+    check()
+    commit = commit_of(target)
+    objects.delete([commit])
+    upload_file(objects, target, path, info)
+    check()
+    write_commit(objects, commit, commit_state({target.name: info}))
 
 
 def fetch_file(objects: ObjectStore, source: S3Location, folder: Path) -> Path:

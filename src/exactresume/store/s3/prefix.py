@@ -21,7 +21,8 @@ before its objects: a checkpoint whose objects are gone is never left committed.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from exactresume.errors import CheckpointError
 from exactresume.store.faults import FaultPoints
@@ -29,7 +30,7 @@ from exactresume.store.layout import COMMIT, Layout
 from exactresume.store.locations import Checkpoint, S3Location
 from exactresume.store.s3.client import ObjectStore
 from exactresume.store.s3.commit import COMMIT_SUFFIX
-from exactresume.store.s3.files import load_committed, publish_sealed
+from exactresume.store.s3.files import load_committed, publish_file, publish_sealed
 from exactresume.store.s3.lease import S3Lease
 from exactresume.world import World
 
@@ -134,6 +135,10 @@ class S3Prefix:
         from exactresume.store.s3.sharded import save_sharded_s3  # DCP takes a second to import: only when used
 
         save_sharded_s3(checkpoint.path, parts, world, checkpoint.step, identity, self.objects, faults.reached)
+
+    def write_copy(self, checkpoint: Checkpoint, source: BinaryIO) -> None:
+        """A verified checkpoint of another tier uploaded as it is, verified, then committed (once `prepare`d)."""
+        publish_file(self.objects, checkpoint.path, Path(f"/proc/self/fd/{source.fileno()}"), self.lease.check)
 
     # -- reading and pruning ----------------------------------------------------------------------
 

@@ -1,0 +1,73 @@
+"""What a store says when it passes a checkpoint over or refuses to load or save: one line each.
+
+A checkpoint passed over on the way to an older one (`Skipped`) is named with why; a store that found
+checkpoints it could not load says so rather than start fresh over them, and then saves nothing that
+could write over or delete them (save_gate.py holds the bar, these are its lines).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exactresume.errors import CheckpointError
+from exactresume.store.locations import Checkpoint, Location
+
+NAMED = 3  # checkpoints a refusal names before "and N more"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint a load passed over, and why: its bytes do not verify (`damaged`), or it is not one
+    this release reads."""
+
+    checkpoint: Checkpoint
+    error: CheckpointError
+    damaged: bool
+
+    def line(self) -> str:
+        return f"skipping {'damaged ' if self.damaged else ''}checkpoint {self.error}"
+
+
+ANOTHER_RUN_WAY_OUT = (
+    "call store.load(parts, any_identity=True) (later saves record the store's identity), or use another folder"
+)
+
+
+def another_run_saves(checkpoint: Checkpoint) -> str:
+    return (
+        f"{checkpoint.path} is not known to be this store's run (its identity), so this store saves nothing that "
+        "could write over or delete it: load it with store.load(parts, any_identity=True), or use another folder"
+    )
+
+
+def misfit_saves(checkpoint: Checkpoint) -> str:
+    return (
+        f"{checkpoint.path} could not be loaded into the parts given, so this store saves nothing "
+        "that could write over or delete it: load it as the load's error says (skip=, fresh=, or the "
+        "parts it was saved from), or move it out of the folder"
+    )
+
+
+def damaged_saves(folder: Location) -> str:
+    return (
+        f"no checkpoint of {folder} could be loaded, so this store saves nothing beside them: move them out "
+        "of the folder to start fresh, or use another folder"
+    )
+
+
+def none_loadable(folder: Location, passed: list[Skipped]) -> CheckpointError:
+    """The one line for a folder none of whose checkpoints loads (`passed`, newest first): a run started
+    fresh there would train, and save, over them."""
+    names = [skipped.checkpoint.path.name for skipped in passed]
+    newest = passed[0]
+    reason = str(newest.error).removeprefix(f"{newest.checkpoint.path}: ")  # the line names the folder once
+    if len(names) == 1:
+        what = f"the only checkpoint in {folder} cannot be loaded ({names[0]}: {reason})"
+    else:
+        more = f" and {len(names) - NAMED} more" if len(names) > NAMED else ""
+        listed = ", ".join(names[:NAMED]) + more
+        what = f"none of the {len(names)} checkpoints in {folder} can be loaded ({listed}; the newest: {reason})"
+    return CheckpointError(
+        f"{what}; nothing was loaded, rather than start fresh over {'it' if len(names) == 1 else 'them'}: to start "
+        "fresh on purpose, move the checkpoints out of the folder (or delete them), or use another folder"
+    )

@@ -1,0 +1,97 @@
+"""Two tiers of checkpoints: every save to a fast local folder, every N-th step copied to durable storage.
+
+    store = CheckpointStore("s3://bucket/run", local="/dev/shm/run", durable_every=50)
+    store.save(step, parts)   # /dev/shm/run/step-….pth at every call; s3://bucket/run/step-….pth every 50th step
+
+A save lands in the local tier as any save does (written, verified, the newest `keep` kept). A step
+that is a multiple of `durable_every` is then copied to the durable tier from the local file's
+verified bytes, in a thread of its own, never serialised twice: the loop goes on while it uploads.
+The file is opened when it is handed over, so the local tier's pruning cannot take it from under the
+copy. At most one copy is in flight; a step due while the one before is still being copied is left
+to the local tier (counted in `skipped`), so a slow durable tier costs durable checkpoints, never
+training time. A copy that fails is raised by the store's next `save`, `wait` or `close`, as the
+store's one line for a write the storage refused.
+
+A resume takes the newest checkpoint that verifies and is this run's (its identity) across both
+tiers: a local tier lost with its node, wiped, damaged or holding another run's checkpoint falls back
+to the durable tier. Under many processes, where each node has its own local tier, every rank takes
+the same step or all take the durable tier's newest (numbered.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import BinaryIO
+
+from exactresume.errors import FieldError, StorageError
+from exactresume.store.layout import Layout
+from exactresume.store.locations import Checkpoint
+from exactresume.store.place import Place
+
+
+class DurableCopy:
+    """The copier of local checkpoints to the durable tier, one at a time, in a thread."""
+
+    def __init__(
+        self,
+        durable: Place,
+        layout: Layout,
+        every: int,
+        retain: Callable[[int], None],
+        refused: Callable[[int, OSError], StorageError],
+    ):
+        """`retain(step)` prunes the durable tier once the copy at `step` is in; `refused(step, error)` is
+        the store's line for a write the storage refused."""
+        self.durable, self.layout, self.every = durable, layout, _check_every(every)
+        self.retain, self.refused = retain, refused
+        self.skipped = 0  # steps due while the copy before was in flight: left to the local tier
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def copy(self, local: Checkpoint) -> None:
+        """Start copying the verified local checkpoint `local` to the durable tier (or count it skipped)."""
+        self.raise_failure()
+        if self.busy():
+            self.skipped += 1
+            return
+        source = open(local.path, "rb")  # held open: the local tier's pruning may unlink the name
+        target = Checkpoint(local.step, self.durable.folder / self.layout.name(local.step))
+        # Not a daemon: an exiting interpreter lets a started copy finish rather than cut it off.
+        self._thread = threading.Thread(target=self._copy, args=(target, source), name=f"durable-{local.step}")
+        self._thread.start()
+
+    def _copy(self, target: Checkpoint, source: BinaryIO) -> None:
+        try:
+            with source:
+                self.durable.prepare(target, self.layout)
+                self.durable.write_copy(target, source)
+            self.retain(target.step)
+        except OSError as error:
+            self._failure = self.refused(target.step, error)
+        except BaseException as error:  # a UserError (a lease lost) as it is; anything else is a bug
+            self._failure = error
+
+    def wait(self) -> None:
+        """Block until no copy is in flight; raise the error of the last one if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+
+def _check_every(every: object) -> int:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise FieldError(f"durable_every must be a whole number of steps of at least 1, got {every!r}", "durable_every")
+    return every

@@ -1,0 +1,206 @@
+"""Two tiers of checkpoints (store/tiers.py): every save to a local folder, every N-th step copied to the
+durable one; a resume takes the newest checkpoint that verifies and is this run's across both, and falls
+back to the durable tier when the local one is lost, damaged or another run's. The library in this
+process; the trainer (`--local-checkpoints`, `--durable-every`) killed and resumed in new processes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from exactresume import CheckpointStore, StorageError, UserError
+from exactresume.store.disk import DiskFolder, write_verified
+from exactresume.store.identity import with_identity
+from exactresume.store.layout import checkpoint_name
+from helpers import assert_one_line_error, assert_weights_equal, spawn_cli, train_cli
+
+FLAGS = ["--steps", "12", "--batch", "4", "--seq-len", "16"]
+
+
+def loop(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
+
+
+def step(parts: dict, number: int) -> None:
+    torch.manual_seed(number)
+    parts["optimizer"].zero_grad()
+    parts["model"](torch.randn(3, 4)).sum().backward()
+    parts["optimizer"].step()
+
+
+def tiered(tmp_path: Path, **options) -> CheckpointStore:
+    said = options.pop("said", [])
+    options = {"keep": 2, "local": tmp_path / "local", "durable_every": 3, "notify": said.append} | options
+    return CheckpointStore(tmp_path / "durable", **options)
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.glob("step-*"))
+
+
+def trained(tmp_path: Path, steps: int = 7, **options) -> dict:
+    parts = loop()
+    with tiered(tmp_path, **options) as store:
+        for number in range(1, steps + 1):
+            step(parts, number)
+            store.save(number, parts)
+            store.wait()  # the copy in flight is in: no durable step is left to the local tier alone
+    return parts
+
+
+def test_every_save_lands_locally_and_every_nth_step_is_copied_durable_byte_for_byte(tmp_path):
+    trained(tmp_path)
+    assert names(tmp_path / "local") == [checkpoint_name(6), checkpoint_name(7)]
+    assert names(tmp_path / "durable") == [checkpoint_name(3), checkpoint_name(6)]
+    local, durable = (tmp_path / tier / checkpoint_name(6) for tier in ("local", "durable"))
+    assert local.read_bytes() == durable.read_bytes()  # the local file's verified bytes, not a second torch.save
+    assert torch.load(durable, weights_only=True)["checkpoint_step"] == 6  # a plain torch file
+
+
+@pytest.mark.parametrize("loss", ["wiped", "damaged", "another run's"])
+def test_a_resume_takes_the_newest_checkpoint_of_this_run_that_verifies_across_tiers(tmp_path, loss):
+    identity = {"run": "a"}
+    trained(tmp_path, identity=identity)
+    local, expected = tmp_path / "local", {"wiped": 6, "damaged": 6, "another run's": 7}[loss]
+    if loss == "wiped":
+        shutil.rmtree(local)
+    elif loss == "damaged":
+        newest = local / checkpoint_name(7)
+        data = bytearray(newest.read_bytes())
+        data[len(data) // 2] ^= 1
+        newest.write_bytes(bytes(data))
+    else:  # a newer checkpoint another run left in the same local folder
+        state = torch.load(local / checkpoint_name(7), weights_only=True) | {"checkpoint_step": 9}
+        write_verified(local / checkpoint_name(9), with_identity(state, {"run": "b"}))
+    resumed, said = loop(1), []
+    with tiered(tmp_path, identity=identity, said=said) as store:
+        assert store.load(resumed) == expected
+    straight = loop()
+    for number in range(1, expected + 1):
+        step(straight, number)
+    for name, tensor in straight["model"].state_dict().items():
+        assert torch.equal(resumed["model"].state_dict()[name], tensor), name
+    if loss != "wiped":
+        assert len(said) == 1 and ("damaged" if loss == "damaged" else "saved by another run") in said[0], said
+
+
+def test_what_the_tiers_cannot_do_is_one_line(tmp_path):
+    for options, needle in (
+        ({"durable_every": None}, "local= and durable_every= go together"),
+        ({"local": None}, "durable_every= and local= go together"),
+        ({"durable_every": 0}, "durable_every must be a whole number of steps of at least 1"),
+        ({"sharded": True}, "a local tier holds one-file checkpoints"),
+        ({"local": "s3://bucket/local"}, "local= is a folder on this machine's disk"),
+    ):
+        with pytest.raises(UserError, match=needle):
+            tiered(tmp_path, **options)
+
+
+def test_a_durable_tier_that_refuses_a_copy_is_one_line_and_the_local_tier_goes_on(tmp_path, monkeypatch):
+    def refused(self, checkpoint, source):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(DiskFolder, "write_copy", refused)
+    parts, store = loop(), tiered(tmp_path)
+    for number in (1, 2, 3):
+        store.save(number, parts)
+    with pytest.raises(StorageError) as told:
+        store.wait()
+    assert str(told.value).startswith(f"could not write the checkpoint at step 3 in {tmp_path / 'durable'}: ")
+    assert "\n" not in str(told.value) and f"{tmp_path / 'local' / checkpoint_name(3)} is intact" in str(told.value)
+    store.save(4, parts)  # the local tier goes on
+    store.close()
+    assert names(tmp_path / "local") == [checkpoint_name(3), checkpoint_name(4)]
+    assert names(tmp_path / "durable") == []
+
+
+def test_a_durable_tier_on_an_object_store(tmp_path, moto_s3):
+    moto_s3.create_bucket(Bucket="tiers")
+    prefix = "s3://tiers/run"
+    parts = loop()
+    with CheckpointStore(prefix, keep=2, local=tmp_path / "local", durable_every=2) as store:
+        for number in range(1, 6):
+            step(parts, number)
+            store.save(number, parts)
+            store.wait()
+    keys = sorted(item["Key"] for item in moto_s3.list_objects_v2(Bucket="tiers")["Contents"])
+    assert keys == [f"run/{checkpoint_name(n)}{end}" for n in (2, 4) for end in ("", ".commit")]
+    shutil.rmtree(tmp_path / "local")  # a node replaced: its local tier is gone
+    with CheckpointStore(prefix, local=tmp_path / "local", durable_every=2) as store:
+        assert store.load(loop(1)) == 4
+
+
+# -- the trainer: --local-checkpoints DIR --durable-every N ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, kjv_folder) -> Path:
+    out = tmp_path_factory.mktemp("straight")
+    train_cli(out, "--data", kjv_folder, *FLAGS, check=True)
+    return out
+
+
+def tier_flags(out: Path) -> list[object]:
+    return [*FLAGS, "--save-every", 1, "--local-checkpoints", out / "local", "--durable-every", 5]
+
+
+def test_the_trainer_killed_at_a_random_moment_resumes_from_its_local_tier_bit_identical(
+    straight, tmp_path, kjv_folder
+):
+    out, rng = tmp_path / "run", random.Random(11)
+    run = spawn_cli("train", "--out", out, "--data", kjv_folder, *tier_flags(out))
+    deadline, kill_after = time.monotonic() + 120, rng.randint(4, 9)
+    while not (out / "log.csv").exists() or len((out / "log.csv").read_text().splitlines()) <= kill_after:
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0, 0.1))
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    finished = train_cli(out, "--data", kjv_folder, *tier_flags(out), "--resume", "auto", check=True)
+    assert f"resumed from {out / 'local'}" in finished.stdout, finished.stdout
+    assert_weights_equal(straight / "final.pth", out / "final.pth")
+    assert (out / "log.csv").read_text() == (straight / "log.csv").read_text()
+
+
+@pytest.mark.parametrize("loss", ["wiped", "damaged", "another run's"])
+def test_the_trainer_resumes_from_the_right_tier_when_the_local_one_is_lost(straight, tmp_path, kjv_folder, loss):
+    out = tmp_path / "run"
+    train_cli(out, "--data", kjv_folder, *tier_flags(out), "--stop-at", 7, check=True)
+    local = out / "local"
+    assert names(local) == [checkpoint_name(n) for n in (5, 6, 7)] and names(out / "checkpoints") == [
+        checkpoint_name(5)
+    ]
+    if loss == "wiped":
+        shutil.rmtree(local)
+        expected = out / "checkpoints" / checkpoint_name(5)
+    elif loss == "damaged":
+        newest = local / checkpoint_name(7)
+        newest.write_bytes(newest.read_bytes()[:-100])
+        expected = local / checkpoint_name(6)
+    else:
+        state = torch.load(local / checkpoint_name(7), weights_only=True) | {"checkpoint_step": 9}
+        write_verified(local / checkpoint_name(9), with_identity(state, {"out": str(tmp_path / "elsewhere")}))
+        expected = local / checkpoint_name(7)
+    finished = train_cli(out, "--data", kjv_folder, *tier_flags(out), "--resume", "auto", check=True)
+    assert f"resumed from {expected}" in finished.stdout, finished.stdout
+    assert_weights_equal(straight / "final.pth", out / "final.pth")
+
+
+def test_the_trainers_tier_flags_refuse_what_they_cannot_do(tmp_path, kjv_folder):
+    for flags, needle in (
+        (["--local-checkpoints", tmp_path / "local"], "--local-checkpoints and --durable-every N go together"),
+        (["--durable-every", 2], "--local-checkpoints and --durable-every N go together"),
+        (["--local-checkpoints", tmp_path / "l", "--durable-every", 2], "needs --save-every N"),
+    ):
+        finished = train_cli(tmp_path / "out", "--data", kjv_folder, *FLAGS, *flags)
+        assert_one_line_error(finished, needle)
