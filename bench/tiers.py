@@ -42,14 +42,12 @@ def _throughput(run, scratch: Path, reps: int, steps: int, **options) -> dict:
 def bench_tiers(run, out: Path, reps: int, steps: int, durable_every: int) -> dict:
     scratch = out / "scratch"
     figures = {"one-tier": _throughput(run, scratch, reps, steps)}
-    for name, local_root in (("local-disk", out), ("local-shm", SHARED_MEMORY)):
+    kinds = [("local-disk", out, durable_every), ("local-shm", SHARED_MEMORY, durable_every)]
+    for name, local_root, every in [*kinds, ("durable-copy-cost", SHARED_MEMORY, NEVER)]:
         with tempfile.TemporaryDirectory(prefix="exactresume-bench-tiers-", dir=local_root) as local:
-            tiers = {"checkpoints": out / "durable", "local": Path(local) / "local", "durable_every": durable_every}
+            tiers = {"checkpoints": out / "durable", "local": Path(local) / "local", "durable_every": every}
             figures[name] = _throughput(run, scratch, reps, steps, **tiers)
-            shutil.rmtree(out / "durable", ignore_errors=True)
-            if name == "local-shm":
-                never = tiers | {"durable_every": NEVER}
-                figures["durable-copy-cost"] = _throughput(run, scratch, reps, steps, **never)
+        shutil.rmtree(out / "durable", ignore_errors=True)
     local, none_due = figures["local-shm"]["ratio"], figures["durable-copy-cost"]["ratio"]
     figures["durable-copy-cost"]["copy_over_no_copy"] = local / none_due
     return figures

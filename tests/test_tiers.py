@@ -20,7 +20,7 @@ from exactresume import CheckpointStore, StorageError, UserError
 from exactresume.store.disk import DiskFolder, write_verified
 from exactresume.store.identity import with_identity
 from exactresume.store.layout import checkpoint_name
-from helpers import assert_one_line_error, assert_weights_equal, spawn_cli, train_cli
+from helpers import assert_one_line_error, assert_weights_equal, run_cli, spawn_cli, train_cli
 
 FLAGS = ["--steps", "12", "--batch", "4", "--seq-len", "16"]
 
@@ -191,6 +191,11 @@ def test_the_trainer_resumes_from_the_right_tier_when_the_local_one_is_lost(stra
         state = torch.load(local / checkpoint_name(7), weights_only=True) | {"checkpoint_step": 9}
         write_verified(local / checkpoint_name(9), with_identity(state, {"out": str(tmp_path / "elsewhere")}))
         expected = local / checkpoint_name(7)
+    if loss != "another run's":  # a listing cannot tell whose a checkpoint is; the run's resume does
+        listed = run_cli("inspect", out / "checkpoints", "--local-checkpoints", local)
+        assert listed.returncode == (1 if loss == "damaged" else 0), listed.stderr  # 1: a damaged one is listed
+        step = expected.name[5:13].lstrip("0")
+        assert f"two tiers; a resume continues from step {step} ({expected})" in listed.stdout, listed.stdout
     finished = train_cli(out, "--data", kjv_folder, *tier_flags(out), "--resume", "auto", check=True)
     assert f"resumed from {expected}" in finished.stdout, finished.stdout
     assert_weights_equal(straight / "final.pth", out / "final.pth")

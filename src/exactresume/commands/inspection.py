@@ -8,19 +8,28 @@ from __future__ import annotations
 import argparse
 
 from exactresume.commands.output import emit
-from exactresume.commands.places import add_s3_flags, any_location, place
+from exactresume.commands.places import add_s3_flags, any_location, given_path, place
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", type=any_location, help="a resume or weights file, export or sharded folder (or s3://)")
     add_s3_flags(parser)
+    parser.add_argument(
+        "--local-checkpoints",
+        type=given_path,
+        metavar="DIR",
+        help="PATH is a two-tier run's checkpoint folder: list its local tier too, and say which a resume takes",
+    )
     parser.add_argument("--json", action="store_true", help="print the facts as JSON, for scripts")
 
 
 def run(args: argparse.Namespace) -> int:
-    from exactresume.store.contents import format_inspection, inspect_checkpoint
+    from exactresume.store.contents import format_inspection, inspect_checkpoint, inspect_tiers
 
-    info = inspect_checkpoint(place(args.path, args))
+    if args.local_checkpoints is not None:
+        info = inspect_tiers(place(args.path, args), args.local_checkpoints)
+    else:
+        info = inspect_checkpoint(place(args.path, args))
     emit(args, info, lambda info: [format_inspection(info)], gap=False)
     # A folder or prefix listed with a damaged checkpoint in it: a script checking a store must not read "all well".
-    return 1 if info["kind"] == "store" and info["checksum"] != "verified" else 0
+    return 1 if info["kind"] in ("store", "tiers") and info["checksum"] != "verified" else 0

@@ -30,7 +30,7 @@ import torch
 
 from exactresume.errors import CheckpointError
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_format, content_kind, path_kind
-from exactresume.store.listing import format_listing, list_checkpoints
+from exactresume.store.listing import format_listing, format_tiers, list_checkpoints, list_tiers
 from exactresume.store.locations import Location, S3Location
 from exactresume.store.resume import RESERVED_NAMES, read_resume_file, saved_step, tensors_in
 from exactresume.store.safetensors_weights import DIGEST_KEY, load_verified, tied_names
@@ -242,6 +242,11 @@ def inspect_checkpoint(path: Location) -> dict:
     return ordered
 
 
+def inspect_tiers(durable: Location, local: Path) -> dict:
+    """What `inspect FOLDER --local-checkpoints DIR` reports: both tiers of a run (listing.py)."""
+    return list_tiers(durable, local, summarize)
+
+
 def _inspect_s3(target: S3Location) -> dict:
     """A store prefix listed, or a committed file or sharded folder inspected in its verified local copy."""
     from exactresume.store.s3.kinds import local_copy, s3_kind
@@ -305,6 +310,8 @@ def format_inspection(info: dict) -> str:
     """The human view of `inspect_checkpoint`'s result: header lines, then one row per part."""
     if info["kind"] == "store":
         return format_listing(info)
+    if info["kind"] == "tiers":
+        return format_tiers(info)
     unsealed_resume = info["kind"] == "resume" and info["checksum"] == "absent"
     checksum = UNSEALED_RESUME_TEXT if unsealed_resume else CHECKSUM_TEXT[info["checksum"]]
     lines = [f"{info['path']}: {info['description']}", f"  checksum   {checksum}"]

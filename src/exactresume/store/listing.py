@@ -83,6 +83,45 @@ def _description(checkpoints: list[dict], valid: list[int], set_aside: list[Path
     return f"checkpoint folder: {count}" + (f", {damaged} damaged" if damaged else "") + aside + f"; {newest}"
 
 
+def list_tiers(durable: Location, local: Path, summarize) -> dict:
+    """A two-tier run's checkpoints (store/tiers.py): each tier listed as `list_checkpoints` lists a folder,
+    and the one a resume continues from: the newest that verifies, the local one first at a step both hold
+    (a run's resume also passes over a local checkpoint of another identity, which a listing cannot tell)."""
+    tiers = {"local": _tier(local, summarize), "durable": _tier(durable, summarize)}
+    candidates = [
+        (checkpoint["step"], rank, checkpoint["path"])
+        for rank, tier in enumerate(("durable", "local"))
+        for checkpoint in tiers[tier]["checkpoints"]
+        if checkpoint["status"] == "verified"
+    ]
+    newest = max(candidates, default=None)
+    resume = f"a resume continues from step {newest[0]} ({newest[2]})" if newest else "none verifies: a fresh start"
+    checksum = "verified" if all(tier["checksum"] == "verified" for tier in tiers.values()) else "mismatch"
+    description = f"two tiers; {resume}"
+    return {"path": str(durable), "kind": "tiers", "description": description, "checksum": checksum} | tiers
+
+
+def _tier(folder: Location, summarize) -> dict:
+    """One tier's listing; a tier that holds nothing yet (a local one wiped) is an empty one, not an error."""
+    if isinstance(folder, Path) and not folder.exists():
+        missing = f"{folder}: no such folder (a local tier lost with its node, or not written yet)"
+        return {"path": str(folder), "description": missing, "checksum": "verified", "checkpoints": []}
+    try:
+        return list_checkpoints(folder, summarize)
+    except CheckpointError as error:
+        return {"path": str(folder), "description": str(error), "checksum": "verified", "checkpoints": []}
+
+
+def format_tiers(info: dict[str, Any]) -> str:
+    """The human view of `list_tiers`: the resume's checkpoint, then each tier as `format_listing` shows it."""
+    lines = [f"{info['path']}: {info['description']}"]
+    for tier in ("local", "durable"):
+        listing = info[tier]
+        shown = format_listing(listing) if listing["checkpoints"] else f"{listing['description']}"
+        lines += [f"  {tier} tier: {shown.splitlines()[0]}", *("  " + line for line in shown.splitlines()[1:])]
+    return "\n".join(lines)
+
+
 def format_listing(info: dict[str, Any]) -> str:
     """The human view of `list_checkpoints`: one line per checkpoint, its parts and bytes."""
     lines = [f"{info['path']}: {info['description']}"]
