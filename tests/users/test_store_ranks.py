@@ -22,14 +22,15 @@ PROGRAM = Path(__file__).parent / "programs" / "ranks_loop.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-HOWS = ("store", "sharded-store", "file", "sharded")
+HOWS = ("store", "sharded-store", "file", "sharded", "tiers", "shared-tiers")
 
 
-def torchrun(*runs: tuple[Path, int, str]) -> None:
-    """One torchrun of PROGRAM, its runs one after another."""
+def torchrun(*runs: tuple[Path, int, str]) -> str:
+    """One torchrun of PROGRAM, its runs one after another; what it printed."""
     command = [*TORCHRUN, str(PROGRAM), *(f"{folder}:{until}:{how}" for folder, until, how in runs)]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stdout + finished.stderr
+    return finished.stdout + finished.stderr
 
 
 def ending(folder: Path, rank: int) -> dict:
@@ -40,7 +41,9 @@ def test_every_rank_saving_through_each_way_resumes_bit_for_bit(tmp_path):
     straight = tmp_path / "straight"
     torchrun((straight, 6, "store"), *((tmp_path / how, 3, how) for how in HOWS))
     assert not torch.equal(ending(straight, 0)["data"], ending(straight, 1)["data"])  # each rank its own stream
-    torchrun(*((tmp_path / how, 6, how) for how in HOWS))
+    resumed = torchrun(*((tmp_path / how, 6, how) for how in HOWS))
+    # rank 0's own local tier holds step 3, rank 1's none: both take the durable tier's step 2 (once)
+    assert resumed.count("the ranks' local tiers hold different steps ([3, 2])") == 1, resumed
     for how in HOWS:
         for rank in (0, 1):
             expected, got = ending(straight, rank), ending(tmp_path / how, rank)
@@ -52,6 +55,10 @@ def test_every_rank_saving_through_each_way_resumes_bit_for_bit(tmp_path):
         saved = torch.load(tmp_path / how / file, weights_only=True)
         for rank, state in enumerate(saved["data"]["per_rank"]):
             assert torch.equal(state, ending(straight, rank)["data"]), (how, rank)
+    assert sorted(path.name for path in (tmp_path / "tiers" / "checkpoints").iterdir()) == [
+        "step-00000004.pth",
+        "step-00000006.pth",
+    ]
     for how, suffix in (("store", "pth"), ("sharded-store", "dcp")):
         kept = sorted(path.name for path in (tmp_path / how / "checkpoints").iterdir())
         assert kept == [f"step-00000005.{suffix}", f"step-00000006.{suffix}"], how

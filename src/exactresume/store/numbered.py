@@ -440,7 +440,12 @@ class CheckpointStore:
             self.notify(
                 f"the ranks' local tiers hold different steps ({steps}): resuming from {self.places[-1].folder}"
             )
-        return self.load_newest(self.places[-1:])
+        durable = self.load_newest(self.places[-1:])
+        chosen = durable[0].step if durable is not None else -1
+        for checkpoint in self.place.checkpoints(self.layout):  # this run's, passed over: saves write past them
+            if checkpoint.step > chosen:
+                self.gate.pass_over(checkpoint.path)
+        return durable
 
     def newest_loadable(self) -> tuple[Checkpoint, dict] | None:
         """`load_newest`, but a folder whose every checkpoint it passes over is refused (CheckpointError

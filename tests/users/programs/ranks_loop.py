@@ -5,7 +5,10 @@ FOLDER:UNTIL:HOW is one run, trained (or resumed) up to step UNTIL, saved as HOW
 - store: every rank calls `load` and `save` of one CheckpointStore given the run's world, every step;
 - sharded-store: the same with `sharded=True`, every rank writing its shard of each checkpoint;
 - file: every rank calls `save_resume(..., world=)` at UNTIL and `load_resume` (no world) at the start;
-- sharded: `save_resume(..., sharded=True)` at UNTIL and `open_resume(...).restore` (no world).
+- sharded: `save_resume(..., sharded=True)` at UNTIL and `open_resume(...).restore` (no world);
+- tiers: a store with a local tier, each rank its own (as on its own node; rank 0 writes), every 2nd step
+  durable: the ranks' tiers disagree at a resume, and every rank takes the durable tier's newest;
+- shared-tiers: the same with one local tier for both ranks (one node): they agree on its newest.
 
 Each rank writes FOLDER/end-RANK.pt: its weights and both generators' states.
 
@@ -29,8 +32,11 @@ def train(folder: Path, until: int, how: str, world: World) -> None:
     data = torch.Generator().manual_seed(100 + world.rank)  # and its own batches
     parts = {"model": model, "optimizer": optimizer, "data": GeneratorPart(data, per_rank=True), "rng": GlobalRng()}
     folder.mkdir(parents=True, exist_ok=True)
-    if how.endswith("store"):
-        with CheckpointStore(folder / "checkpoints", keep=2, world=world, sharded=how == "sharded-store") as store:
+    if how.endswith(("store", "tiers")):
+        local = folder / ("local" if how == "shared-tiers" else f"local-{world.rank}")
+        tiers = {"local": local, "durable_every": 2} if how.endswith("tiers") else {}
+        options = {"keep": 2, "world": world, "sharded": how == "sharded-store"} | tiers
+        with CheckpointStore(folder / "checkpoints", **options) as store:
             start = store.load(parts) or 0
             steps(model, optimizer, data, range(start + 1, until + 1), world, lambda step: store.save(step, parts))
         return finish(folder, model, data, world)
