@@ -91,7 +91,30 @@ def test_a_resume_takes_the_newest_checkpoint_of_this_run_that_verifies_across_t
     for name, tensor in straight["model"].state_dict().items():
         assert torch.equal(resumed["model"].state_dict()[name], tensor), name
     if loss != "wiped":
-        assert len(said) == 1 and ("damaged" if loss == "damaged" else "saved by another run") in said[0], said
+        assert len(said) == 1 and ("damaged" if loss == "damaged" else "another run's, by its identity") in said[0]
+    if loss == "another run's":  # never written over nor pruned: set aside when this run saves its step
+        with tiered(tmp_path, identity=identity, said=said) as store:
+            store.load(loop(1))
+            for number in (8, 9, 10, 11):
+                store.save(number, resumed)
+        assert (local / (checkpoint_name(9) + ".unreadable")).is_file(), said
+        assert any(line.startswith(f"set aside {local / checkpoint_name(9)}") for line in said), said
+
+
+def test_a_local_tier_holding_only_another_runs_checkpoints_is_a_fresh_start(tmp_path):
+    trained(tmp_path, identity={"run": "a"})
+    shutil.rmtree(tmp_path / "durable")
+    said = []
+    with tiered(tmp_path, identity={"run": "b"}, said=said) as store:
+        assert store.load(loop(1)) is None
+    assert len(said) == 2 and all("another run's" in line for line in said), said
+
+
+def test_a_checkpoint_ahead_is_named_in_the_tier_that_holds_it(tmp_path):
+    trained(tmp_path)
+    shutil.rmtree(tmp_path / "local")
+    with pytest.raises(UserError, match=f"^{tmp_path / 'durable'} already holds step-00000006.pth, a checkpoint"):
+        tiered(tmp_path).save(6, loop())
 
 
 def test_what_the_tiers_cannot_do_is_one_line(tmp_path):
@@ -101,13 +124,18 @@ def test_what_the_tiers_cannot_do_is_one_line(tmp_path):
         ({"durable_every": 0}, "durable_every must be a whole number of steps of at least 1"),
         ({"sharded": True}, "a local tier holds one-file checkpoints"),
         ({"local": "s3://bucket/local"}, "local= is a folder on this machine's disk"),
+        ({"local": 123}, "local= is a folder on this machine's disk, got 123"),
+        ({"local": tmp_path / "durable" / "."}, "local= is the store's own folder"),
     ):
         with pytest.raises(UserError, match=needle):
             tiered(tmp_path, **options)
 
 
 def test_a_durable_tier_that_refuses_a_copy_is_one_line_and_the_local_tier_goes_on(tmp_path, monkeypatch):
+    tried = []
+
     def refused(self, checkpoint, source):
+        tried.append(checkpoint.step)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(DiskFolder, "write_copy", refused)
@@ -119,8 +147,11 @@ def test_a_durable_tier_that_refuses_a_copy_is_one_line_and_the_local_tier_goes_
     assert str(told.value).startswith(f"could not write the checkpoint at step 3 in {tmp_path / 'durable'}: ")
     assert "\n" not in str(told.value) and f"{tmp_path / 'local' / checkpoint_name(3)} is intact" in str(told.value)
     store.save(4, parts)  # the local tier goes on
+    with pytest.raises(StorageError, match="at step 6 in"):  # the next due copy is tried again, and said
+        store.save(6, parts)
+        store.wait()
     store.close()
-    assert names(tmp_path / "local") == [checkpoint_name(3), checkpoint_name(4)]
+    assert tried == [3, 6] and names(tmp_path / "local") == [checkpoint_name(4), checkpoint_name(6)]
     assert names(tmp_path / "durable") == []
 
 
@@ -206,6 +237,8 @@ def test_the_trainers_tier_flags_refuse_what_they_cannot_do(tmp_path, kjv_folder
         (["--local-checkpoints", tmp_path / "local"], "--local-checkpoints and --durable-every N go together"),
         (["--durable-every", 2], "--local-checkpoints and --durable-every N go together"),
         (["--local-checkpoints", tmp_path / "l", "--durable-every", 2], "needs --save-every N"),
+        (["--local-checkpoints", "s3://bucket/l"], "a local tier is a folder on this machine's disk, not an s3://"),
+        (["--save-every", 1, "--durable-every", 2, "--local-checkpoints", tmp_path / "out"], "is OUT or --checkpoints"),
     ):
         finished = train_cli(tmp_path / "out", "--data", kjv_folder, *FLAGS, *flags)
         assert_one_line_error(finished, needle)

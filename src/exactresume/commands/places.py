@@ -77,6 +77,13 @@ def given_path(text: str) -> Path:
     return Path(text)
 
 
+def local_folder(text: str) -> Path:
+    """A folder on this machine's disk (a local tier of checkpoints): an `s3://` location is refused."""
+    if text.startswith("s3://"):
+        raise argparse.ArgumentTypeError("a local tier is a folder on this machine's disk, not an s3:// location")
+    return given_path(text)
+
+
 def any_location(text: str) -> Path | str:
     """A path, or an `s3://` location (kept as text until --s3-endpoint is known)."""
     return text if text.startswith("s3://") else given_path(text)

@@ -25,7 +25,7 @@ from exactresume.commands.config_flags import (
     config_from_args,
 )
 from exactresume.commands.output import add_output_flags, emit, progress_mode
-from exactresume.commands.places import add_data_flag, add_s3_flags, given_path, place, resume_source
+from exactresume.commands.places import add_data_flag, add_s3_flags, given_path, local_folder, place, resume_source
 from exactresume.commands.writer import add_writer_flags, remove_made_folder
 
 
@@ -68,7 +68,7 @@ def _add_checkpoint_flags(checkpoints) -> None:
     add_s3_flags(checkpoints)
     checkpoints.add_argument(
         "--local-checkpoints",
-        type=given_path,
+        type=local_folder,
         metavar="DIR",
         help="save each --save-every checkpoint to this fast local folder (a local disk, /dev/shm) and copy "
         "every --durable-every N-th step to --checkpoints in the background",

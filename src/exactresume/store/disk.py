@@ -119,9 +119,9 @@ class DiskFolder:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def prepare(self, checkpoint: Checkpoint, layout: Layout) -> None:
+    def prepare(self, checkpoint: Checkpoint, layout: Layout, not_ours: bool = False) -> None:
         """Before a checkpoint is written: the folder made and locked, and what is at its name set aside
-        unless it loads (its bytes may still matter to someone)."""
+        unless it loads and is the run's (`not_ours`: a load passed it over): its bytes may matter to someone."""
         if not self.folder.is_dir():
             self.folder.mkdir(parents=True, exist_ok=True)  # another process may make it at the same moment
             fsync_path(self.folder.parent)
@@ -130,6 +130,8 @@ class DiskFolder:
             return
         try:
             check_checkpoint(checkpoint, self.read(checkpoint, layout))
+            if not_ours:
+                raise CheckpointError("the load before passed it over")
         except CheckpointError as error:
             aside = _free_name(checkpoint.path.with_name(checkpoint.path.name + UNREADABLE_SUFFIX))
             os.replace(checkpoint.path, aside)

@@ -38,6 +38,8 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from exactresume.config import check_keep
 from exactresume.errors import CheckpointError, FieldError, StorageError, UserError, notice
 from exactresume.store.background import BEFORE_RETURN, BackgroundWriter
@@ -45,7 +47,7 @@ from exactresume.store.disk import DiskFolder
 from exactresume.store.faults import FaultPoints
 from exactresume.store.identity import check_identity, refuse_another_run
 from exactresume.store.layout import ONE_FILE, SHARDED, check_checkpoint
-from exactresume.store.locations import Checkpoint, Location, S3Config, S3Location, location
+from exactresume.store.locations import Checkpoint, Location, S3Config, S3Location, is_s3, location
 from exactresume.store.lock import FolderLock
 from exactresume.store.place import Place
 from exactresume.store.refusals import (
@@ -117,9 +119,13 @@ class CheckpointStore:
             raise FieldError(f"{given}= and {missing}= go together: a local tier, and which steps go durable", missing)
         if self.layout.sharded:
             raise FieldError("a local tier holds one-file checkpoints; a sharded store saves to its folder", "local")
-        durable, landing = self.place, _place(local, self.notify, None, self.faults, None, 0.0)
-        if not isinstance(landing, DiskFolder):
-            raise FieldError(f"local= is a folder on this machine's disk, got {local}", "local")
+        if is_s3(local) or not isinstance(local, (str, os.PathLike)) or not os.fspath(local):
+            raise FieldError(f"local= is a folder on this machine's disk, got {local!r}", "local")
+        durable, landing = self.place, DiskFolder(Path(local), self.notify)
+        if isinstance(durable.folder, Path) and os.path.abspath(durable.folder) == os.path.abspath(landing.folder):
+            raise FieldError(
+                f"local= is the store's own folder ({local}): give the local tier a folder of its own", "local"
+            )
         self.place, self.places = landing, [landing, durable]
         self.durable = DurableCopy(durable, self.layout, durable_every, self._retain_durable, self._durable_refused)
 
@@ -235,7 +241,7 @@ class CheckpointStore:
 
     def _prepare(self, checkpoint: Checkpoint) -> None:
         self.hold_lock()
-        self.place.prepare(checkpoint, self.layout)
+        self.place.prepare(checkpoint, self.layout, not_ours=checkpoint.path in self.gate.passed_over)
 
     def commit(self, step: int, state: dict, before_publish: Callable[[], None] | None = None) -> Location:
         """A one-file checkpoint's stages after the snapshot: write, verify (the location's), retention.
@@ -295,11 +301,26 @@ class CheckpointStore:
         if self.keep is None:
             return
         older = self.gate.prunable(place.checkpoints(self.layout), step)[: -self.keep]
+        if place is not self.places[-1]:  # a local tier another run may share: only this run's go
+            older = [checkpoint for checkpoint in older if self._saved_by_this_run(checkpoint)]
         try:
             self.faults.reached("retention")
             place.delete(older, self.layout)
         except OSError as error:
             self.notify(f"warning: could not delete old checkpoints in {place.folder}: {error.strerror or error}")
+
+    def _saved_by_this_run(self, checkpoint: Checkpoint) -> bool:
+        """Whether a local tier's checkpoint holds this store's identity (any, without one), read without
+        its tensors' bytes; one that cannot be read is not known to be this run's, and stays."""
+        if self.identity is None:
+            return True
+        try:
+            refuse_another_run(
+                torch.load(checkpoint.path, mmap=True, weights_only=True), self.identity, checkpoint.path
+            )
+        except Exception:  # damaged, or another run's: kept, as a load would pass it over
+            return False
+        return True
 
     def _retain_durable(self, step: int) -> None:
         self._retain(step, self.places[-1])
@@ -420,13 +441,24 @@ class CheckpointStore:
             except CheckpointError as error:  # its bytes do not verify
                 self._skipped(checkpoint, error, damaged=True)
                 continue
+            if place is not self.places[-1] and not self._holds_this_run(checkpoint, state):
+                continue  # a local tier, which another run may have used: its checkpoint is not this run's
             try:
-                if place is not self.places[-1]:  # a local tier, which another run may have used
-                    refuse_another_run(state, self.identity, checkpoint.path)
                 return checkpoint, check_checkpoint(checkpoint, state)
             except CheckpointError as error:  # sound bytes, but not a checkpoint this release reads
                 self._skipped(checkpoint, error, damaged=False)
         return None
+
+    def _holds_this_run(self, checkpoint: Checkpoint, state: dict) -> bool:
+        """Whether a local tier's checkpoint is this store's run by its identity; one that is not is passed
+        over, named, and a load finding no other starts fresh rather than refuse (it is not this run's work)."""
+        try:
+            refuse_another_run(state, self.identity, checkpoint.path)
+        except CheckpointError:
+            why = CheckpointError(f"{checkpoint.path}: another run's, by its identity (a local tier it also used)")
+            self._skipped(checkpoint, why, damaged=False, foreign=True)
+            return False
+        return True
 
     def _agreed(self, found: tuple[Checkpoint, dict] | None) -> tuple[Checkpoint, dict] | None:
         """Under many processes with a local tier (one a node): the checkpoint of the step every rank found,
@@ -442,9 +474,9 @@ class CheckpointStore:
             )
         durable = self.load_newest(self.places[-1:])
         chosen = durable[0].step if durable is not None else -1
-        for checkpoint in self.place.checkpoints(self.layout):  # this run's, passed over: saves write past them
+        for checkpoint in self.place.checkpoints(self.layout):  # this run's own: its saves write over them
             if checkpoint.step > chosen:
-                self.gate.pass_over(checkpoint.path)
+                self.gate.supersede(checkpoint.path)
         return durable
 
     def newest_loadable(self) -> tuple[Checkpoint, dict] | None:
@@ -456,9 +488,10 @@ class CheckpointStore:
             found = self.load_newest()
         finally:
             held, self.held_skips = self.held_skips, None
-        if found is None and held:
-            self.gate.refuse(held[0].checkpoint, damaged_saves(self.folder))
-            raise none_loadable(self.folder, held)
+        ours = [skipped for skipped in held if not skipped.foreign]
+        if found is None and ours:
+            self.gate.refuse(ours[0].checkpoint, damaged_saves(self.folder))
+            raise none_loadable(self.folder, ours)
         for skipped in held:
             self.notify(skipped.line())
         return self._agreed(found)
@@ -471,14 +504,15 @@ class CheckpointStore:
             self.gate.refuse(checkpoint, another_run_saves(checkpoint))
             raise
 
-    def _skipped(self, checkpoint: Checkpoint, error: CheckpointError, damaged: bool) -> None:
+    def _skipped(self, checkpoint: Checkpoint, error: CheckpointError, damaged: bool, foreign: bool = False) -> None:
         """Say that `checkpoint` was passed over on the way to an older one, and why; keep it from retention.
         Inside `newest_loadable` it is said only once an older one is found."""
         self.gate.pass_over(checkpoint.path)
+        skipped = Skipped(checkpoint, error, damaged, foreign)
         if self.held_skips is not None:
-            self.held_skips.append(Skipped(checkpoint, error, damaged))
+            self.held_skips.append(skipped)
         else:
-            self.notify(Skipped(checkpoint, error, damaged).line())
+            self.notify(skipped.line())
 
 
 def store_reading(folder: Location, notify: Callable[[str], None]) -> CheckpointStore:

@@ -17,12 +17,13 @@ NAMED = 3  # checkpoints a refusal names before "and N more"
 
 @dataclass(frozen=True)
 class Skipped:
-    """A checkpoint a load passed over, and why: its bytes do not verify (`damaged`), or it is not one
-    this release reads."""
+    """A checkpoint a load passed over, and why: its bytes do not verify (`damaged`), it is not one this
+    release reads, or it is another run's in a local tier (`foreign`)."""
 
     checkpoint: Checkpoint
     error: CheckpointError
     damaged: bool
+    foreign: bool = False
 
     def line(self) -> str:
         return f"skipping {'damaged ' if self.damaged else ''}checkpoint {self.error}"

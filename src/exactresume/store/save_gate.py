@@ -9,8 +9,11 @@ checkpoint it has no right to. Three facts decide, and `check` is the one place 
   the folder: one a load could not load (the parts differ, another run's identity, every checkpoint
   damaged), or one ahead of what the store knows that a save met (a loop that forgot to load, or
   another run's; a loop that catches the error and goes on must not prune it later).
-- `passed_over`: the checkpoints the last load skipped (damaged, or of a format this release does
-  not read): never pruned, and no bar to a save, which writes beside them.
+- `passed_over`: the checkpoints the last load skipped (damaged, of a format this release does not
+  read, or another run's in a local tier): never pruned or written over (a save at such a step sets
+  the old one aside), and no bar to a save, which writes beside them.
+- `superseded`: the run's own checkpoints past the step all its ranks resumed at (a local tier one rank
+  alone held): no bar either; its saves write over them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class SaveGate:
     ours_up_to: int | None = None
     bar: Bar | None = None
     passed_over: frozenset[Location] = field(default_factory=frozenset)
+    superseded: frozenset[Location] = field(default_factory=frozenset)
 
     def check(
         self, step: int, folder: Location, checkpoints: list[Checkpoint], verifies: Callable[[Checkpoint], bool]
@@ -54,7 +58,8 @@ class SaveGate:
         at `step` would write over it, or continue another run beside it."""
         for checkpoint in checkpoints:
             beyond = checkpoint.step >= step and (self.ours_up_to is None or checkpoint.step > self.ours_up_to)
-            if beyond and checkpoint.path not in self.passed_over and verifies(checkpoint):
+            passed = checkpoint.path in self.passed_over or checkpoint.path in self.superseded
+            if beyond and not passed and verifies(checkpoint):
                 return checkpoint
         return None
 
@@ -79,13 +84,17 @@ class SaveGate:
     def pass_over(self, path: Location) -> None:
         self.passed_over = self.passed_over | {path}
 
+    def supersede(self, path: Location) -> None:
+        self.superseded = self.superseded | {path}
+
     def prunable(self, checkpoints: list[Checkpoint], step: int) -> list[Checkpoint]:
         """The checkpoints up to `step` that retention may count and delete (oldest first)."""
         return [c for c in checkpoints if c.step <= step and c.path not in self.passed_over]
 
 
 def _not_loaded(folder: Location, ahead: Checkpoint) -> str:
+    """The line for a checkpoint ahead, naming the folder that holds it (a store of two tiers has two)."""
     return (
-        f"{folder} already holds {ahead.path.name}, a checkpoint this store has not loaded: load "
+        f"{ahead.path.parent} already holds {ahead.path.name}, a checkpoint this store has not loaded: load "
         "the folder first (store.load(parts)), or save into another folder"
     )

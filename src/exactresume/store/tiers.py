@@ -56,16 +56,19 @@ class DurableCopy:
         return self._thread is not None and self._thread.is_alive()
 
     def copy(self, local: Checkpoint) -> None:
-        """Start copying the verified local checkpoint `local` to the durable tier (or count it skipped)."""
-        self.raise_failure()
+        """Start copying the verified local checkpoint `local` to the durable tier (or count it skipped); then
+        raise the failure of the copy before, if it failed (this one is tried all the same)."""
+        failure, self._failure = self._failure, None
         if self.busy():
             self.skipped += 1
-            return
-        source = open(local.path, "rb")  # held open: the local tier's pruning may unlink the name
-        target = Checkpoint(local.step, self.durable.folder / self.layout.name(local.step))
-        # Not a daemon: an exiting interpreter lets a started copy finish rather than cut it off.
-        self._thread = threading.Thread(target=self._copy, args=(target, source), name=f"durable-{local.step}")
-        self._thread.start()
+        else:
+            source = open(local.path, "rb")  # held open: the local tier's pruning may unlink the name
+            target = Checkpoint(local.step, self.durable.folder / self.layout.name(local.step))
+            # Not a daemon: an exiting interpreter lets a started copy finish rather than cut it off.
+            self._thread = threading.Thread(target=self._copy, args=(target, source), name=f"durable-{local.step}")
+            self._thread.start()
+        if failure is not None:
+            raise failure
 
     def _copy(self, target: Checkpoint, source: BinaryIO) -> None:
         try:
@@ -83,9 +86,6 @@ class DurableCopy:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.raise_failure()
-
-    def raise_failure(self) -> None:
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure

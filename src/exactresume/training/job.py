@@ -12,6 +12,7 @@ anything is written.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +95,11 @@ class TrainJob:
             return
         if self.save_every is None:
             raise UserError("--local-checkpoints needs --save-every N: it is where those checkpoints land")
+        taken = [self.out] + ([self.checkpoint_folder] if isinstance(self.checkpoint_folder, Path) else [])
+        if os.path.abspath(self.local_checkpoints) in map(os.path.abspath, taken):
+            raise UserError(
+                f"--local-checkpoints {self.local_checkpoints} is OUT or --checkpoints: give it a folder of its own"
+            )
         if self.durable_every < 1:
             raise UserError(f"--durable-every must be at least 1, got {self.durable_every}")
         if self.config.fsdp:  # each node would hold only its own ranks' shards

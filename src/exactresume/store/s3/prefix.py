@@ -103,7 +103,7 @@ class S3Prefix:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def prepare(self, checkpoint: Checkpoint, layout: Layout) -> None:
+    def prepare(self, checkpoint: Checkpoint, layout: Layout, not_ours: bool = False) -> None:
         """Before a checkpoint is written: the prefix's lease held, and still this run's."""
         self.hold_lock()
         self.lease.check()  # before anything is written over: another run may have committed this step
