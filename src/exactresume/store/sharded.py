@@ -225,9 +225,7 @@ def verify_sharded(folder: Path) -> dict:
     if not commit.is_file():
         if not any(folder.glob("*.distcp")):
             raise CheckpointError(f"{folder} is a folder, not a resume file or a sharded checkpoint")
-        raise CheckpointError(
-            f"{folder} has no commit marker ({COMMIT}): its save did not finish, so it is not trusted"
-        )
+        raise CheckpointError(f"{folder}: no commit marker ({COMMIT}): its save did not finish, so it is not trusted")
     plain_file(folder, COMMIT)
     marker = check_format(commit, load_sealed(commit), SHARDED_FORMAT, SHARDED_VERSION, "an exactresume commit marker")
     files = marker.get("files")
