@@ -242,3 +242,19 @@ def test_the_trainers_tier_flags_refuse_what_they_cannot_do(tmp_path, kjv_folder
     ):
         finished = train_cli(tmp_path / "out", "--data", kjv_folder, *FLAGS, *flags)
         assert_one_line_error(finished, needle)
+
+
+def test_two_runs_writing_one_durable_folder_outside_out_are_one_too_many(tmp_path, kjv_folder):
+    """--checkpoints outside OUT is locked by the run writing it, as OUT is: a second run is refused."""
+    shared = tmp_path / "shared"
+    tiers = ["--save-every", 1, "--local-checkpoints", tmp_path / "a-local", "--durable-every", 1]
+    long_run = ["--steps", 400, "--batch", 4, "--seq-len", 16, *tiers, "--checkpoints", shared]
+    first = spawn_cli("train", "--out", tmp_path / "a", "--data", kjv_folder, *long_run)
+    deadline = time.monotonic() + 120
+    while not list(shared.glob("step-*.pth")):
+        assert first.poll() is None and time.monotonic() < deadline, first.output()
+        time.sleep(0.02)
+    second = train_cli(tmp_path / "b", "--data", kjv_folder, *FLAGS, "--save-every", 1, "--checkpoints", shared)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert_one_line_error(second, f"{shared} is being written by pid {first.pid}")

@@ -20,6 +20,7 @@ SIGINT: an outcome whose `preempted` says where the checkpoint of the finished s
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,7 +103,10 @@ class JobRun:
         if job.local_checkpoints is not None:  # a local checkpoint is this run's when it was written into OUT's run
             tiers = {"local": job.local_checkpoints, "durable_every": job.durable_every, "identity": self.identity}
             options |= tiers
-        return CheckpointStore(job.checkpoint_folder, keep=job.keep, notify=self.notify, lock=lock, **options)
+        folder = job.checkpoint_folder
+        inside = isinstance(folder, Path) and Path(os.path.abspath(folder)).is_relative_to(os.path.abspath(job.out))
+        # OUT's lock covers a checkpoint folder inside OUT; one elsewhere takes its own: one writer a folder.
+        return CheckpointStore(folder, keep=job.keep, notify=self.notify, lock=lock if inside else None, **options)
 
     def _check_outputs(self) -> None:
         job = self.job

@@ -72,4 +72,5 @@ dist.init_process_group("gloo")
 for job in sys.argv[1:]:
     folder, until, how = job.split(":")
     train(Path(folder), int(until), how, World.from_env())
+dist.barrier()  # the ranks meet before the gloo group goes: none tears it down under another's last work
 dist.destroy_process_group()
