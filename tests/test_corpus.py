@@ -3,6 +3,7 @@ xxh3-verified loading, and the corpus faults a user meets (cut-off last line, em
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import tracemalloc
@@ -65,6 +66,7 @@ def test_output_is_byte_identical_whatever_the_chunk_sizes(tmp_path, make):
 
 
 def python_peak_preparing(corpus: Path, tokenizer: Path, out: Path) -> int:
+    gc.collect()  # garbage of earlier tests in this worker is not this run's peak
     tracemalloc.start()
     try:
         config = PrepareConfig(corpus=corpus, tokenizer=tokenizer)
@@ -77,7 +79,7 @@ def python_peak_preparing(corpus: Path, tokenizer: Path, out: Path) -> int:
 def test_memory_does_not_grow_with_the_corpus(tmp_path):
     prepare(PrepareConfig(corpus=edge_txt(tmp_path / "small.txt"), vocab_size=VOCAB), tmp_path / "tok", log=quiet)
     peaks = {}
-    for documents in (5_000, 20_000):
+    for documents in (5_000, 80_000):
         corpus = tmp_path / f"{documents}.jsonl"
         corpus.write_text(
             "".join(json.dumps({"text": f"Document {i} of {i * 7 % 1000} sheep."}) + "\n" for i in range(documents))
@@ -86,8 +88,10 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
             corpus, tmp_path / "tok" / TOKENIZER_FILE, tmp_path / f"out{documents}"
         )
     (small, small_peak), (large, large_peak) = sorted(peaks.items())
-    assert large > 3.5 * small and large > 800_000
-    assert large_peak < small_peak + 100_000, peaks  # fixed buffers, nothing per document kept
+    assert large > 15 * small and large > 3_000_000
+    # Fixed buffers, nothing per document kept: even 8 bytes for each of the 75,000 more documents
+    # is 600 kB, while the peak of equal runs differs by up to ~120 kB under a loaded worker.
+    assert large_peak < small_peak + 300_000, peaks
 
 
 def test_progress_reports_corpus_bytes_up_to_the_whole_file(tmp_path):
