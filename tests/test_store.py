@@ -122,11 +122,11 @@ def test_a_checkpoint_that_reads_back_damaged_is_removed(tmp_path, monkeypatch):
     quiet_store(tmp_path).save(1, parts)
     real_verify = store_module.verify
 
-    def verify_after_damage(path):
+    def verify_after_damage(path, *written):
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
-        real_verify(path)
+        real_verify(path, *written)
 
     monkeypatch.setattr(store_module, "verify", verify_after_damage)
     with pytest.raises(StorageError, match="read back damaged"):

@@ -45,6 +45,7 @@ from exactresume.store.resume import (
     saved_world_size,
     started_fresh,
 )
+from exactresume.store.seal_hash import keyed, sealing, sealing_for
 from exactresume.world import World, given_world
 
 if TYPE_CHECKING:  # DCP takes a second to import: only when a sharded folder is read
@@ -76,9 +77,10 @@ def save_resume(
     sharded: bool = False,
     world: World | None = None,
     identity: dict | None = None,
+    key: str | bytes | None = None,
 ) -> Location:
     """Write `parts` (saved at `step`, by the run `identity` names) as one resume file, atomically, with
-    its checksum; returns where.
+    its checksum (with `key`, or `EXACTRESUME_KEY`, a MAC: seal_hash.py); returns where.
 
     `path` is a file, or an `s3://` object (committed whole: s3/files.py). Every rank of `world`
     calls it (default: one process; with `sharded`, torchrun's world): rank 0 writes the file, which
@@ -89,11 +91,12 @@ def save_resume(
     world = given_world(world, World.from_env() if sharded else World())
     check_parts(parts)
     identity = check_identity(identity)
-    if sharded:
-        _save_sharded(target, per_rank(parts, world), step, world, identity)
-    else:
-        one_file = for_one_file(parts, world, "save_resume(folder, parts, step, sharded=True)")
-        _save_file(target, one_file, step, world, identity)
+    with keyed(sealing_for(key) or sealing()):  # a key in the environment is checked before a byte is written
+        if sharded:
+            _save_sharded(target, per_rank(parts, world), step, world, identity)
+        else:
+            one_file = for_one_file(parts, world, "save_resume(folder, parts, step, sharded=True)")
+            _save_file(target, one_file, step, world, identity)
     world.barrier()
     return target
 
@@ -149,15 +152,18 @@ def load_resume(
     fresh: Collection[str] = (),
     world: World | None = None,
     identity: dict | None = None,
+    key: str | bytes | None = None,
 ) -> int | None:
     """Verify the resume file (or `s3://` object) at `path` and load it into `parts`, all or nothing
     (`skip` and `fresh` as in resume.restore; each rank of `world`, by default torchrun's, its own
-    entry of the per-rank parts; with `identity`, only a file saved by that run); the step it was saved
-    at (None: saved without one)."""
+    entry of the per-rank parts; with `identity`, only a file saved by that run; with `key`, or
+    `EXACTRESUME_KEY`, only a file sealed with that key's MAC); the step it was saved at (None: saved
+    without one)."""
     check_parts(parts)  # a mistake in the call first
     parts = per_rank(parts, given_world(world, World.from_env()))
     identity = check_identity(identity)
-    state = read_resume(path)
+    with keyed(sealing_for(key)):
+        state = read_resume(path)
     refuse_another_run(state, identity, path)
     for name in restore(state, parts, skip, fresh, source=path):
         notice(started_fresh(path, name))

@@ -54,6 +54,7 @@ import torch
 from exactresume.errors import FieldError, StorageError
 from exactresume.store.copy_guard import CopyGuard
 from exactresume.store.resume import capture, rebuilt
+from exactresume.store.seal_hash import thread_in_this_context
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -160,7 +161,7 @@ class BackgroundWriter:
             self._guard = CopyGuard(step, state)
             self._hook_optimizers(parts)
         # Not a daemon: an exiting interpreter lets a started save finish rather than cut it off.
-        self._writer = threading.Thread(target=self._write, args=(step, state, self._guard), name=f"checkpoint-{step}")
+        self._writer = thread_in_this_context(self._write, (step, state, self._guard), f"checkpoint-{step}")
         self._writer.start()
         self.blocked_seconds += time.perf_counter() - started
         return self.store.path_for(step)

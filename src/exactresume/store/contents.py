@@ -33,7 +33,8 @@ from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSIONS, check_form
 from exactresume.store.listing import format_listing, format_tiers, list_checkpoints, list_tiers
 from exactresume.store.locations import Location, S3Location
 from exactresume.store.resume import RESERVED_NAMES, read_resume_file, saved_step, tensors_in
-from exactresume.store.safetensors_weights import DIGEST_KEY, load_verified, tied_names
+from exactresume.store.safetensors_weights import DIGEST_KEY, KEYED_DIGEST_KEY, load_verified, tied_names
+from exactresume.store.seal_hash import sealing
 from exactresume.store.sealed import load_sealed, read_seal
 
 SHARDED_KEYS = ("commit", "commit_problem", "processes")  # a sharded folder's report only
@@ -134,7 +135,7 @@ def _inspect_safetensors(path: Path) -> dict:
         "config": {"model": config} if config else None,
         "parts": {"model": summarize(tensors)},
         "tied": tied,
-        "checksum": "verified" if DIGEST_KEY in metadata else "absent",
+        "checksum": "verified" if {DIGEST_KEY, KEYED_DIGEST_KEY} & metadata.keys() else "absent",
     }
 
 
@@ -314,6 +315,8 @@ def format_inspection(info: dict) -> str:
         return format_tiers(info)
     unsealed_resume = info["kind"] == "resume" and info["checksum"] == "absent"
     checksum = UNSEALED_RESUME_TEXT if unsealed_resume else CHECKSUM_TEXT[info["checksum"]]
+    if info["checksum"] == "verified" and sealing().key is not None:
+        checksum = "HMAC-SHA-256 with the key recorded in the file, bytes match"
     lines = [f"{info['path']}: {info['description']}", f"  checksum   {checksum}"]
     if info.get("commit"):
         lines.append(f"  commit     {info['commit']}: {COMMIT_TEXT[info['commit']].format(**info)}")

@@ -33,7 +33,7 @@ from exactresume.store.layout import UNREADABLE_SUFFIX, Layout, check_checkpoint
 from exactresume.store.locations import Checkpoint
 from exactresume.store.lock import FolderLock
 from exactresume.store.resume import tensors_in
-from exactresume.store.sealed import load_sealed, verify, write_sealed
+from exactresume.store.sealed import Written, load_sealed, verify, write_sealed
 from exactresume.world import World
 
 if TYPE_CHECKING:
@@ -210,20 +210,25 @@ def write_verified(
         reached.append(name)
         faults.reached(name)
 
+    sealed: list[Written | None] = []  # what write_sealed sealed, which the read-back is held to
+
+    def write(file: BinaryIO) -> None:
+        sealed.append(write_sealed(file, state))
+
     try:
-        atomic_write(path, lambda file: write_sealed(file, state), stage, expected_bytes=_tensor_bytes(state))
+        atomic_write(path, write, stage, expected_bytes=_tensor_bytes(state))
     except BaseException:
         if "folder-fsync" in reached:
             _remove_quietly(path)  # a rename we could not make durable is not a checkpoint
         raise
-    _verify_written(path, faults)
+    _verify_written(path, faults, sealed[0])
 
 
-def _verify_written(path: Path, faults: FaultPoints) -> None:
-    """Read the new file back and check its checksum; a file that fails is removed."""
+def _verify_written(path: Path, faults: FaultPoints, sealed: Written | None = None) -> None:
+    """Read the new file back and check its checksum (keyed: against what was sealed); a file that fails is removed."""
     try:
         faults.reached("verify")
-        verify(path)
+        verify(path, sealed)
     except OSError:
         _remove_quietly(path)
         raise

@@ -10,7 +10,9 @@ A store is a location and a layout. The location is a folder on a disk (disk.py)
 one save: `background=True` saves in a writer thread (background.py), `world=` makes every rank of a
 run call `save` and `load` (rank 0 writes a one-file checkpoint, holding every rank's per-rank
 parts; each rank its shard of a sharded one), `identity=` saves the run's identity with each
-checkpoint and loads none of another run (identity.py).
+checkpoint and loads none of another run (identity.py), `key=` seals every file, shard checksum and
+commit with that key's MAC and reads only checkpoints sealed with it (seal_hash.py; by default
+`EXACTRESUME_KEY` decides).
 
 `parts` maps names to objects with `state_dict()` / `load_state_dict()` (a model, an optimizer, a
 batch generator wrapper, `GlobalRng()`, ...). A checkpoint is a resume file (resume.py) plus the step
@@ -33,6 +35,7 @@ store writing the same place is refused naming the holder. Listing and `load_new
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
@@ -60,11 +63,23 @@ from exactresume.store.refusals import (
 )
 from exactresume.store.resume import capture, check_parts, check_step, for_one_file, per_rank, restore, started_fresh
 from exactresume.store.save_gate import SaveGate
+from exactresume.store.seal_hash import keyed, sealing, sealing_for
 from exactresume.store.tiers import DurableCopy
 from exactresume.world import World, given_world, launched_by_torchrun
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
+
+
+def _sealed_with_its_key(method: Callable) -> Callable:
+    """A store method run with the store's sealing in force (its key, or none), whatever the environment says."""
+
+    @functools.wraps(method)
+    def run(self: CheckpointStore, *args: Any, **kwargs: Any) -> Any:
+        with keyed(self.sealing):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class CheckpointStore:
@@ -93,11 +108,13 @@ class CheckpointStore:
         wait_lock: float = 0.0,
         local: Path | str | None = None,
         durable_every: int | None = None,
+        key: str | bytes | None = None,
     ):
         """`lock`: the folder's lock, held by the caller (a training job's); `config` and `wait_lock`: how
         an `s3://` prefix is reached, and how long a save waits for another run's lease to end; `local`
         and `durable_every`: every save to the folder `local`, every `durable_every`-th step copied to
-        `folder` (tiers.py)."""
+        `folder` (tiers.py); `key`: the secret every seal is a MAC of (by default `EXACTRESUME_KEY`'s)."""
+        self.sealing = sealing_for(key) or sealing()  # the environment read once: a store seals one way
         self.keep, self.faults = check_keep(keep), FaultPoints.from_environment()
         self.layout = SHARDED if sharded else ONE_FILE
         self.place = _place(folder, notify, lock, self.faults, config, wait_lock)
@@ -162,6 +179,7 @@ class CheckpointStore:
         """Checkpoints a save renamed `NAME.unreadable` rather than write over them: kept, never read."""
         return [path for place in self.places for path in place.set_aside()]
 
+    @_sealed_with_its_key
     def verifies(self, checkpoint: Checkpoint) -> bool:
         """Whether the checkpoint's bytes match their checksums (nothing is unpickled)."""
         return self._place_of(checkpoint).verifies(checkpoint, self.layout)
@@ -169,6 +187,7 @@ class CheckpointStore:
     def _place_of(self, checkpoint: Checkpoint) -> Place:
         return next(place for place in self.places if checkpoint.path.parent == place.folder)
 
+    @_sealed_with_its_key
     def remove_leftovers(self) -> list[Location]:
         """Delete the leftovers of interrupted saves (under the lock or lease); returns what was removed."""
         with self._one_writer():
@@ -187,6 +206,7 @@ class CheckpointStore:
 
     # -- saving ------------------------------------------------------------------------------------
 
+    @_sealed_with_its_key
     def save(self, step: int, parts: Mapping[str, Stateful], coalesce: bool = False) -> Location | None:
         """Write `parts` as the checkpoint at `step`, durably and verified, then prune old ones; where it is.
 
@@ -243,6 +263,7 @@ class CheckpointStore:
         self.hold_lock()
         self.place.prepare(checkpoint, self.layout, not_ours=checkpoint.path in self.gate.passed_over)
 
+    @_sealed_with_its_key
     def commit(self, step: int, state: dict, before_publish: Callable[[], None] | None = None) -> Location:
         """A one-file checkpoint's stages after the snapshot: write, verify (the location's), retention.
 
@@ -387,6 +408,7 @@ class CheckpointStore:
 
     # -- loading -----------------------------------------------------------------------------------
 
+    @_sealed_with_its_key
     def load(
         self,
         parts: Mapping[str, Stateful],
@@ -431,6 +453,7 @@ class CheckpointStore:
             self.notify(started_fresh(checkpoint.path, name))
         return checkpoint.step
 
+    @_sealed_with_its_key
     def load_newest(self, places: list[Place] | None = None) -> tuple[Checkpoint, dict] | None:
         """The newest checkpoint that verifies (of `places`: by default every tier's), with its state; each
         one passed over is named to `notify`. A local tier's checkpoint must also be this run's (its identity)."""
@@ -479,6 +502,7 @@ class CheckpointStore:
                 self.gate.supersede(checkpoint.path)
         return durable
 
+    @_sealed_with_its_key
     def newest_loadable(self) -> tuple[Checkpoint, dict] | None:
         """`load_newest`, but a folder whose every checkpoint it passes over is refused (CheckpointError
         naming them), not taken for an empty one: None only when there is no checkpoint at all. Each

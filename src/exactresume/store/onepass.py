@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-import xxhash
 
 from exactresume.errors import CheckpointError
+from exactresume.store.seal_hash import mismatch, sealing
 
 try:
     from torch._utils import _element_size
@@ -94,7 +94,8 @@ class _HashingReader:
     """The file read once from its start, every byte hashed in order as it arrives."""
 
     def __init__(self, path: Path, file: BinaryIO):
-        self.path, self.file, self.digest, self.position = path, file, xxhash.xxh3_128(), 0
+        self.path, self.file, self.digest, self.position = path, file, sealing().hasher(), 0
+        self.whole_storages = sealing().key is not None  # a keyed MAC hashes a storage's pieces on every core
         file.seek(0)
 
     def read(self, count: int) -> bytes:
@@ -117,7 +118,10 @@ class _HashingReader:
                 if not read:
                     raise CheckpointError(f"{self.path}: the file ends early (it shrank while being read)")
                 done += read
-            self.digest.update(piece)
+            if not self.whole_storages:
+                self.digest.update(piece)
+        if self.whole_storages:
+            self.digest.update(view)
         self.position += count
         return tensor
 
@@ -167,8 +171,8 @@ def _read_records(path: Path, file: BinaryIO, recorded: str, seal_length: int, s
         return None
     reader.read(size - seal_length - 2 - reader.position)  # the central directory and the end record
     reader.digest.update(b"\x00\x00")  # the comment length as torch.save wrote it
-    if reader.digest.hexdigest() != recorded:
-        raise CheckpointError(f"{path}: checksum mismatch, the file is damaged (modified or partly written)")
+    if not sealing().matches(reader.digest.hexdigest(), recorded):
+        raise mismatch(path)
     return _Records(records, storages)
 
 

@@ -3,8 +3,9 @@
 safetensors refuses two names sharing one storage, so a tied matrix (MiniMind's `lm_head.weight` is
 `model.embed_tokens.weight`) is stored under its first name only and the header's metadata records
 the tie; `read_safetensors` hands back both names, one tensor. The metadata (strings only) also
-holds the ModelConfig as JSON and an xxh3-128 digest of every tensor's name, dtype, shape and bytes,
-checked before the weights are returned. Loading a safetensors file never runs code.
+holds the ModelConfig as JSON and an xxh3-128 digest of every tensor's name, dtype, shape and bytes
+(with a key, their HMAC: seal_hash.py), checked before the weights are returned. Loading a
+safetensors file never runs code.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ import struct
 from pathlib import Path
 
 import torch
-import xxhash
 
 from exactresume.atomic import atomic_write_bytes
 from exactresume.config import ModelConfig
 from exactresume.errors import CheckpointError, UserError
 from exactresume.store.onepass import byte_view
+from exactresume.store.seal_hash import KEYED_PREFIX, UNKEYED_PREFIX, mismatch, refuse_other_sealing, sealing
 
 StateDict = dict[str, torch.Tensor]
 WEIGHTS_FORMAT = "exactresume.weights"
 FORMAT_VERSION = "1"
-DIGEST_KEY = "exactresume.xxh3_128"
+DIGEST_KEY, KEYED_DIGEST_KEY = "exactresume.xxh3_128", "exactresume.hmac_128"
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
@@ -65,8 +66,8 @@ def tied_names(state_dict: StateDict) -> dict[str, str]:
 
 
 def _tensors_digest(tensors: StateDict) -> str:
-    """xxh3-128 over each tensor's name, dtype, shape and bytes, in name order."""
-    digest = xxhash.xxh3_128()
+    """The seal hash over each tensor's name, dtype, shape and bytes, in name order."""
+    digest = sealing().hasher()
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
         digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
@@ -82,7 +83,7 @@ def save_safetensors(path: Path, state_dict: StateDict, config: ModelConfig | No
         "format": WEIGHTS_FORMAT,
         "version": FORMAT_VERSION,
         "tied": json.dumps(tied),
-        DIGEST_KEY: _tensors_digest(tensors),
+        (KEYED_DIGEST_KEY if sealing().key is not None else DIGEST_KEY): _tensors_digest(tensors),
     }
     if config is not None:
         metadata["config"] = json.dumps(config.to_dict())
@@ -106,9 +107,15 @@ def load_verified(path: Path) -> tuple[StateDict, dict[str, str]]:
         tensors = safetensors.torch.load_file(path)
     except (OSError, ValueError, safetensors.SafetensorError) as error:
         raise CheckpointError(f"{path}: not a loadable safetensors file ({str(error)[:200]})") from None
-    recorded = metadata.get(DIGEST_KEY)
-    if recorded is not None and _tensors_digest(tensors) != recorded:
-        raise CheckpointError(f"{path}: checksum mismatch, the file is damaged (modified or partly written)")
+    keyed = KEYED_DIGEST_KEY in metadata
+    recorded = metadata.get(KEYED_DIGEST_KEY if keyed else DIGEST_KEY)
+    if recorded is None and sealing().key is None:
+        return tensors, metadata  # a safetensors file of another tool's, read as it is
+    if recorded is None:
+        raise CheckpointError(f"{path}: carries no exactresume digest, while a key is set: refused")
+    refuse_other_sealing(path, KEYED_PREFIX if keyed else UNKEYED_PREFIX)
+    if not sealing().matches(_tensors_digest(tensors), recorded):
+        raise mismatch(path)
     return tensors, metadata
 
 

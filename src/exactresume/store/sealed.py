@@ -1,10 +1,10 @@
 """Torch files that carry their own checksum, written atomically and verified before unpickling.
 
 A `.pth` file is a zip archive, and a zip archive may end with a comment. We put the xxh3-128
-digest of every byte `torch.save` wrote into that comment. The file stays a plain torch file
-(`torch.load(path, weights_only=True)` reads it and gives back exactly what was saved), a single
-`os.replace` commits file and checksum together, and a truncated or bit-flipped file is refused
-before any of its bytes are deserialized.
+digest of every byte `torch.save` wrote into that comment (with a key, their HMAC: seal_hash.py).
+The file stays a plain torch file (`torch.load(path, weights_only=True)` reads it and gives back
+exactly what was saved), a single `os.replace` commits file and checksum together, and a truncated
+or bit-flipped file is refused before any of its bytes are deserialized.
 
 Speed: `torch.save` writes each tensor's bytes straight from the state into the file, and zip's
 per-record CRC-32, which costs about as much as the disk write and which torch.load does not check,
@@ -26,6 +26,7 @@ import os
 import re
 import struct
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -36,10 +37,11 @@ import xxhash
 from exactresume.atomic import atomic_write
 from exactresume.errors import CheckpointError
 from exactresume.store.onepass import NOT_READ, load_verified
+from exactresume.store.seal_hash import KEYED_PREFIX, UNKEYED_PREFIX, Hasher, mismatch, refuse_other_sealing, sealing
 from exactresume.store.torch_refusal import torch_refusal
 
-SEAL_PREFIX = b"exactresume-xxh3-128:"
-SEAL_LENGTH = len(SEAL_PREFIX) + 32  # prefix + 128-bit digest in hex
+SEAL_PREFIXES = (UNKEYED_PREFIX, KEYED_PREFIX)  # the same length: a seal is where it is, keyed or not
+SEAL_LENGTH = len(UNKEYED_PREFIX) + 32  # prefix + 128-bit digest in hex
 END_OF_CENTRAL_DIRECTORY = b"PK\x05\x06"
 ZIP_START = b"PK\x03\x04"  # a zip archive's first record, as torch.save writes it
 SEAL_DIGITS = re.compile(rb"[0-9a-f]*")  # what follows the prefix in a seal: the digest in hex
@@ -67,23 +69,32 @@ class _Flush(threading.Thread):
             raise self.error
 
 
-def _hash_read_back(file: BinaryIO) -> str:
-    """The xxh3-128 of every byte of `file`, read back from the page cache while its bytes go to the disk."""
+def _hash_read_back(file: BinaryIO) -> tuple[str, str | None]:
+    """The seal's hash of every byte of `file`, read back from the page cache while its bytes go to the
+    disk; keyed, the xxh3 of the same bytes too (what a read-back then checks at xxh3's speed)."""
     file.flush()
     fd = file.fileno()
     size = os.fstat(fd).st_size
     flush = _Flush(fd)
-    digest, buffer = xxhash.xxh3_128(), memoryview(bytearray(PIECE))
-    offset = 0
     try:
-        while offset < size:
-            count = os.preadv(fd, [buffer[: min(PIECE, size - offset)]], offset)
-            if count == 0:
-                raise OSError(errno.EIO, "the file being written shrank")
-            digest.update(buffer[:count])
-            offset += count
+        if sealing().key is None:
+            return _hash_pieces(fd, size), None
+        mac, check = sealing().hasher(), xxhash.xxh3_128()
+        _hash_mapped(fd, size, mac, check)  # the MAC's pieces hash on every core at once: all at hand in a map
+        return mac.hexdigest(), check.hexdigest()
     finally:
         flush.finish()
+
+
+def _hash_pieces(fd: int, size: int) -> str:
+    """The xxh3 of the file's `size` bytes, read a megabyte at a time into one buffer."""
+    digest, buffer, offset = xxhash.xxh3_128(), memoryview(bytearray(PIECE)), 0
+    while offset < size:
+        count = os.preadv(fd, [buffer[: min(PIECE, size - offset)]], offset)
+        if count == 0:
+            raise OSError(errno.EIO, "the file being written shrank")
+        digest.update(buffer[:count])
+        offset += count
     return digest.hexdigest()
 
 
@@ -101,18 +112,29 @@ def save_unsealed(obj: Any, file: BinaryIO) -> None:
         raise
 
 
-def seal_ending(saved_xxh3: str) -> bytes:
+def seal_ending(saved_digest: str) -> bytes:
     """What replaces the last two bytes torch.save wrote: the comment's length, then the seal of those bytes."""
-    seal = SEAL_PREFIX + saved_xxh3.encode()
+    seal = sealing().prefix + saved_digest.encode()
     return struct.pack("<H", len(seal)) + seal
 
 
-def write_sealed(file: BinaryIO, obj: Any) -> None:
+@dataclass(frozen=True)
+class Written:
+    """What a keyed write sealed: the MAC recorded, and the xxh3 of the same bytes as they were written."""
+
+    seal: str
+    xxh3: str
+
+
+def write_sealed(file: BinaryIO, obj: Any) -> Written | None:
     """torch.save `obj` into `file` (a real file, open to read and write) and append its checksum as its
-    zip comment; its bytes are on the disk when this returns (fsync)."""
+    zip comment; its bytes are on the disk when this returns (fsync). Keyed, what it sealed (`verify`
+    then reads the file back with the xxh3, not the MAC again); without a key, None."""
     save_unsealed(obj, file)
+    seal, check = _hash_read_back(file)
     file.seek(-2, os.SEEK_END)
-    file.write(seal_ending(_hash_read_back(file)))
+    file.write(seal_ending(seal))
+    return Written(seal, check) if check is not None else None
 
 
 def save_sealed(path: Path, obj: Any) -> None:
@@ -120,18 +142,25 @@ def save_sealed(path: Path, obj: Any) -> None:
     atomic_write(Path(path), lambda file: write_sealed(file, obj))
 
 
-def _read_seal(file: BinaryIO) -> str | None:
+def _read_seal_record(file: BinaryIO) -> tuple[bytes, str] | None:
+    """The seal at the end of `file`: its prefix (which sealing made it) and its digest; None: no seal."""
     size = file.seek(0, os.SEEK_END)
     if size < EOCD_SIZE + SEAL_LENGTH:
         return None
     file.seek(size - EOCD_SIZE - SEAL_LENGTH)
     tail = file.read()
     record, seal = tail[:EOCD_SIZE], tail[EOCD_SIZE:]
-    if not (record.startswith(END_OF_CENTRAL_DIRECTORY) and seal.startswith(SEAL_PREFIX)):
+    prefix = seal[: len(UNKEYED_PREFIX)]
+    if not (record.startswith(END_OF_CENTRAL_DIRECTORY) and prefix in SEAL_PREFIXES):
         return None
     if struct.unpack("<H", record[-2:])[0] != SEAL_LENGTH:
         return None
-    return seal[len(SEAL_PREFIX) :].decode("ascii", errors="replace")
+    return prefix, seal[len(prefix) :].decode("ascii", errors="replace")
+
+
+def _read_seal(file: BinaryIO) -> str | None:
+    found = _read_seal_record(file)
+    return None if found is None else found[1]
 
 
 TAIL_SEARCHED = 1 << 16  # how far back from the end a zip reader looks for the end record
@@ -149,33 +178,51 @@ def _bytes_after_seal(tail: bytes) -> int:
     found = tail.rfind(END_OF_CENTRAL_DIRECTORY)
     while found >= 0:
         record = tail[found : found + EOCD_SIZE + SEAL_LENGTH]
-        if len(record) == EOCD_SIZE + SEAL_LENGTH and record[EOCD_SIZE:].startswith(SEAL_PREFIX):
+        if len(record) == EOCD_SIZE + SEAL_LENGTH and record[EOCD_SIZE:].startswith(SEAL_PREFIXES):
             return len(tail) - found - EOCD_SIZE - SEAL_LENGTH
         found = tail.rfind(END_OF_CENTRAL_DIRECTORY, 0, found)
     return 0
 
 
-def _digest(file: BinaryIO) -> str:
-    """xxh3-128 of the bytes torch.save wrote: the file without its seal, comment length as 0."""
-    digest = xxhash.xxh3_128()
-    hashed = os.fstat(file.fileno()).st_size - SEAL_LENGTH - 2
-    if hashed > 0:
-        populate = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once instead of one fault each
-        with mmap.mmap(file.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ) as mapped:
-            with memoryview(mapped) as view:
-                digest.update(view[:hashed])
+def _digest(file: BinaryIO, digest: Hasher | None = None) -> str:
+    """The seal's hash (or `digest`'s) of the bytes torch.save wrote: the file without its seal, comment
+    length as 0."""
+    digest = digest or sealing().hasher()
+    _hash_mapped(file.fileno(), os.fstat(file.fileno()).st_size - SEAL_LENGTH - 2, digest)
     digest.update(b"\x00\x00")
     return digest.hexdigest()
 
 
+def file_digest(path: Path) -> str:
+    """The seal hash (seal_hash.py) of every byte of the file at `path`, hashed from a memory map: no copy."""
+    digest = sealing().hasher()
+    with open(path, "rb") as file:
+        _hash_mapped(file.fileno(), os.fstat(file.fileno()).st_size, digest)
+    return digest.hexdigest()
+
+
+def _hash_mapped(fd: int, length: int, *digests: Hasher) -> None:
+    """Hash the first `length` bytes of the open file `fd` from a memory map, into each of `digests` in one `update`."""
+    if length <= 0:
+        return
+    populate = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once instead of one fault each
+    with mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ) as mapped:
+        with memoryview(mapped) as view, view[:length] as hashed:
+            for digest in digests:
+                digest.update(hashed)
+
+
 def _recorded_seal(path: Path, file: BinaryIO) -> str:
-    """The digest the file's seal records, or CheckpointError for an empty, damaged or unsealed file."""
-    recorded = _read_seal(file)
-    if recorded is None:
+    """The digest the file's seal records, or CheckpointError for an empty, damaged or unsealed file, or
+    one sealed otherwise than the sealing in force (keyed, or not)."""
+    found = _read_seal_record(file)
+    if found is None:
         _refuse_damaged_end(path, file)
         raise CheckpointError(
             f"{path}: no exactresume checksum at the end of the file (truncated, or not written by exactresume)"
         )
+    prefix, recorded = found
+    refuse_other_sealing(path, prefix)
     return recorded
 
 
@@ -212,18 +259,21 @@ def _cut_short(tail: bytes, file: BinaryIO) -> str | None:
 
 def _begins_a_seal(comment: bytes) -> bool:
     """Whether `comment` is the first bytes of a seal (none at all included)."""
-    prefix, digits = comment[: len(SEAL_PREFIX)], comment[len(SEAL_PREFIX) :]
-    return SEAL_PREFIX.startswith(prefix) and SEAL_DIGITS.fullmatch(digits) is not None
+    prefix, digits = comment[: len(UNKEYED_PREFIX)], comment[len(UNKEYED_PREFIX) :]
+    return any(whole.startswith(prefix) for whole in SEAL_PREFIXES) and SEAL_DIGITS.fullmatch(digits) is not None
 
 
 def _verify(path: Path, file: BinaryIO) -> None:
-    if _digest(file) != _recorded_seal(path, file):
-        raise CheckpointError(f"{path}: checksum mismatch, the file is damaged (modified or partly written)")
+    recorded = _recorded_seal(path, file)
+    if not sealing().matches(_digest(file), recorded):
+        raise mismatch(path)
 
 
 def seal_of(file: BinaryIO) -> str | None:
-    """The digest recorded at the end of an open sealed file (or a file-like object), or None."""
-    return _read_seal(file)
+    """The digest recorded at the end of an open sealed file (or a file-like object), or None: no seal,
+    or one of another sealing than the one in force (which `load_sealed` names)."""
+    found = _read_seal_record(file)
+    return found[1] if found is not None and found[0] == sealing().prefix else None
 
 
 def torch_load_is_wrapped() -> bool:
@@ -237,10 +287,15 @@ def read_seal(path: Path) -> str | None:
         return _read_seal(file)
 
 
-def verify(path: Path) -> None:
-    """Raise CheckpointError unless `path` is sealed and its bytes match the seal."""
+def verify(path: Path, written: Written | None = None) -> None:
+    """Raise CheckpointError unless `path` is sealed and its bytes match the seal. A file just written
+    with a key is held to what `write_sealed` sealed: its seal is that MAC, and its bytes hash to the
+    xxh3 of the bytes the MAC was computed over (the same proof, at xxh3's speed)."""
     with open(path, "rb") as file:
-        _verify(Path(path), file)
+        if written is None:
+            _verify(Path(path), file)
+        elif _recorded_seal(path, file) != written.seal or _digest(file, xxhash.xxh3_128()) != written.xxh3:
+            raise mismatch(path)
 
 
 def _torch_load(file: BinaryIO) -> Any:
@@ -265,7 +320,7 @@ def _load_sealed_file(path: Path, file: BinaryIO) -> Any:
 
 
 def load_sealed(path: Path, require_seal: bool = True) -> Any:
-    """Verify then load `path` with weights_only=True; unsealed files only if not `require_seal`."""
+    """Verify then load `path` with weights_only=True; unsealed files only if not `require_seal` and no key is set."""
     path = Path(path)
     try:
         if path.is_dir():
@@ -273,8 +328,8 @@ def load_sealed(path: Path, require_seal: bool = True) -> Any:
         # One open file for checking and loading: the bytes verified are the bytes loaded, even if
         # another writer replaces `path` meanwhile.
         with open(path, "rb") as file:
-            if require_seal or _read_seal(file) is not None:
-                return _load_sealed_file(path, file)
+            if require_seal or sealing().key is not None or _read_seal(file) is not None:
+                return _load_sealed_file(path, file)  # with a key, an unsealed file is refused too
             _refuse_damaged_end(path, file)  # a file without a seal at its end may still have been sealed
             return _torch_load(file)
     except OSError as error:

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import xxhash
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -48,12 +47,12 @@ from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
 from exactresume.store.formats import check_format
 from exactresume.store.layout import COMMIT
 from exactresume.store.resume import capture, check_resume_state, is_dtensor, tensors_in
-from exactresume.store.sealed import load_sealed, save_sealed
+from exactresume.store.seal_hash import sealing
+from exactresume.store.sealed import file_digest, load_sealed, save_sealed
 from exactresume.world import World
 
 SHARDED_FORMAT = "exactresume.sharded"
 SHARDED_VERSION = 1
-CHUNK = 8 << 20
 
 
 class OptimizerByName:
@@ -181,19 +180,10 @@ def save_sharded(
     world.barrier()
 
 
-def _file_digest(path: Path) -> str:
-    """xxh3-128 of a file's bytes, in hex."""
-    digest = xxhash.xxh3_128()
-    with open(path, "rb") as file:
-        while chunk := file.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_commit(staging: Path, processes: int, step: int | None = None) -> None:
     """The commit marker: the checksum of every file DCP wrote, itself sealed; written last. It also
     holds the step, so that `inspect` can say it without reading DCP's objects."""
-    files = {p.name: _file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    files = {p.name: file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
     marker = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes, "files": files}
     save_sealed(staging / COMMIT, marker | ({"step": step} if step is not None else {}))
     fsync_path(staging)
@@ -232,7 +222,7 @@ def verify_sharded(folder: Path) -> dict:
     if not isinstance(files, dict) or ".metadata" not in files:
         raise CheckpointError(f"{commit}: lists no files, or not DCP's index (.metadata)")
     for name, digest in files.items():
-        if _file_digest(plain_file(folder, name)) != digest:
+        if not sealing().matches(file_digest(plain_file(folder, name)), digest):
             raise CheckpointError(f"{folder}: {name} is damaged (checksum mismatch)")
     return marker
 

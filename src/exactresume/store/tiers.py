@@ -28,6 +28,7 @@ from exactresume.errors import FieldError, StorageError
 from exactresume.store.layout import Layout
 from exactresume.store.locations import Checkpoint
 from exactresume.store.place import Place
+from exactresume.store.seal_hash import thread_in_this_context
 
 
 class DurableCopy:
@@ -65,7 +66,7 @@ class DurableCopy:
             source = open(local.path, "rb")  # held open: the local tier's pruning may unlink the name
             target = Checkpoint(local.step, self.durable.folder / self.layout.name(local.step))
             # Not a daemon: an exiting interpreter lets a started copy finish rather than cut it off.
-            self._thread = threading.Thread(target=self._copy, args=(target, source), name=f"durable-{local.step}")
+            self._thread = thread_in_this_context(self._copy, (target, source), f"durable-{local.step}")
             self._thread.start()
         if failure is not None:
             raise failure

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from exactresume.errors import CheckpointError, MissingObject, StorageError, UserError
 from exactresume.store.locations import S3Config, S3Location
+from exactresume.store.seal_hash import sealing
+from exactresume.store.sealed import file_digest
 
 READ_PIECE = 8 << 20  # a download is written and hashed this many bytes at a time
 UPLOAD_THREADS = 4  # parts of one multipart upload in flight at once
@@ -47,19 +47,15 @@ WRONG_REGION_CODES = {"PermanentRedirect", "AuthorizationHeaderMalformed", "Ille
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """What a commit records of one object: its size and the xxh3-128 of its bytes."""
+    """What a commit records of one object: its size and the seal's hash of its bytes (seal_hash.py)."""
 
     size: int
-    xxh3: str
+    digest: str
 
 
 def file_info(path: Path) -> ObjectInfo:
-    """The size and xxh3-128 of a local file."""
-    digest = xxhash.xxh3_128()
-    with open(path, "rb") as file:
-        while piece := file.read(READ_PIECE):
-            digest.update(piece)
-    return ObjectInfo(os.path.getsize(path), digest.hexdigest())
+    """The size and seal hash of a local file."""
+    return ObjectInfo(os.path.getsize(path), file_digest(path))
 
 
 def crc32(data: bytes | memoryview) -> bytes:
@@ -154,8 +150,8 @@ class ObjectStore:
     # -- writing ---------------------------------------------------------------------------------
 
     def put_bytes(self, target: S3Location, data: bytes) -> ObjectInfo:
-        """Upload a small object in one PUT and verify what the server holds (`check_stored`); its size and xxh3."""
-        info = ObjectInfo(len(data), xxhash.xxh3_128_hexdigest(data))
+        """Upload a small object in one PUT and verify what the server holds (`check_stored`); its size and digest."""
+        info = ObjectInfo(len(data), sealing().of(data))
         checksum = b64(crc32(data))
         answer = self.call(
             "put_object", f"PUT {target}", Bucket=target.bucket, Key=target.key, Body=data, ChecksumCRC32=checksum
@@ -173,7 +169,7 @@ class ObjectStore:
             if size != info.size:
                 raise OSError(f"{target} was stored with {size} bytes, not {info.size}: the upload lost bytes")
         if reported is None:  # a server that keeps no checksum: read the object back
-            if self.digest(target) != info.xxh3:
+            if not sealing().matches(self.digest(target), info.digest):
                 raise OSError(f"{target} read back with other bytes than were uploaded")
         elif reported != expected:
             raise OSError(f"{target}: the server's checksum {reported} is not the uploaded bytes' {expected}")
@@ -209,8 +205,8 @@ class ObjectStore:
         )
 
     def digest(self, target: S3Location) -> str:
-        """The xxh3-128 of the object's bytes, read back."""
-        digest = xxhash.xxh3_128()
+        """The seal hash of the object's bytes, read back."""
+        digest = sealing().hasher()
         for chunk in self._chunks(target):
             digest.update(chunk)
         return digest.hexdigest()
@@ -233,8 +229,8 @@ class ObjectStore:
         )
 
     def download(self, source: S3Location, path: Path) -> ObjectInfo:
-        """Write the object at `source` to `path`, hashing as it is written; its size and xxh3."""
-        digest, size = xxhash.xxh3_128(), 0
+        """Write the object at `source` to `path`, hashing as it is written; its size and digest."""
+        digest, size = sealing().hasher(), 0
         with open(path, "wb") as file:
             for chunk in self._chunks(source):
                 digest.update(chunk)
@@ -249,7 +245,7 @@ class ObjectStore:
             raise CheckpointError(
                 f"{source} holds {got.size:,} bytes, its commit says {expected.size:,}: truncated or replaced"
             )
-        if got.xxh3 != expected.xxh3:
+        if not sealing().matches(got.digest, expected.digest):
             raise CheckpointError(f"{source}: checksum mismatch against its commit, the object is damaged")
 
     def list(self, prefix: S3Location) -> dict[str, int]:

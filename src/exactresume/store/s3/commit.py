@@ -42,7 +42,7 @@ def commit_state(objects: Mapping[str, ObjectInfo], header: Mapping | None = Non
     names = sorted(objects)
     header = header or {"format": COMMIT_FORMAT, "version": COMMIT_VERSION}
     return dict(header) | {
-        "files": {name: objects[name].xxh3 for name in names},
+        "files": {name: objects[name].digest for name in names},
         "bytes": {name: objects[name].size for name in names},
     }
 

@@ -19,7 +19,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -27,6 +26,7 @@ from exactresume.errors import CheckpointError, MissingObject
 from exactresume.store.dcp_index import VerifiedReader
 from exactresume.store.locations import S3Location
 from exactresume.store.s3.client import ObjectStore
+from exactresume.store.seal_hash import sealing
 
 RANGES_KEY = "ranges"
 
@@ -38,7 +38,7 @@ def item_ranges(staging: Path, metadata: Metadata, own: set[str]) -> dict[str, l
         if info.relative_path in own:
             with open(staging / info.relative_path, "rb") as file:
                 file.seek(info.offset)
-                digest = xxhash.xxh3_128_hexdigest(file.read(info.length))
+                digest = sealing().of(file.read(info.length))
             found.setdefault(info.relative_path, []).append([info.offset, info.length, digest])
     return {name: sorted(items) for name, items in found.items()}
 
@@ -76,7 +76,7 @@ class RangedObject:
                 data = self.objects.get_range(self.source, offset, length)
             except MissingObject:
                 raise CheckpointError(f"{self.source} is missing, though its commit names it") from None
-            if len(data) != length or xxhash.xxh3_128_hexdigest(data) != digest:
+            if len(data) != length or not sealing().matches(sealing().of(data), digest):
                 raise CheckpointError(f"{self.source}: bytes {offset:,}+{length:,} are damaged (checksum mismatch)")
             self.cached_at, self.cached = offset, data
         return offset, self.cached

@@ -17,12 +17,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import xxhash
-
 from exactresume.errors import CheckpointError
 from exactresume.store.locations import S3Location
 from exactresume.store.onepass import NOT_READ, load_verified
 from exactresume.store.s3.client import READ_PIECE, ObjectInfo, ObjectStore
+from exactresume.store.seal_hash import sealing
 from exactresume.store.sealed import SEAL_LENGTH, seal_of, torch_load_is_wrapped
 
 NOT_STREAMED = object()
@@ -40,7 +39,8 @@ class StreamedObject:
         if len(self.tail) != size - self.tail_start:
             raise CheckpointError(f"{source} is shorter than its commit says ({size:,} bytes): truncated or replaced")
         self.position = self.streamed = 0
-        self.digest, self.body = xxhash.xxh3_128(), None
+        self.sealing = sealing()
+        self.digest, self.body = self.sealing.hasher(), None
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self.position, os.SEEK_END: self.size}[whence]
@@ -101,7 +101,7 @@ class StreamedObject:
             pass
         if self.streamed != expected.size:
             raise CheckpointError(f"{self.source} holds {self.streamed:,} bytes, its commit says {expected.size:,}")
-        if self.digest.hexdigest() != expected.xxh3:
+        if not self.sealing.matches(self.digest.hexdigest(), expected.digest):
             raise CheckpointError(f"{self.source}: checksum mismatch against its commit, the object is damaged")
 
 

@@ -23,11 +23,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from exactresume.atomic import write_through
 from exactresume.store.locations import S3Location
 from exactresume.store.s3.client import UPLOAD_THREADS, ObjectInfo, ObjectStore, b64, crc32
+from exactresume.store.seal_hash import sealing
 from exactresume.store.sealed import seal_ending
 
 HELD_BACK = 2  # torch.save's last two bytes, the zip comment length the seal rewrites
@@ -135,7 +134,7 @@ class SealedUpload:
     def __init__(self, objects: ObjectStore, target: S3Location, before_replace: Callable[[], Any]):
         self.objects, self.target, self.before_replace = objects, target, before_replace
         self.pending, self.position = bytearray(), 0
-        self.sent_digest = xxhash.xxh3_128()  # of every byte sent so far
+        self.sent_digest = sealing().hasher()  # of every byte sent so far
         self.parts: PartsUpload | None = None  # made when the first part is full: a small object is one PUT
         self.error: Exception | None = None  # the first error `write` raised
 
