@@ -124,7 +124,7 @@ def test_stopped_on_two_nodes_resumed_on_one_node_is_bit_identical(runs, tmp_pat
 
 def test_every_rank_writes_its_shard_of_each_checkpoint_and_auto_resume_reads_it(runs, tmp_path, kjv_folder):
     """--save-every under FSDP2 writes each checkpoint sharded, every rank its own rows, nothing gathered on
-    one rank; --resume auto continues from it bit-identically on 2 processes, and resharded on 1."""
+    one rank; --resume auto continues from it bit-identically on 2 processes, and resharded on 1 and 4."""
     checkpoints = runs / "nodes" / "checkpoints"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["step-00000002.dcp", "step-00000003.dcp"]
     newest = checkpoints / "step-00000003.dcp"
@@ -136,14 +136,19 @@ def test_every_rank_writes_its_shard_of_each_checkpoint_and_auto_resume_reads_it
     assert (marker["processes"], marker["step"]) == (2, 3)
     listed = run_cli("inspect", checkpoints, check=True).stdout
     assert "2 checkpoints; a resume continues from step 3" in listed and "step-00000003.dcp  verified" in listed
-    for nproc in (2, 1):
+    for nproc in (2, 1, 4):
         out = tmp_path / f"on-{nproc}"
         shutil.copytree(checkpoints, out / "checkpoints")
         train(out, kjv_folder, "--nproc", nproc, "--shard", "fsdp", "--resume", "auto", "--samples", out / "s.csv")
     assert_weights_equal(runs / "straight2" / "final.pth", tmp_path / "on-2" / "final.pth")
     reference = read_samples(runs / "reference" / "samples.csv")
-    assert read_samples(tmp_path / "on-1" / "s.csv") == {step: reference[step] for step in range(STOP + 1, 9)}
-    assert max_abs_difference(runs / "reference" / "final.pth", tmp_path / "on-1" / "final.pth") < CROSS_N_ATOL
+    for nproc in (1, 4):
+        assert read_samples(tmp_path / f"on-{nproc}" / "s.csv") == {
+            step: reference[step] for step in range(STOP + 1, 9)
+        }
+        assert (
+            max_abs_difference(runs / "reference" / "final.pth", tmp_path / f"on-{nproc}" / "final.pth") < CROSS_N_ATOL
+        )
 
 
 @pytest.mark.parametrize(("source", "nproc"), [("nodes", 1), ("nodes", 4), ("stop1", 2)])

@@ -71,10 +71,11 @@ def test_the_kill_points_cover_every_stage_of_an_upload():
 
 
 def test_kill_9_during_uploads_then_resume_auto_is_bit_exact(tmp_path, kjv_folder, reference, s3_server, s3_prefix):
-    """22 kills at random points of a save (the write, each part's upload, the commit, retention)."""
-    out, endpoint, chooser = tmp_path / "run", s3_server.endpoint, random.Random(26)
-    for kill in range(22):
-        fault = chooser.choice(KILL_POINTS)
+    """14 kills, at each point of a save twice (the write, each part's upload, the commit, retention), in a
+    random order: every point is met both early and late in the run."""
+    out, endpoint, faults = tmp_path / "run", s3_server.endpoint, KILL_POINTS * 2
+    random.Random(26).shuffle(faults)
+    for kill, fault in enumerate(faults):
         finished = run_cli(
             *chaos_flags(out, kjv_folder, endpoint, s3_prefix), env={"OMP_NUM_THREADS": "1", FAULT_ENV: fault}
         )

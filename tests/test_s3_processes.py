@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from exactresume.core.steplog import read_samples
 from exactresume.store.faults import FAULT_ENV
 from exactresume.store.locations import S3Config, location
 from exactresume.store.s3.kinds import local_copy
 from exactresume.store.s3.lease import LEASE_NAME
 from exactresume.store.sharded import verify_sharded
-from helpers import assert_weights_equal, spawn_cli, train_cli
+from helpers import assert_weights_equal, max_abs_difference, spawn_cli, train_cli
 
 FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16"]  # a batch of 4 splits over 1 and 2 processes
 STOP = 3
@@ -90,7 +91,7 @@ def test_fsdp_checkpoints_are_sharded_on_the_store_and_a_kill_mid_upload_resumes
 ):
     """Under --shard fsdp every rank uploads its own shard of each checkpoint, rank 0 commits last: a rank
     killed in its upload leaves the previous checkpoint the newest committed, and --resume auto continues
-    from it as the straight run went."""
+    from it as the straight run went; on 1 and 4 processes, resharded, with the same samples."""
     endpoint, fsdp = s3_server.endpoint, ("--nproc", 2, "--shard", "fsdp")
     train(tmp_path / "straight", kjv_folder, endpoint, *fsdp)
     out, flags = tmp_path / "run", (*fsdp, "--checkpoints", s3_prefix, "--save-every", 2, "--resume", "auto")
@@ -105,6 +106,13 @@ def test_fsdp_checkpoints_are_sharded_on_the_store_and_a_kill_mid_upload_resumes
         return sorted(item["Key"].removeprefix(f"{key}/") for item in listed if item["Key"].endswith("/commit.pth"))
 
     assert commits() == ["step-00000002.dcp/commit.pth"]
+    straight = read_samples(tmp_path / "straight" / "samples.csv")
+    for nproc in (1, 4):  # the committed checkpoint resharded: each rank fetches the ranges of its rows
+        other = tmp_path / f"on-{nproc}"
+        resharded = ("--nproc", nproc, "--shard", "fsdp", "--resume", f"{s3_prefix}/step-00000002.dcp")
+        train(other, kjv_folder, endpoint, *resharded)
+        assert read_samples(other / "samples.csv") == {step: straight[step] for step in range(3, 9)}
+        assert max_abs_difference(tmp_path / "straight" / "final.pth", other / "final.pth") < CROSS_N_ATOL
     train(out, kjv_folder, endpoint, *flags)
     assert_weights_equal(tmp_path / "straight" / "final.pth", out / "final.pth")
     assert commits() == [f"step-0000000{step}.dcp/commit.pth" for step in (4, 6, 8)]  # keep 3

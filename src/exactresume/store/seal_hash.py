@@ -39,6 +39,7 @@ from exactresume.errors import CheckpointError, FieldError, UserError
 KEY_VARIABLE = "EXACTRESUME_KEY"
 SHORTEST_KEY = 16  # bytes: a key a person could guess is no key
 DIGITS = 32  # hex digits of a seal, keyed or not (128 bits)
+UNKEYED_PREFIX, KEYED_PREFIX = b"exactresume-xxh3-128:", b"exactresume-hmac-128:"
 MAKE_A_KEY = "python -c 'import secrets; print(secrets.token_hex(32))' makes one"
 
 
@@ -116,13 +117,9 @@ class Sealing:
     key: bytes | None = field(default=None, repr=False)
 
     @property
-    def name(self) -> str:
-        return "hmac-128" if self.key is not None else "xxh3-128"
-
-    @property
     def prefix(self) -> bytes:
         """What begins a sealed file's seal: both kinds are 21 bytes, so a seal's length is fixed."""
-        return f"exactresume-{self.name}:".encode()
+        return KEYED_PREFIX if self.key is not None else UNKEYED_PREFIX
 
     def hasher(self) -> Hasher:
         return xxhash.xxh3_128() if self.key is None else _PieceMac(self.key)
@@ -140,7 +137,6 @@ class Sealing:
 
 
 UNKEYED = Sealing()
-KEYED_PREFIX, UNKEYED_PREFIX = Sealing(b"k" * SHORTEST_KEY).prefix, UNKEYED.prefix
 _given: contextvars.ContextVar[Sealing | None] = contextvars.ContextVar("exactresume_sealing", default=None)
 
 
