@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from .measure import ratio
+
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 1.0
 
@@ -97,13 +99,6 @@ def worker(preset: str, folder: Path, reps: int, out: Path) -> None:
         out.write_text(json.dumps(times))
 
 
-def _ratio(candidate: list[float], baseline: list[float]) -> dict:
-    import statistics
-
-    rounds = [c / b for c, b in zip(candidate, baseline)]
-    return {"ratio": statistics.median(rounds), "round_min": min(rounds), "round_max": max(rounds)}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="FSDP2 saves on 2 processes: ours, DCP's, one gathered file.")
     parser.add_argument("--preset", default="minimind-26m")
@@ -123,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     times = json.loads(times_file.read_text())
     saves = args.out / "saves"
     sizes = {name: sum(path.stat().st_size for path in (saves / name).rglob("*") if path.is_file()) for name in times}
-    dcp = _ratio(times["sharded"], times["dcp"])
+    dcp = ratio(times["sharded"], times["dcp"])
     figures = {
         "preset": args.preset,
         "processes": 2,
         "median_s": {name: sorted(values)[len(values) // 2] for name, values in times.items()},
         "bytes": sizes,
         "sharded_over_dcp": dcp | {"goal": f"<= {GOAL}", "met": dcp["ratio"] <= GOAL},
-        "sharded_over_gathered": _ratio(times["sharded"], times["gathered"]),
+        "sharded_over_gathered": ratio(times["sharded"], times["gathered"]),
     }
     shutil.rmtree(args.out / "saves", ignore_errors=True)
     (args.out / "sharded.json").write_text(json.dumps(figures, indent=2) + "\n")

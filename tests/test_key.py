@@ -15,7 +15,16 @@ import pytest
 import torch
 import xxhash
 
-from exactresume import CheckpointError, CheckpointStore, StorageError, UserError, load_resume, save_resume
+from exactresume import (
+    CheckpointError,
+    CheckpointStore,
+    StorageError,
+    UserError,
+    load_resume,
+    open_resume,
+    read_resume,
+    save_resume,
+)
 from exactresume.integrations.seal import opened, sealed
 from exactresume.store import disk
 from exactresume.store.layout import checkpoint_name
@@ -167,7 +176,7 @@ def test_keyed_stores_on_an_object_store_one_file_streamed_and_sharded(moto_s3, 
 def test_a_key_too_short_or_not_a_string_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="key is 6 bytes long: a key is at least 16"):
         CheckpointStore(tmp_path, key="secret")
-    with pytest.raises(UserError, match="key must be a str or bytes, got a int"):
+    with pytest.raises(UserError, match="key must be a str or bytes, got int"):
         save_resume(tmp_path / "a.pth", parts(), key=1234)
     monkeypatch.setenv(KEY_VARIABLE, "short")
     with pytest.raises(UserError, match="EXACTRESUME_KEY is 5 bytes long"):
@@ -189,6 +198,10 @@ def test_the_trainer_with_a_key_resumes_bit_identical_and_refuses_what_another_k
         refused = train_cli(run, "--data", kjv_folder, *FLAGS, "--resume", "auto", env=env)
         assert_one_line_error(refused, needle)
         assert newest.read_bytes() == kept  # nothing written over, nothing set aside
+    log = (run / "log.csv").read_bytes()
+    started_over = train_cli(run, "--data", kjv_folder, *FLAGS, env={KEY_VARIABLE: OTHER_KEY})  # no --resume
+    assert_one_line_error(started_over, f"holds {checkpoint_name(2)}, which this store cannot verify", "another key")
+    assert newest.read_bytes() == kept and (run / "log.csv").read_bytes() == log  # refused before a row is cut
     train_cli(run, "--data", kjv_folder, *FLAGS, "--resume", "auto", check=True, env=key)
     with keyed(Sealing(KEY.encode())):
         assert_weights_equal(straight / "final.pth", run / "final.pth")
@@ -199,6 +212,10 @@ def test_the_trainer_with_a_key_resumes_bit_identical_and_refuses_what_another_k
     refused = train_cli(plain, "--data", kjv_folder, *FLAGS, "--resume", "auto", env=key)
     assert_one_line_error(refused, "sealed without a key, while a key is set")
     assert {path.name: path.read_bytes() for path in (plain / "checkpoints").iterdir()} == before
+    log = (plain / "log.csv").read_bytes()
+    started_over = train_cli(plain, "--data", kjv_folder, *FLAGS)  # no key, no --resume: not the run's to write over
+    assert_one_line_error(started_over, f"already holds {checkpoint_name(2)}, a checkpoint this store has not loaded")
+    assert (plain / "log.csv").read_bytes() == log
     shutil.rmtree(plain)
 
 
@@ -207,7 +224,8 @@ def test_inspect_says_which_seal_it_verified_and_refuses_a_keyed_file_without_th
     assert_one_line_error(call_cli("inspect", path), "sealed with a key, and no key is set")
     monkeypatch.setenv(KEY_VARIABLE, KEY)
     shown = call_cli("inspect", path)
-    assert shown.returncode == 0 and "HMAC-SHA-256 with the key recorded in the file, bytes match" in shown.stdout
+    assert shown.returncode == 0
+    assert "a keyed seal (HMAC-SHA-256) recorded in the file, bytes match it with the key set" in shown.stdout
 
 
 def test_a_state_kept_inside_a_frameworks_checkpoint_is_keyed_too():
@@ -247,3 +265,28 @@ def test_a_keyed_checkpoint_damaged_before_its_read_back_is_removed(tmp_path, mo
     with pytest.raises(StorageError, match="read back damaged"):
         CheckpointStore(tmp_path, key=KEY).save(2, parts())
     assert sorted(path.name for path in tmp_path.glob("step-*")) == [checkpoint_name(1)]
+
+
+def test_a_keyed_store_never_prunes_or_saves_beside_checkpoints_it_cannot_verify(tmp_path):
+    """Checkpoints of another sealing (here none) may be sound: a store that did not load them keeps them."""
+    with CheckpointStore(tmp_path, keep=2) as store:
+        for step in (1, 2, 3, 4):
+            store.save(step, parts(step))
+    theirs = {path.name: path.read_bytes() for path in tmp_path.glob("step-*")}  # steps 3 and 4
+    with CheckpointStore(tmp_path, keep=2, key=KEY) as store:
+        for step in (5, 6, 7):
+            store.save(step, parts(step))
+    assert {path.name: path.read_bytes() for path in tmp_path.glob("step-*") if path.name in theirs} == theirs
+    assert sorted(path.name for path in tmp_path.glob("step-*")) == [checkpoint_name(n) for n in (3, 4, 6, 7)]
+    with pytest.raises(CheckpointError, match=f"holds {checkpoint_name(3)}, which this store cannot verify"):
+        CheckpointStore(tmp_path, key=OTHER_KEY).save(1, parts())
+
+
+def test_the_reading_calls_take_a_key_and_an_empty_key_is_named_as_such(tmp_path, monkeypatch):
+    path = save_resume(tmp_path / "resume.pth", parts(), step=3, key=KEY)
+    assert read_resume(path, key=KEY)["checkpoint_step"] == 3
+    assert open_resume(path, key=KEY).step == 3
+    with pytest.raises(CheckpointError, match="sealed with a key, and no key is set"):
+        open_resume(path)
+    monkeypatch.setenv(KEY_VARIABLE, "")
+    assert_one_line_error(call_cli("inspect", path), "EXACTRESUME_KEY is 0 bytes long: a key is at least 16")

@@ -134,15 +134,17 @@ def _save_sharded(
         raise StorageError.replacing(target, error) from error
 
 
-def read_resume(path: Location | str, needs: Collection[str] = ()) -> dict:
-    """The verified state of a resume file or `s3://` object (checksum first, then weights_only=True),
-    restored nowhere; CheckpointError when it is not a complete resume state holding `needs`."""
+def read_resume(path: Location | str, needs: Collection[str] = (), key: str | bytes | None = None) -> dict:
+    """The verified state of a resume file or `s3://` object (checksum first, then weights_only=True; with
+    `key`, or `EXACTRESUME_KEY`, its MAC), restored nowhere; CheckpointError when it is not a complete
+    resume state holding `needs`."""
     target = location(path)
-    if isinstance(target, S3Location):
-        from exactresume.store.s3.kinds import read_s3_resume
+    with keyed(sealing_for(key)):
+        if isinstance(target, S3Location):
+            from exactresume.store.s3.kinds import read_s3_resume
 
-        return read_s3_resume(target, needs)
-    return read_resume_file(target, needs)
+            return read_s3_resume(target, needs)
+        return read_resume_file(target, needs)
 
 
 def load_resume(
@@ -162,8 +164,7 @@ def load_resume(
     check_parts(parts)  # a mistake in the call first
     parts = per_rank(parts, given_world(world, World.from_env()))
     identity = check_identity(identity)
-    with keyed(sealing_for(key)):
-        state = read_resume(path)
+    state = read_resume(path, key=key)
     refuse_another_run(state, identity, path)
     for name in restore(state, parts, skip, fresh, source=path):
         notice(started_fresh(path, name))
@@ -217,8 +218,10 @@ def open_resume(
     needs: Collection[str] = (),
     notify: Callable[[str], None] = notice,
     destination: Destination | None = None,
+    key: str | bytes | None = None,
 ) -> Resumed | None:
-    """Verify and read `source`: a resume file, a sharded folder, a checkpoint folder, or AUTO.
+    """Verify and read `source`: a resume file, a sharded folder, a checkpoint folder, or AUTO (with `key`,
+    or `EXACTRESUME_KEY`, only what that key sealed).
 
     A checkpoint folder gives its newest checkpoint that verifies (the damaged ones skipped on the way
     are passed to `notify`); one that lacks a part in `needs` is refused, not passed over. AUTO reads
@@ -227,6 +230,17 @@ def open_resume(
     Anything else that is not a complete resume state raises a one-line CheckpointError.
     `destination` tells a sharded folder's reader where this rank's shards go (parallel/fsdp.py).
     """
+    with keyed(sealing_for(key)):
+        return _open_resume(source, checkpoints, needs, notify, destination)
+
+
+def _open_resume(
+    source: Location | str,
+    checkpoints: Location | str | None,
+    needs: Collection[str],
+    notify: Callable[[str], None],
+    destination: Destination | None,
+) -> Resumed | None:
     if source == AUTO:
         if checkpoints is None:
             raise FieldError("open_resume('auto') needs the run's checkpoint folder: checkpoints=FOLDER", "checkpoints")

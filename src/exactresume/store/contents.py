@@ -316,7 +316,7 @@ def format_inspection(info: dict) -> str:
     unsealed_resume = info["kind"] == "resume" and info["checksum"] == "absent"
     checksum = UNSEALED_RESUME_TEXT if unsealed_resume else CHECKSUM_TEXT[info["checksum"]]
     if info["checksum"] == "verified" and sealing().key is not None:
-        checksum = "HMAC-SHA-256 with the key recorded in the file, bytes match"
+        checksum = "a keyed seal (HMAC-SHA-256) recorded in the file, bytes match it with the key set"
     lines = [f"{info['path']}: {info['description']}", f"  checksum   {checksum}"]
     if info.get("commit"):
         lines.append(f"  commit     {info['commit']}: {COMMIT_TEXT[info['commit']].format(**info)}")

@@ -33,6 +33,7 @@ from exactresume.store.layout import UNREADABLE_SUFFIX, Layout, check_checkpoint
 from exactresume.store.locations import Checkpoint
 from exactresume.store.lock import FolderLock
 from exactresume.store.resume import tensors_in
+from exactresume.store.seal_hash import SealError
 from exactresume.store.sealed import Written, load_sealed, verify, write_sealed
 from exactresume.world import World
 
@@ -173,7 +174,8 @@ class DiskFolder:
         return load_sealed(checkpoint.path)
 
     def verifies(self, checkpoint: Checkpoint, layout: Layout) -> bool:
-        """Whether the checkpoint's bytes match their checksums (nothing is unpickled)."""
+        """Whether the checkpoint's bytes match their checksums (nothing is unpickled); SealError for one
+        sealed otherwise than the sealing in force (seal_hash.py), whose bytes may be sound."""
         try:
             if layout.sharded:
                 from exactresume.store.sharded import verify_sharded
@@ -181,6 +183,8 @@ class DiskFolder:
                 verify_sharded(checkpoint.path)
             else:
                 verify(checkpoint.path)
+        except SealError:
+            raise
         except (CheckpointError, OSError):
             return False
         return True

@@ -95,7 +95,12 @@ def list_tiers(durable: Location, local: Path, summarize) -> dict:
         if checkpoint["status"] == "verified"
     ]
     newest = max(candidates, default=None)
-    resume = f"a resume continues from step {newest[0]} ({newest[2]})" if newest else "none verifies: a fresh start"
+    if newest is not None:
+        resume = f"a resume continues from step {newest[0]} ({newest[2]})"
+    elif any(tier["checkpoints"] for tier in tiers.values()):  # as the run's resume refuses them
+        resume = "none verifies: a resume is refused"
+    else:
+        resume = "no checkpoint: a fresh start"
     checksum = "verified" if all(tier["checksum"] == "verified" for tier in tiers.values()) else "mismatch"
     description = f"two tiers; {resume}"
     return {"path": str(durable), "kind": "tiers", "description": description, "checksum": checksum} | tiers

@@ -60,10 +60,11 @@ from exactresume.store.refusals import (
     damaged_saves,
     misfit_saves,
     none_loadable,
+    sealed_otherwise_saves,
 )
 from exactresume.store.resume import capture, check_parts, check_step, for_one_file, per_rank, restore, started_fresh
 from exactresume.store.save_gate import SaveGate
-from exactresume.store.seal_hash import keyed, sealing, sealing_for
+from exactresume.store.seal_hash import SealError, keyed, sealing, sealing_for
 from exactresume.store.tiers import DurableCopy
 from exactresume.world import World, given_world, launched_by_torchrun
 
@@ -125,6 +126,9 @@ class CheckpointStore:
         self.identity, self.gate = check_identity(identity), SaveGate()
         self.world, self.writer = _saving_world(background, copy, world, sharded), None
         self.coalesced = 0  # saves skipped by `coalesce` because the one before was still being written
+        # checkpoints found to verify, and to be sealed otherwise (SealError), by path: each read once
+        self.sound: frozenset[Location] = frozenset()
+        self.sealed_otherwise: dict[Location, str] = {}
         self.held_skips: list[Skipped] | None = None  # what `load_newest` passed over, not said yet
         if background and self.world.is_main:
             self.writer = BackgroundWriter(self, copy or BEFORE_RETURN)
@@ -182,7 +186,24 @@ class CheckpointStore:
     @_sealed_with_its_key
     def verifies(self, checkpoint: Checkpoint) -> bool:
         """Whether the checkpoint's bytes match their checksums (nothing is unpickled)."""
-        return self._place_of(checkpoint).verifies(checkpoint, self.layout)
+        try:
+            return self._place_of(checkpoint).verifies(checkpoint, self.layout)
+        except SealError:
+            return False
+
+    def _may_be_sound(self, checkpoint: Checkpoint) -> bool:
+        """Whether the checkpoint verifies, or is sealed otherwise than this store seals (another key, or
+        none: seal_hash.SealError), when it may be sound work a store must not prune or save beside."""
+        if checkpoint.path in self.sound:
+            return True
+        try:
+            verified = self._place_of(checkpoint).verifies(checkpoint, self.layout)
+        except SealError as error:
+            self.sealed_otherwise[checkpoint.path] = str(error)
+            return True
+        if verified:
+            self.sound = self.sound | {checkpoint.path}
+        return verified
 
     def _place_of(self, checkpoint: Checkpoint) -> Place:
         return next(place for place in self.places if checkpoint.path.parent == place.folder)
@@ -288,12 +309,22 @@ class CheckpointStore:
     def check_save(self, step: Any) -> int:
         """The step to save at, or a one-line error when this store must not save (save_gate.py)."""
         step = check_step(step)
-        self.gate.check(step, self.folder, self.checkpoints(), self.verifies)
+        try:
+            self.gate.check(step, self.folder, self.checkpoints(), self._may_be_sound)
+        except CheckpointError:
+            barred = self.gate.bar.checkpoint.path if self.gate.bar is not None else None
+            if barred in self.sealed_otherwise:  # not damage: the key differs, and the line says so
+                self.gate.refuse(
+                    self.gate.bar.checkpoint, sealed_otherwise_saves(barred, self.sealed_otherwise[barred])
+                )
+                raise CheckpointError(self.gate.bar.line) from None
+            raise
         return step
 
     def reached(self, step: int) -> None:
         """A save at `step` is durable."""
         self.gate.saved(step, self.path_for(step))
+        self.sound = self.sound | {self.path_for(step)}
 
     def continue_from(self, step: int) -> None:
         """The run this store writes was resumed at `step` from elsewhere: its checkpoints up to there are its own."""
@@ -324,11 +355,17 @@ class CheckpointStore:
         older = self.gate.prunable(place.checkpoints(self.layout), step)[: -self.keep]
         if place is not self.places[-1]:  # a local tier another run may share: only this run's go
             older = [checkpoint for checkpoint in older if self._saved_by_this_run(checkpoint)]
+        older = [checkpoint for checkpoint in older if not self._of_another_sealing(checkpoint)]
         try:
             self.faults.reached("retention")
             place.delete(older, self.layout)
         except OSError as error:
             self.notify(f"warning: could not delete old checkpoints in {place.folder}: {error.strerror or error}")
+
+    def _of_another_sealing(self, checkpoint: Checkpoint) -> bool:
+        """Whether `checkpoint` is sealed otherwise than this store seals: kept, as sound work of another key."""
+        self._may_be_sound(checkpoint)  # read once (a checkpoint this store wrote is known)
+        return checkpoint.path in self.sealed_otherwise
 
     def _saved_by_this_run(self, checkpoint: Checkpoint) -> bool:
         """Whether a local tier's checkpoint holds this store's identity (any, without one), read without

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from exactresume.errors import CheckpointError
 from exactresume.store.locations import Checkpoint, Location
+from exactresume.store.seal_hash import SealError
 
 NAMED = 3  # checkpoints a refusal names before "and N more"
 
@@ -68,7 +69,21 @@ def none_loadable(folder: Location, passed: list[Skipped]) -> CheckpointError:
         more = f" and {len(names) - NAMED} more" if len(names) > NAMED else ""
         listed = ", ".join(names[:NAMED]) + more
         what = f"none of the {len(names)} checkpoints in {folder} can be loaded ({listed}; the newest: {reason})"
+    them = "it" if len(names) == 1 else "them"
+    if all(isinstance(skipped.error, SealError) for skipped in passed):  # sound bytes, maybe: the key differs
+        written = "it was" if len(names) == 1 else "they were"
+        return CheckpointError(f"{what}; nothing was loaded: set the key {written} written with")
     return CheckpointError(
-        f"{what}; nothing was loaded, rather than start fresh over {'it' if len(names) == 1 else 'them'}: to start "
+        f"{what}; nothing was loaded, rather than start fresh over {them}: to start "
         "fresh on purpose, move the checkpoints out of the folder (or delete them), or use another folder"
+    )
+
+
+def sealed_otherwise_saves(path: Location, reason: str) -> str:
+    """The line every save says beside a checkpoint sealed otherwise than the store seals (another key, or
+    none): it may be sound, and a save here would continue beside it, or prune it."""
+    reason = reason.removeprefix(f"{path}: ")
+    return (
+        f"{path.parent} holds {path.name}, which this store cannot verify ({reason}); nothing was saved: "
+        "resume it with the key it was written with, or save into another folder"
     )

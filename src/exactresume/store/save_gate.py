@@ -96,5 +96,5 @@ def _not_loaded(folder: Location, ahead: Checkpoint) -> str:
     """The line for a checkpoint ahead, naming the folder that holds it (a store of two tiers has two)."""
     return (
         f"{ahead.path.parent} already holds {ahead.path.name}, a checkpoint this store has not loaded: load "
-        "the folder first (store.load(parts)), or save into another folder"
+        "the folder first (store.load(parts); exactresume train: --resume auto), or save into another folder"
     )

@@ -137,6 +137,14 @@ class Sealing:
 
 
 UNKEYED = Sealing()
+
+
+class SealError(CheckpointError):
+    """A file sealed otherwise than the sealing in force: keyed while no key is set, unkeyed while one is,
+    or keyed with a key that does not match (another key's, or modified). Its bytes may be sound: a store
+    never prunes or sets it aside, and does not save beside it unloaded."""
+
+
 _given: contextvars.ContextVar[Sealing | None] = contextvars.ContextVar("exactresume_sealing", default=None)
 
 
@@ -164,7 +172,7 @@ def sealing_for(key: str | bytes | None) -> Sealing | None:
     if key is None:
         return None
     if not isinstance(key, (str, bytes)):
-        raise FieldError(f"key must be a str or bytes, got a {type(key).__name__}", "key")
+        raise FieldError(f"key must be a str or bytes, got {type(key).__name__}", "key")
     raw = key.encode() if isinstance(key, str) else bytes(key)
     if len(raw) < SHORTEST_KEY:
         raise FieldError(f"key is {len(raw)} bytes long: a key is at least {SHORTEST_KEY} ({MAKE_A_KEY})", "key")
@@ -196,18 +204,18 @@ def refuse_other_sealing(where: object, recorded_prefix: bytes) -> None:
     if recorded_prefix == sealing().prefix:
         return
     if recorded_prefix == KEYED_PREFIX:
-        raise CheckpointError(
-            f"{where}: sealed with a key, and no key is set: set {KEY_VARIABLE} (or key=) "
+        raise SealError(
+            f"{where}: sealed with a key, and no key is set: set {KEY_VARIABLE} (in a loop, key=) "
             f"to the key it was written with to verify it"
         )
-    raise CheckpointError(
-        f"{where}: sealed without a key, while a key is set: refused, as a file anyone could have "
-        f"rewritten (read it with no key set to accept it unkeyed)"
+    raise SealError(
+        f"{where}: sealed without a key, while a key is set: refused, as anyone who can write the file "
+        f"could have rewritten it and its checksum"
     )
 
 
 def mismatch(where: object) -> CheckpointError:
     """The line for a file whose bytes do not hash to its seal: with a key, another key's file reads so too."""
     if sealing().key is not None:
-        return CheckpointError(f"{where}: its keyed seal does not match: written with another key, or modified since")
+        return SealError(f"{where}: its keyed seal does not match: written with another key, or modified since")
     return CheckpointError(f"{where}: checksum mismatch, the file is damaged (modified or partly written)")

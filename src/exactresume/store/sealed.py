@@ -35,7 +35,7 @@ import torch.utils.serialization.config as serialization_config
 import xxhash
 
 from exactresume.atomic import atomic_write
-from exactresume.errors import CheckpointError
+from exactresume.errors import CheckpointError, UserError
 from exactresume.store.onepass import NOT_READ, load_verified
 from exactresume.store.seal_hash import KEYED_PREFIX, UNKEYED_PREFIX, Hasher, mismatch, refuse_other_sealing, sealing
 from exactresume.store.torch_refusal import torch_refusal
@@ -334,7 +334,7 @@ def load_sealed(path: Path, require_seal: bool = True) -> Any:
             return _torch_load(file)
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error.strerror or error}") from None
-    except CheckpointError:
+    except UserError:  # a damaged file, or a key that cannot be (EXACTRESUME_KEY too short)
         raise
     except Exception as error:  # the unpickler's many refusals: bad zip, forbidden global, ...
         raise CheckpointError(f"{path}: not a loadable torch file ({torch_refusal(error)})") from None

@@ -76,6 +76,7 @@ class JobRun:
                     self._remove_leftovers(store)
                 self.world.barrier()  # no rank reads the store while rank 0 clears it
                 self.run_state = self.prepare(self.job.skip_parts)
+                self._check_saves_may_run(store)
                 self.divergence = self._divergence_log()
                 with RunLogs(self.job.log_file, self.job.samples, self.run_state.step.value, self.world) as self.logs:
                     outcome = self._train(store)
@@ -165,6 +166,15 @@ class JobRun:
         if world.is_main and change:
             print(change)
 
+    def _check_saves_may_run(self, store: CheckpointStore) -> None:
+        """The run's checkpoints up to the step it starts at are its own; a checkpoint past it that its saves
+        would refuse to write beside (another run's, or one sealed with another key) is refused now, before
+        a log row is written, not at the first save."""
+        start = self.run_state.step.value
+        store.continue_from(start)
+        if self.job.save_every is not None:
+            store.check_save(start + 1)
+
     def _divergence_log(self) -> DivergenceLog | None:
         if self.job.divergence is None or not self.world.is_main:  # rank 0 steps the twin
             return None
@@ -178,7 +188,6 @@ class JobRun:
             self._note_allowed_changes(start)
         until = self._target(start)
         resumed_auto = job.resume == AUTO_RESUME and start
-        store.continue_from(start)  # the checkpoints up to the step it resumed at are this run's own
         self.store, self.saved_step = store, start if resumed_auto else None
         self.progress.begin(start)
         try:

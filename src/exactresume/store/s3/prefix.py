@@ -32,6 +32,7 @@ from exactresume.store.s3.client import ObjectStore
 from exactresume.store.s3.commit import COMMIT_SUFFIX
 from exactresume.store.s3.files import load_committed, publish_file, publish_sealed
 from exactresume.store.s3.lease import S3Lease
+from exactresume.store.seal_hash import SealError
 from exactresume.world import World
 
 if TYPE_CHECKING:
@@ -151,9 +152,12 @@ class S3Prefix:
         return load_committed(self.objects, checkpoint.path, self.sizes.get(checkpoint.path.name, 0))
 
     def verifies(self, checkpoint: Checkpoint, layout: Layout) -> bool:
-        """Whether the committed checkpoint reads back as its commit says."""
+        """Whether the committed checkpoint reads back as its commit says; SealError for one sealed otherwise
+        than the sealing in force (seal_hash.py), whose bytes may be sound."""
         try:
             self.read(checkpoint, layout)
+        except SealError:
+            raise
         except CheckpointError:
             return False
         return True
