@@ -155,10 +155,12 @@ def save_sharded(
     identity: dict | None = None,
     stage: Callable[[str], None] = lambda name: None,
 ) -> None:
-    """Every rank writes its shard (saved at `step`, by the run `identity` names) into FOLDER.tmp/; rank 0
-    commits it, puts it at `folder` and reads it back verified. `stage(name)` is called at each stage, a
-    fault-injection point (store/faults.py): "write" on every rank, then on rank 0 "fsync" (every shard
-    is durable, the commit not yet written), "rename", "folder-fsync" and "verify"."""
+    """Every rank writes its shard (saved at `step`, by the run `identity` names) into FOLDER.tmp/ and
+    hashes the files it wrote; rank 0 commits their checksums, puts the folder at `folder`, and every
+    rank reads its own files back verified (the ranks hash at once, on their own cores). `stage(name)`
+    is called at each stage, a fault-injection point (store/faults.py): "write" on every rank, then on
+    rank 0 "fsync" (every shard is durable, the commit not yet written), "rename", "folder-fsync" and
+    "verify"."""
     staging = tmp_path(folder)
     state = capture(sharded_parts(parts), step, identity)
     if world.is_main:
@@ -169,21 +171,41 @@ def save_sharded(
     with quiet_single_process(), first_failure():
         # sync_files: each shard and the metadata are fsynced before DCP returns.
         dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=True), no_dist=world.size == 1)
+    own = {path.name: file_digest(path) for path in _own_files(staging, world)}
+    files = {name: digest for hashed in world.gather(own) for name, digest in hashed.items()}
     if world.is_main:  # dcp.save returns on rank 0 only after every rank's shard and the metadata are written
         stage("fsync")
-        write_commit(staging, world.size, step)
+        write_commit(staging, world.size, step, files)
         stage("rename")
         replace_folder(staging, folder)
         stage("folder-fsync")
         stage("verify")
-        verify_sharded(folder)
+    world.barrier()  # the folder is in place: each rank reads back what it hashed
+    damaged = [name for name, digest in own.items() if not sealing().matches(file_digest(folder / name), digest)]
+    damaged = [name for names in world.gather(damaged) for name in names]
+    if world.is_main:
+        check_format(folder / COMMIT, load_sealed(folder / COMMIT), SHARDED_FORMAT, SHARDED_VERSION, "a commit marker")
+        if damaged:
+            raise CheckpointError(f"{folder}: {damaged[0]} is damaged (checksum mismatch)")
     world.barrier()
 
 
-def write_commit(staging: Path, processes: int, step: int | None = None) -> None:
-    """The commit marker: the checksum of every file DCP wrote, itself sealed; written last. It also
-    holds the step, so that `inspect` can say it without reading DCP's objects."""
-    files = {p.name: file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
+def _own_files(staging: Path, world: World) -> list[Path]:
+    """The files of a DCP folder this rank wrote (`__RANK_N.distcp`); rank 0 also hashes the rest (the index)."""
+    owners = {path: _writer_of(path.name, world.size) for path in sorted(staging.iterdir()) if path.is_file()}
+    return [path for path, owner in owners.items() if owner == world.rank]
+
+
+def _writer_of(name: str, processes: int) -> int:
+    found = re.match(r"__(\d+)_\d+\.distcp$", name)
+    return int(found.group(1)) if found and int(found.group(1)) < processes else 0
+
+
+def write_commit(staging: Path, processes: int, step: int | None = None, files: dict[str, str] | None = None) -> None:
+    """The commit marker: the checksum of every file DCP wrote (`files`, by default hashed here), itself
+    sealed; written last. It also holds the step, so that `inspect` can say it without reading DCP's objects."""
+    if files is None:
+        files = {p.name: file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
     marker = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes, "files": files}
     save_sealed(staging / COMMIT, marker | ({"step": step} if step is not None else {}))
     fsync_path(staging)
