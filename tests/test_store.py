@@ -423,3 +423,22 @@ def test_a_read_only_folder_is_read_and_each_refusal_gives_the_advice_that_fits(
         f"intact; {tmp_path} is not writable, so no checkpoint can be saved there: give the store a writable folder"
     )
     assert names(tmp_path) == [checkpoint_name(1)]
+
+
+def test_a_store_that_never_loaded_keeps_the_older_checkpoints_it_did_not_write(tmp_path):
+    """A loop that forgot to load and saves past an earlier run's checkpoints continues beside them, and its
+    retention prunes only what it wrote: the earlier run's are never lost to the mistake."""
+    parts = make_parts()
+    with quiet_store(tmp_path, keep=2) as earlier:
+        for step in (1, 2, 3):
+            earlier.save(step, parts)
+    theirs = {name: (tmp_path / name).read_bytes() for name in names(tmp_path)}  # steps 2 and 3
+    with quiet_store(tmp_path, keep=2) as forgot_to_load:
+        for step in (4, 5, 6):
+            forgot_to_load.save(step, parts)
+    assert names(tmp_path) == [checkpoint_name(n) for n in (2, 3, 5, 6)]
+    assert {name: (tmp_path / name).read_bytes() for name in theirs} == theirs
+    with quiet_store(tmp_path, keep=2) as resumed:  # a store that loads takes the whole folder as its run's
+        assert resumed.load(make_parts(1)) == 6
+        resumed.save(7, parts)
+    assert names(tmp_path) == [checkpoint_name(n) for n in (6, 7)]

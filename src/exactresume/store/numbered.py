@@ -91,7 +91,8 @@ class CheckpointStore:
     every checkpoint of the folder is damaged) is never written over or deleted by this store: every
     `save` refuses until a `load` succeeds (with `skip=` / `fresh=` / `any_identity=`) or the file is
     moved away. Nor does a save at a step that a verified checkpoint of the folder has reached, unless
-    this store loaded or wrote it: a loop that forgot to load cannot write over its own run.
+    this store loaded or wrote it: a loop that forgot to load cannot write over its own run, and one that
+    saves past it prunes nothing older than its own first save.
     """
 
     def __init__(
@@ -552,7 +553,7 @@ class CheckpointStore:
         ours = [skipped for skipped in held if not skipped.foreign]
         if found is None and ours:
             self.gate.refuse(ours[0].checkpoint, damaged_saves(self.folder))
-            raise none_loadable(self.folder, ours)
+            raise none_loadable(" and ".join(str(place.folder) for place in self.places), ours)
         for skipped in held:
             self.notify(skipped.line())
         return self._agreed(found)

@@ -57,10 +57,11 @@ def damaged_saves(folder: Location) -> str:
     )
 
 
-def none_loadable(folder: Location, passed: list[Skipped]) -> CheckpointError:
-    """The one line for a folder none of whose checkpoints loads (`passed`, newest first): a run started
-    fresh there would train, and save, over them."""
-    names = [skipped.checkpoint.path.name for skipped in passed]
+def none_loadable(folder: Location | str, passed: list[Skipped]) -> CheckpointError:
+    """The one line for a folder (or a store's two tiers) none of whose checkpoints loads (`passed`, newest
+    first): a run started fresh there would train, and save, over them."""
+    tiers = len({skipped.checkpoint.path.parent for skipped in passed}) > 1  # the same name in both: say whose
+    names = [_name(skipped.checkpoint.path, tiers) for skipped in passed]
     newest = passed[0]
     reason = str(newest.error).removeprefix(f"{newest.checkpoint.path}: ")  # the line names the folder once
     if len(names) == 1:
@@ -87,3 +88,7 @@ def sealed_otherwise_saves(path: Location, reason: str) -> str:
         f"{path.parent} holds {path.name}, which this store cannot verify ({reason}); nothing was saved: "
         "resume it with the key it was written with, or save into another folder"
     )
+
+
+def _name(path: Location, with_folder: bool) -> str:
+    return f"{path.parent.name}/{path.name}" if with_folder else path.name

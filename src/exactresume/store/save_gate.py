@@ -36,6 +36,9 @@ class Bar:
 @dataclass
 class SaveGate:
     ours_up_to: int | None = None
+    # The first step a store that never loaded saved: the older checkpoints of its folder are not its run's
+    # (a loop that forgot to load), so retention keeps them. None: the run's history is the store's to prune.
+    saved_from: int | None = None
     bar: Bar | None = None
     passed_over: frozenset[Location] = field(default_factory=frozenset)
     superseded: frozenset[Location] = field(default_factory=frozenset)
@@ -50,6 +53,8 @@ class SaveGate:
         if ahead is not None:
             self.bar = Bar(ahead, _not_loaded(folder, ahead))
             raise CheckpointError(self.bar.line)
+        if self.ours_up_to is None and self.saved_from is None:  # the first save of a store that never loaded
+            self.saved_from = step
 
     def _ahead(
         self, step: int, checkpoints: list[Checkpoint], verifies: Callable[[Checkpoint], bool]
@@ -71,11 +76,11 @@ class SaveGate:
 
     def loaded(self, step: int) -> None:
         """A load of the checkpoint at `step` succeeded: the run is this store's up to there, nothing bars it."""
-        self.ours_up_to, self.bar = step, None
+        self.ours_up_to, self.bar, self.saved_from = step, None, None
 
     def resumed_at(self, step: int) -> None:
         """The run this store writes was resumed at `step` from elsewhere: its checkpoints up to there are its own."""
-        self.ours_up_to = step
+        self.ours_up_to, self.saved_from = step, None
 
     def refuse(self, checkpoint: Checkpoint, line: str) -> None:
         """Every save says `line` while `checkpoint` is in the folder."""
@@ -88,8 +93,10 @@ class SaveGate:
         self.superseded = self.superseded | {path}
 
     def prunable(self, checkpoints: list[Checkpoint], step: int) -> list[Checkpoint]:
-        """The checkpoints up to `step` that retention may count and delete (oldest first)."""
-        return [c for c in checkpoints if c.step <= step and c.path not in self.passed_over]
+        """The checkpoints up to `step` that retention may count and delete (oldest first): none older than
+        the first save of a store that never loaded."""
+        first = self.saved_from if self.saved_from is not None else -1
+        return [c for c in checkpoints if first <= c.step <= step and c.path not in self.passed_over]
 
 
 def _not_loaded(folder: Location, ahead: Checkpoint) -> str:
