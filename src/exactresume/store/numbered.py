@@ -313,13 +313,12 @@ class CheckpointStore:
         try:
             self.gate.check(step, self.folder, self.checkpoints(), self._may_be_sound)
         except CheckpointError:
-            barred = self.gate.bar.checkpoint.path if self.gate.bar is not None else None
-            if barred in self.sealed_otherwise:  # not damage: the key differs, and the line says so
-                self.gate.refuse(
-                    self.gate.bar.checkpoint, sealed_otherwise_saves(barred, self.sealed_otherwise[barred])
-                )
-                raise CheckpointError(self.gate.bar.line) from None
-            raise
+            barred = self.gate.bar.checkpoint
+            if barred.path not in self.sealed_otherwise:
+                raise
+            # not damage nor another run: the key differs, and the line says so
+            self.gate.refuse(barred, sealed_otherwise_saves(barred.path, self.sealed_otherwise[barred.path]))
+            raise CheckpointError(self.gate.bar.line) from None
         return step
 
     def reached(self, step: int) -> None:
