@@ -184,7 +184,7 @@ def save_sharded(
     damaged = [name for name, digest in own.items() if not sealing().matches(file_digest(folder / name), digest)]
     damaged = [name for names in world.gather(damaged) for name in names]
     if world.is_main:
-        check_format(folder / COMMIT, load_sealed(folder / COMMIT), SHARDED_FORMAT, SHARDED_VERSION, "a commit marker")
+        _commit_marker(folder / COMMIT)
         if damaged:
             raise CheckpointError(f"{folder}: {damaged[0]} is damaged (checksum mismatch)")
     world.barrier()
@@ -239,7 +239,7 @@ def verify_sharded(folder: Path) -> dict:
             raise CheckpointError(f"{folder} is a folder, not a resume file or a sharded checkpoint")
         raise CheckpointError(f"{folder}: no commit marker ({COMMIT}): its save did not finish, so it is not trusted")
     plain_file(folder, COMMIT)
-    marker = check_format(commit, load_sealed(commit), SHARDED_FORMAT, SHARDED_VERSION, "an exactresume commit marker")
+    marker = _commit_marker(commit)
     files = marker.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
         raise CheckpointError(f"{commit}: lists no files, or not DCP's index (.metadata)")
@@ -247,6 +247,11 @@ def verify_sharded(folder: Path) -> dict:
         if not sealing().matches(file_digest(plain_file(folder, name)), digest):
             raise CheckpointError(f"{folder}: {name} is damaged (checksum mismatch)")
     return marker
+
+
+def _commit_marker(commit: Path) -> dict:
+    """The commit marker at `commit`, verified and of this format: what a save reads back and a load trusts."""
+    return check_format(commit, load_sealed(commit), SHARDED_FORMAT, SHARDED_VERSION, "an exactresume commit marker")
 
 
 # (the saved item's path in the nested state, its shape) -> the tensor to read it into, or None: whole.
