@@ -24,7 +24,7 @@ so a kill at any moment leaves either no new checkpoint or a complete one, and o
 only after the new one is durable and reads back verified. A model sharded over the ranks (FSDP2) is
 saved as it is sharded and loaded back into however it is sharded then.
 
-`load` walks from the newest checkpoint down, skips (and names) any that is damaged, and never starts
+`load` walks from the newest checkpoint down (newest.py), skips (and names) any that is damaged, and never starts
 a run fresh over checkpoints it could not load: a folder whose every checkpoint is damaged is refused,
 naming them. A checkpoint that `load` found but could not load is never written over or deleted by
 this store (save_gate.py). One writer per location: the first save, or a load that cleans up, takes
@@ -49,17 +49,15 @@ from exactresume.store.background import BEFORE_RETURN, BackgroundWriter
 from exactresume.store.disk import DiskFolder
 from exactresume.store.faults import FaultPoints
 from exactresume.store.identity import check_identity, refuse_another_run
-from exactresume.store.layout import ONE_FILE, SHARDED, check_checkpoint
+from exactresume.store.layout import ONE_FILE, SHARDED
 from exactresume.store.locations import Checkpoint, Location, S3Config, S3Location, is_s3, location
 from exactresume.store.lock import FolderLock
+from exactresume.store.newest import NewestSearch, listed, place_of
 from exactresume.store.place import Place
 from exactresume.store.refusals import (
     ANOTHER_RUN_WAY_OUT,
-    Skipped,
     another_run_saves,
-    damaged_saves,
     misfit_saves,
-    none_loadable,
     sealed_otherwise_saves,
 )
 from exactresume.store.resume import capture, check_parts, check_step, for_one_file, per_rank, restore, started_fresh
@@ -130,7 +128,6 @@ class CheckpointStore:
         # checkpoints found to verify, and to be sealed otherwise (SealError), by path: each read once
         self.sound: frozenset[Location] = frozenset()
         self.sealed_otherwise: dict[Location, str] = {}
-        self.held_skips: list[Skipped] | None = None  # what `load_newest` passed over, not said yet
         if background and self.world.is_main:
             self.writer = BackgroundWriter(self, copy or BEFORE_RETURN)
 
@@ -169,12 +166,7 @@ class CheckpointStore:
     def checkpoints(self) -> list[Checkpoint]:
         """The checkpoints of the store, oldest step first (names only; nothing is read); with a local tier,
         both tiers', a step in both listed durable first (a load tries the newest, and the local one first)."""
-        return self._listed(self.places)
-
-    def _listed(self, places: list[Place]) -> list[Checkpoint]:
-        tiers = enumerate(reversed(places))
-        listed = [(c.step, tier, c) for tier, place in tiers for c in place.checkpoints(self.layout)]
-        return [checkpoint for _, _, checkpoint in sorted(listed, key=lambda entry: entry[:2])]
+        return listed(self.places, self.layout)
 
     def leftovers(self) -> list[Location]:
         """What saves that a crash interrupted left: `.tmp` files and folders, or uncommitted objects."""
@@ -207,7 +199,7 @@ class CheckpointStore:
         return verified
 
     def _place_of(self, checkpoint: Checkpoint) -> Place:
-        return next(place for place in self.places if checkpoint.path.parent == place.folder)
+        return place_of(self.places, checkpoint)
 
     @_sealed_with_its_key
     def remove_leftovers(self) -> list[Location]:
@@ -494,68 +486,17 @@ class CheckpointStore:
     def load_newest(self, places: list[Place] | None = None) -> tuple[Checkpoint, dict] | None:
         """The newest checkpoint that verifies (of `places`: by default every tier's), with its state; each
         one passed over is named to `notify`. A local tier's checkpoint must also be this run's (its identity)."""
-        for checkpoint in reversed(self._listed(places or self.places)):
-            place = self._place_of(checkpoint)
-            try:
-                state = place.read(checkpoint, self.layout)
-            except CheckpointError as error:  # its bytes do not verify
-                self._skipped(checkpoint, error, damaged=True)
-                continue
-            if place is not self.places[-1] and not self._holds_this_run(checkpoint, state):
-                continue  # a local tier, which another run may have used: its checkpoint is not this run's
-            try:
-                return checkpoint, check_checkpoint(checkpoint, state)
-            except CheckpointError as error:  # sound bytes, but not a checkpoint this release reads
-                self._skipped(checkpoint, error, damaged=False)
-        return None
-
-    def _holds_this_run(self, checkpoint: Checkpoint, state: dict) -> bool:
-        """Whether a local tier's checkpoint is this store's run by its identity; one that is not is passed
-        over, named, and a load finding no other starts fresh rather than refuse (it is not this run's work)."""
-        try:
-            refuse_another_run(state, self.identity, checkpoint.path)
-        except CheckpointError:
-            why = CheckpointError(f"{checkpoint.path}: another run's, by its identity (a local tier it also used)")
-            self._skipped(checkpoint, why, damaged=False, foreign=True)
-            return False
-        return True
-
-    def _agreed(self, found: tuple[Checkpoint, dict] | None) -> tuple[Checkpoint, dict] | None:
-        """Under many processes with a local tier (one a node): the checkpoint of the step every rank found,
-        else, for every rank, the durable tier's newest."""
-        if self.durable is None or self.world.size == 1:
-            return found
-        steps = self.world.gather(None if found is None else found[0].step)
-        if len(set(steps)) == 1:
-            return found
-        if self.world.is_main:
-            self.notify(
-                f"the ranks' local tiers hold different steps ({steps}): resuming from {self.places[-1].folder}"
-            )
-        durable = self.load_newest(self.places[-1:])
-        chosen = durable[0].step if durable is not None else -1
-        for checkpoint in self.place.checkpoints(self.layout):  # this run's own: its saves write over them
-            if checkpoint.step > chosen:
-                self.gate.supersede(checkpoint.path)
-        return durable
+        return self._search().newest(places)
 
     @_sealed_with_its_key
     def newest_loadable(self) -> tuple[Checkpoint, dict] | None:
         """`load_newest`, but a folder whose every checkpoint it passes over is refused (CheckpointError
         naming them), not taken for an empty one: None only when there is no checkpoint at all. Each
-        checkpoint passed over on the way to an older one is named to `notify`."""
-        self.held_skips = []
-        try:
-            found = self.load_newest()
-        finally:
-            held, self.held_skips = self.held_skips, None
-        ours = [skipped for skipped in held if not skipped.foreign]
-        if found is None and ours:
-            self.gate.refuse(ours[0].checkpoint, damaged_saves(self.folder))
-            raise none_loadable(" and ".join(str(place.folder) for place in self.places), ours)
-        for skipped in held:
-            self.notify(skipped.line())
-        return self._agreed(found)
+        checkpoint passed over on the way to an older one is named to `notify` (newest.py)."""
+        return self._search().newest_loadable()
+
+    def _search(self) -> NewestSearch:
+        return NewestSearch(self.places, self.layout, self.identity, self.gate, self.world, self.notify)
 
     def _check_run(self, checkpoint: Checkpoint, state: dict) -> None:
         """CheckpointError when `checkpoint` is not this store's run by its identity; saves refuse then."""
@@ -564,16 +505,6 @@ class CheckpointStore:
         except CheckpointError:
             self.gate.refuse(checkpoint, another_run_saves(checkpoint))
             raise
-
-    def _skipped(self, checkpoint: Checkpoint, error: CheckpointError, damaged: bool, foreign: bool = False) -> None:
-        """Say that `checkpoint` was passed over on the way to an older one, and why; keep it from retention.
-        Inside `newest_loadable` it is said only once an older one is found."""
-        self.gate.pass_over(checkpoint.path)
-        skipped = Skipped(checkpoint, error, damaged, foreign)
-        if self.held_skips is not None:
-            self.held_skips.append(skipped)
-        else:
-            self.notify(skipped.line())
 
 
 def store_reading(folder: Location, notify: Callable[[str], None]) -> CheckpointStore:
