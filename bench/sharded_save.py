@@ -81,22 +81,27 @@ def _trials(model, optimizer, world, folder: Path) -> dict:
 
 
 def worker(preset: str, folder: Path, reps: int, out: Path) -> None:
-    model, optimizer, world = _build(preset)
-    (trials, target), times = _trials(model, optimizer, world, folder), {}
-    names = list(trials)
-    for round_number in range(reps + 1):
-        shift = round_number % len(names)
-        for name in names[shift:] + names[:shift]:
-            if world.is_main:  # the last round's files go first, untimed: deleting 300 MB takes a tenth of a second
-                shutil.rmtree(target[name], ignore_errors=True)
-            world.barrier()
-            started = time.perf_counter()
-            trials[name]()
-            world.barrier()
-            if round_number:
-                times.setdefault(name, []).append(time.perf_counter() - started)
-    if world.is_main:
-        out.write_text(json.dumps(times))
+    from exactresume.parallel.replicas import process_group
+    from exactresume.world import World
+
+    # gloo, as the trainer joins it: left to itself, FSDP2's device mesh takes nccl alone where CUDA is present
+    with process_group(World.from_env()):
+        model, optimizer, world = _build(preset)
+        (trials, target), times = _trials(model, optimizer, world, folder), {}
+        names = list(trials)
+        for round_number in range(reps + 1):
+            shift = round_number % len(names)
+            for name in names[shift:] + names[:shift]:
+                if world.is_main:  # the last round's files go first, untimed: deleting 300 MB takes a tenth of a second
+                    shutil.rmtree(target[name], ignore_errors=True)
+                world.barrier()
+                started = time.perf_counter()
+                trials[name]()
+                world.barrier()
+                if round_number:
+                    times.setdefault(name, []).append(time.perf_counter() - started)
+        if world.is_main:
+            out.write_text(json.dumps(times))
 
 
 def main(argv: list[str] | None = None) -> int:
