@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import shutil
 import struct
 from pathlib import Path
@@ -226,6 +227,29 @@ def test_inspect_says_which_seal_it_verified_and_refuses_a_keyed_file_without_th
     shown = call_cli("inspect", path)
     assert shown.returncode == 0
     assert "a keyed seal (HMAC-SHA-256) recorded in the file, bytes match it with the key set" in shown.stdout
+
+
+def test_inspect_of_a_folder_tells_checkpoints_it_cannot_verify_from_damaged_ones(tmp_path, monkeypatch):
+    with CheckpointStore(tmp_path, keep=None, key=KEY) as store:
+        for step in (1, 2):
+            store.save(step, parts())
+    first = tmp_path / checkpoint_name(1)
+    data = bytearray(first.read_bytes())
+    data[100] ^= 1  # damaged: with a key, a seal that does not match reads as another key's would
+    first.write_bytes(bytes(data))
+    for key, said in [(None, "sealed with a key, none set"), (OTHER_KEY, "not verified by the key set")]:
+        if key:
+            monkeypatch.setenv(KEY_VARIABLE, key)
+        listed = json.loads(call_cli("inspect", tmp_path, "--json").stdout)
+        assert [c["status"] for c in listed["checkpoints"]] == ["not verified", "not verified"], listed
+        assert f"2 checkpoints, 2 {said}; none verifies" in listed["description"]
+    monkeypatch.setenv(KEY_VARIABLE, KEY)
+    listed = json.loads(call_cli("inspect", tmp_path, "--json").stdout)
+    assert [c["status"] for c in listed["checkpoints"]] == ["not verified", "verified"], listed
+    assert "2 checkpoints, 1 not verified by the key set; a resume continues from step 2" in listed["description"]
+    monkeypatch.delenv(KEY_VARIABLE)
+    shown = call_cli("inspect", tmp_path).stdout  # without a key, the damaged one cannot be told from the other
+    assert "2 checkpoints, 2 sealed with a key, none set" in shown and "damaged" not in shown
 
 
 def test_a_state_kept_inside_a_frameworks_checkpoint_is_keyed_too():

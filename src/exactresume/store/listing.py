@@ -16,6 +16,10 @@ from exactresume.store.layout import UNREADABLE_SUFFIX
 from exactresume.store.locations import Checkpoint, Location, S3Location
 from exactresume.store.numbered import CheckpointStore, store_reading
 from exactresume.store.resume import RESERVED_NAMES, check_resume_state
+from exactresume.store.seal_hash import SealError, sealing
+
+# A checkpoint the key in force (or its absence) cannot verify, though its bytes may be sound (seal_hash.SealError)
+SEALED_OTHERWISE = "not verified"
 
 
 def _size(path: Location) -> int | None:
@@ -34,7 +38,8 @@ def _checkpoint(store: CheckpointStore, checkpoint: Checkpoint, summarize) -> di
     try:
         state = check_resume_state(path, store.place.read(checkpoint, store.layout))
     except CheckpointError as error:
-        return {"step": step, "path": str(path), "status": "damaged", "problem": str(error), "parts": {}}
+        status = SEALED_OTHERWISE if isinstance(error, SealError) else "damaged"
+        return {"step": step, "path": str(path), "status": status, "problem": str(error), "parts": {}}
     parts = {name: summarize(value) for name, value in state.items() if name not in RESERVED_NAMES}
     found = state.get("checkpoint_step")
     status = "verified" if found == step else "damaged"
@@ -77,10 +82,13 @@ def _set_aside(store: CheckpointStore, folder: Location) -> list[Path]:
 
 def _description(checkpoints: list[dict], valid: list[int], set_aside: list[Path]) -> str:
     count = f"{len(checkpoints)} checkpoint" + ("s" if len(checkpoints) != 1 else "")
-    damaged = len(checkpoints) - len(valid)
+    damaged = sum(c["status"] == "damaged" for c in checkpoints)
+    sealed = sum(c["status"] == SEALED_OTHERWISE for c in checkpoints)
     newest = f"a resume continues from step {valid[-1]}" if valid else "none verifies: a resume is refused"
-    aside = f", {len(set_aside)} set aside as damaged" if set_aside else ""
-    return f"checkpoint folder: {count}" + (f", {damaged} damaged" if damaged else "") + aside + f"; {newest}"
+    unverified = "not verified by the key set" if sealing().key is not None else "sealed with a key, none set"
+    problems = [f"{damaged} damaged"] * bool(damaged) + [f"{sealed} {unverified}"] * bool(sealed)
+    aside = [f"{len(set_aside)} set aside as damaged"] * bool(set_aside)
+    return f"checkpoint folder: {', '.join([count, *problems, *aside])}; {newest}"
 
 
 def list_tiers(durable: Location, local: Path, summarize) -> dict:
@@ -133,7 +141,7 @@ def format_listing(info: dict[str, Any]) -> str:
     for checkpoint in info["checkpoints"]:
         name = Path(checkpoint["path"]).name
         if checkpoint["status"] != "verified":
-            lines.append(f"  {name}  damaged: {checkpoint['problem']}")
+            lines.append(f"  {name}  {checkpoint['status']}: {checkpoint['problem']}")
             continue
         parts = ", ".join(f"{part} {summary['bytes']:,} B" for part, summary in checkpoint["parts"].items())
         lines.append(f"  {name}  verified, {checkpoint['file_bytes']:,} bytes: {parts}")
