@@ -26,6 +26,7 @@ from exactresume.store.faults import FAULT_ENV, STAGES
 from helpers import (
     assert_one_line_error,
     assert_weights_equal,
+    call_cli,
     descendants,
     free_port,
     max_abs_difference,
@@ -189,7 +190,7 @@ def test_what_fsdp_does_not_combine_with_is_refused(tmp_path, kjv_folder):
 
 @pytest.mark.parametrize("command", ["lab", "ablate"])
 def test_the_lab_and_the_ablation_refuse_fsdp(tmp_path, kjv_folder, command):
-    finished = run_cli(command, "--out", tmp_path / "out", "--data", kjv_folder, "--shard", "fsdp")
+    finished = call_cli(command, "--out", tmp_path / "out", "--data", kjv_folder, "--shard", "fsdp")
     assert_one_line_error(finished, "without --shard fsdp")
     assert not (tmp_path / "out").exists()
 
