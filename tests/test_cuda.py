@@ -104,3 +104,36 @@ def test_a_loop_of_ones_own_on_cuda_resumes_bit_identically_and_only_with_its_rn
     )
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
     assert not all(torch.equal(straight[name], without_rng[name]) for name in straight), "the CUDA RNG went unused"
+
+
+def python(code: str) -> None:
+    finished = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+
+
+def test_a_process_that_never_started_cuda_saves_no_cuda_rng_and_does_not_start_it():
+    python(
+        """
+        import torch
+        from exactresume import GlobalRng
+        torch.manual_seed(0)
+        assert GlobalRng().state_dict()["cuda"] == [] and not torch.cuda.is_initialized()
+        """
+    )
+
+
+def test_the_saved_states_of_more_gpus_than_a_process_sees_restore_the_ones_it_sees():
+    python(
+        """
+        import torch
+        from exactresume import GlobalRng
+        torch.cuda.manual_seed(1)
+        torch.zeros(1, device="cuda")  # CUDA started: its states are saved
+        state = GlobalRng().state_dict()
+        assert len(state["cuda"]) == torch.cuda.device_count() > 0
+        state["cuda"] = state["cuda"] + [state["cuda"][0].clone()]  # one GPU more than this process sees
+        drawn = torch.rand(4, device="cuda")
+        GlobalRng().load_state_dict(state)
+        assert torch.equal(torch.rand(4, device="cuda"), drawn)
+        """
+    )

@@ -60,7 +60,7 @@ class GlobalRng:
         version, internal, gauss_next = random.getstate()
         state = {
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda": _cuda_states(),
         }
         np = _numpy_or_none()
         if np is not None:
@@ -78,8 +78,7 @@ class GlobalRng:
 
     def load_state_dict(self, state: dict) -> None:
         torch.set_rng_state(state["torch"])
-        if state["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        _restore_cuda(state["cuda"])
         np = _numpy_or_none() if "numpy" in state else None
         if np is not None:
             numpy_state = state["numpy"]
@@ -94,6 +93,20 @@ class GlobalRng:
             )
         python_state = state["python"]
         random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss_next"]))
+
+
+def _cuda_states() -> list[torch.Tensor]:
+    """Each GPU's RNG state, where this process has started CUDA. One that has not cannot have drawn from
+    it (a seed given before is applied when CUDA starts), and reading the states would start CUDA on every
+    GPU: memory on each for a run on the CPU, from each of its processes."""
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+
+
+def _restore_cuda(states: list[torch.Tensor]) -> None:
+    """The saved states of the GPUs this process sees: a GPU it does not see draws nothing here."""
+    if states and torch.cuda.is_available():
+        for device, state in enumerate(states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
 
 
 def _numpy_or_none():
