@@ -266,11 +266,14 @@ def test_the_keyed_mac_is_the_same_however_its_bytes_arrive():
     data = bytes(range(256)) * (100_000)  # 25.6 MB: three whole pieces and a part
     sealing = Sealing(KEY.encode())
     for cuts in ([], [1], [8 << 20], [5, (8 << 20) + 3, 20_000_000], list(range(0, len(data), 3_000_001))):
-        hasher = sealing.hasher()
-        for start, end in zip([0, *cuts], [*cuts, len(data)]):
-            hasher.update(data[start:end])
-            twin = hasher.copy()  # a copy goes on alone (an upload seals a copy of what it has sent)
-        assert twin.hexdigest() == hasher.hexdigest() == piece_mac(KEY, data), cuts
+        for kept in (False, True, "alternately"):  # update_kept: bytes that stay, hashed on the pool (a load)
+            hasher = sealing.hasher()
+            for number, (start, end) in enumerate(zip([0, *cuts], [*cuts, len(data)])):
+                chunk = memoryview(data)[start:end]
+                add = hasher.update_kept if kept is True or (kept and number % 2) else hasher.update
+                add(chunk)
+                twin = hasher.copy()  # a copy goes on alone (an upload seals a copy of what it has sent)
+            assert twin.hexdigest() == hasher.hexdigest() == piece_mac(KEY, data), (cuts, kept)
     assert sealing.of(b"") == piece_mac(KEY, b"")
 
 

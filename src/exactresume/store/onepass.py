@@ -95,14 +95,15 @@ class _HashingReader:
 
     def __init__(self, path: Path, file: BinaryIO):
         self.path, self.file, self.digest, self.position = path, file, sealing().hasher(), 0
-        self.whole_storages = sealing().key is not None  # a keyed MAC hashes a storage's pieces on every core
+        # a keyed MAC hashes the bytes read, which stay as they are, on the other cores while the next are read
+        self.hash = self.digest.update_kept if sealing().key is not None else self.digest.update
         file.seek(0)
 
     def read(self, count: int) -> bytes:
         data = self.file.read(count)
         if len(data) != count:
             raise CheckpointError(f"{self.path}: the file ends early (it shrank while being read)")
-        self.digest.update(data)
+        self.hash(data)
         self.position += count
         return data
 
@@ -118,10 +119,7 @@ class _HashingReader:
                 if not read:
                     raise CheckpointError(f"{self.path}: the file ends early (it shrank while being read)")
                 done += read
-            if not self.whole_storages:
-                self.digest.update(piece)
-        if self.whole_storages:
-            self.digest.update(view)
+            self.hash(piece)
         self.position += count
         return tensor
 

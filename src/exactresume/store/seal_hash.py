@@ -28,7 +28,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,15 +67,43 @@ def _sha256(view: memoryview) -> bytes:
     return hashlib.sha256(view).digest()  # OpenSSL's, which lets go of the GIL: the pieces hash at once
 
 
+def _finish_piece(piece: hashlib._Hash, views: list[memoryview]) -> bytes:
+    for view in views:
+        piece.update(view)
+    return piece.digest()
+
+
 class _PieceMac:
     """HMAC-SHA-256(key, TREE_TAG, length, SHA-256 of each PIECE of the bytes), in hex cut to 128 bits,
     the length of the xxh3 seal it stands for. The whole pieces of one `update` are hashed in parallel;
-    it returns once they are, so the caller's buffer is free again."""
+    it returns once they are, so the caller's buffer is free again. `update_kept` takes bytes that stay
+    as they are until `hexdigest`: each piece is hashed on the pool once filled, while the caller goes on."""
 
     def __init__(self, key: bytes):
-        self.key, self.leaves, self.piece, self.filled, self.length = key, [], hashlib.sha256(), 0, 0
+        self.key, self.piece, self.filled, self.length = key, hashlib.sha256(), 0, 0
+        self.leaves: list[bytes | Future[bytes]] = []
+        self.kept: list[memoryview] = []  # the open piece's bytes given to update_kept, not hashed yet
+
+    def update_kept(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        self.length += len(view)
+        while len(view):
+            taken = view[: PIECE - self.filled]
+            self.kept.append(taken)
+            self.filled += len(taken)
+            view = view[len(taken) :]
+            if self.filled == PIECE:
+                self.leaves.append(_hashing_pool().submit(_finish_piece, self.piece, self.kept))
+                self.piece, self.kept, self.filled = hashlib.sha256(), [], 0
+
+    def _hash_kept(self) -> None:
+        """Hash the open piece's kept bytes here, before bytes that will not stay follow them."""
+        for view in self.kept:
+            self.piece.update(view)
+        self.kept = []
 
     def update(self, data: bytes | memoryview) -> None:
+        self._hash_kept()
         with memoryview(data) as given, given.cast("B") as view:
             self.length += len(view)
             start = self._fill(view) if self.filled else 0
@@ -95,11 +123,15 @@ class _PieceMac:
         return taken
 
     def hexdigest(self) -> str:
-        leaves = self.leaves + ([self.piece.digest()] if self.filled else [])
+        self._hash_kept()
+        leaves = [leaf.result() if isinstance(leaf, Future) else leaf for leaf in self.leaves]
+        leaves += [self.piece.digest()] if self.filled else []
         message = TREE_TAG + struct.pack("<Q", self.length) + b"".join(leaves)
         return hmac.new(self.key, message, hashlib.sha256).hexdigest()[:DIGITS]
 
     def copy(self) -> _PieceMac:
+        self._hash_kept()
+        self.leaves = [leaf.result() if isinstance(leaf, Future) else leaf for leaf in self.leaves]
         twin = _PieceMac(self.key)
         twin.leaves, twin.piece, twin.filled, twin.length = (
             list(self.leaves),
