@@ -41,6 +41,9 @@ class StreamedObject:
         self.position = self.streamed = 0
         self.sealing = sealing()
         self.digest, self.body = self.sealing.hasher(), None
+        # keyed, the bytes read are hashed on the other cores while more arrive: a buffer given to
+        # readinto must stay as it is until `finish` (a tensor's memory does; `read` gives each its own)
+        self.hash = self.digest.update_kept if self.sealing.key is not None else self.digest.update
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self.position, os.SEEK_END: self.size}[whence]
@@ -75,7 +78,7 @@ class StreamedObject:
             arrived = self._arrive(view[done:count])
             if not arrived:
                 break
-            self.digest.update(view[done : done + arrived])
+            self.hash(view[done : done + arrived])
             done += arrived
         self.position += done
         self.streamed += done
