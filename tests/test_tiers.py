@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -153,6 +154,23 @@ def test_a_durable_tier_that_refuses_a_copy_is_one_line_and_the_local_tier_goes_
     store.close()
     assert tried == [3, 6] and names(tmp_path / "local") == [checkpoint_name(4), checkpoint_name(6)]
     assert names(tmp_path / "durable") == []
+
+
+def test_a_durable_tier_that_cannot_be_written_is_the_folder_the_line_names(tmp_path, small_disk):
+    with CheckpointStore(small_disk / "durable") as store:
+        store.save(1, loop())
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    try:
+        store = CheckpointStore(small_disk / "durable", local=tmp_path / "local", durable_every=100)
+        with pytest.raises(StorageError) as told:  # its first save locks both tiers, at a step not due durable
+            store.save(2, loop())
+        store.close()
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    durable = small_disk / "durable"
+    assert str(told.value).startswith(f"could not write the checkpoint at step 2 in {durable}: Read-only file system")
+    line = str(told.value)
+    assert f"{durable / checkpoint_name(1)} is intact" in line and str(tmp_path / "local") not in line
 
 
 def test_a_durable_tier_on_an_object_store(tmp_path, moto_s3):

@@ -326,7 +326,7 @@ class CheckpointStore:
         """The one line for a save that the storage refused (in `place`: by default the tier saves land in):
         what failed, why, and what is intact (where the folder can still be listed), or that no save can
         succeed there; its cause is `error`."""
-        place = place or self.place
+        place = place or self._place_named_by(error)
         try:
             existing = self.checkpoints()
             after = f"; {existing[-1].path} is intact" if existing else "; no earlier checkpoint exists"
@@ -337,6 +337,14 @@ class CheckpointStore:
         refused = StorageError.from_os_error(f"the checkpoint at step {step} in {place.folder}", error, after)
         refused.__cause__ = error
         return refused
+
+    def _place_named_by(self, error: OSError) -> Place:
+        """The tier whose folder holds the file `error` names (the durable one's lock, say); else the landing one."""
+        named = Path(os.fsdecode(error.filename)) if isinstance(error.filename, (str, bytes, os.PathLike)) else None
+        for place in self.places:
+            if named is not None and isinstance(place.folder, Path) and named.is_relative_to(place.folder):
+                return place
+        return self.place
 
     def _retain(self, step: int, place: Place | None = None) -> None:
         """Delete all but the newest `keep` checkpoints up to `step` of `place` (the tier saves land in);
