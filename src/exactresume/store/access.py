@@ -289,7 +289,7 @@ def _newest_in(folder: Location, needs: Collection[str], notify, required: bool)
     if found is None and required:
         what = "uncommitted object(s)" if is_s3(folder) else ".tmp leftover(s)"
         details = [f"only {len(store.leftovers())} {what} of interrupted saves"] if store.leftovers() else []
-        details += skipped[:1] + ([f"and {len(skipped) - 1} more damaged"] if len(skipped) > 1 else [])
+        details += skipped[:1] + ([f"and {len(skipped) - 1} more passed over"] if len(skipped) > 1 else [])
         raise CheckpointError("; ".join([f"{folder} holds no complete checkpoint", *details]))
     for message in skipped:
         notify(message)

@@ -66,12 +66,18 @@ def list_checkpoints(folder: Location, summarize) -> dict:
         "path": str(folder),
         "kind": "store",
         "description": _description(checkpoints, valid, set_aside),
-        "checksum": "verified" if len(valid) == len(checkpoints) else "mismatch",
+        "checksum": _checksum(checkpoints),
         "newest_valid_step": valid[-1] if valid else None,
         "leftovers": [str(path) for path in store.leftovers()],
         "set_aside": [str(path) for path in set_aside],
         "checkpoints": checkpoints,
     }
+
+
+def _checksum(checkpoints: list[dict]) -> str:
+    """verified: every checkpoint; mismatch: one is damaged; else not verified (by the key in force, or none)."""
+    statuses = {checkpoint["status"] for checkpoint in checkpoints}
+    return "mismatch" if "damaged" in statuses else SEALED_OTHERWISE if SEALED_OTHERWISE in statuses else "verified"
 
 
 def _set_aside(store: CheckpointStore, folder: Location) -> list[Path]:
@@ -109,7 +115,7 @@ def list_tiers(durable: Location, local: Path, summarize) -> dict:
         resume = "none verifies: a resume is refused"
     else:
         resume = "no checkpoint: a fresh start"
-    checksum = "verified" if all(tier["checksum"] == "verified" for tier in tiers.values()) else "mismatch"
+    checksum = _checksum([checkpoint for tier in tiers.values() for checkpoint in tier["checkpoints"]])
     description = f"two tiers; {resume}"
     return {"path": str(durable), "kind": "tiers", "description": description, "checksum": checksum} | tiers
 

@@ -19,6 +19,7 @@ from exactresume.store.locations import Checkpoint
 from exactresume.store.place import Place
 from exactresume.store.refusals import Skipped, damaged_saves, none_loadable
 from exactresume.store.save_gate import SaveGate
+from exactresume.store.seal_hash import SealError
 from exactresume.world import World
 
 Found = tuple[Checkpoint, dict] | None
@@ -72,8 +73,8 @@ class NewestSearch:
             place = place_of(self.places, checkpoint)
             try:
                 state = place.read(checkpoint, self.layout)
-            except CheckpointError as error:  # its bytes do not verify
-                self._skipped(checkpoint, error, damaged=True)
+            except CheckpointError as error:  # its bytes do not verify (or not with the key in force: maybe sound)
+                self._skipped(checkpoint, error, damaged=not isinstance(error, SealError))
                 continue
             if place is not self.places[-1] and not self._holds_this_run(checkpoint, state):
                 continue  # a local tier, which another run may have used: its checkpoint is not this run's

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from exactresume.errors import CheckpointError
 from exactresume.store.locations import Checkpoint, Location
-from exactresume.store.seal_hash import SealError
+from exactresume.store.seal_hash import SealError, sealing
 
 NAMED = 3  # checkpoints a refusal names before "and N more"
 
@@ -73,7 +73,8 @@ def none_loadable(folder: Location | str, passed: list[Skipped]) -> CheckpointEr
     them = "it" if len(names) == 1 else "them"
     if all(isinstance(skipped.error, SealError) for skipped in passed):  # sound bytes, maybe: the key differs
         written = "it was" if len(names) == 1 else "they were"
-        return CheckpointError(f"{what}; nothing was loaded: set the key {written} written with")
+        unkeyed = " (unset it where sealed without a key)" if sealing().key is not None else ""
+        return CheckpointError(f"{what}; nothing was loaded: set the key {written} written with{unkeyed}")
     return CheckpointError(
         f"{what}; nothing was loaded, rather than start fresh over {them}: to start "
         "fresh on purpose, move the checkpoints out of the folder (or delete them), or use another folder"
@@ -86,7 +87,7 @@ def sealed_otherwise_saves(path: Location, reason: str) -> str:
     reason = reason.removeprefix(f"{path}: ")
     return (
         f"{path.parent} holds {path.name}, which this store cannot verify ({reason}); nothing was saved: "
-        "resume it with the key it was written with, or save into another folder"
+        "resume it with the key it was written with (none where sealed without one), or save into another folder"
     )
 
 
