@@ -61,7 +61,7 @@ def test_a_store_takes_its_options_once_and_only_rank_0_runs_a_writer_thread(tmp
             tmp_path, background=True, copy="overlap"
         ),
         "world must be an exactresume.World": lambda: CheckpointStore(tmp_path, world=2),
-        "world must be an exactresume.World, got a int": lambda: save_resume(tmp_path / "r.pth", {}, 1, world=2),
+        "world must be an exactresume.World, got an int": lambda: save_resume(tmp_path / "r.pth", {}, 1, world=2),
         "world must be an exactresume.World, got a str": lambda: load_resume(tmp_path / "r.pth", {}, world="x"),
         "rank 1 of 2 processes, but torch.distributed has no process group": lambda: CheckpointStore(
             tmp_path, world=World(1, 2)

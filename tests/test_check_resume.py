@@ -113,7 +113,7 @@ def test_a_command_as_one_string_and_a_folder_of_its_own(tmp_path):
 
 
 BAD = [
-    ({"command": {"python": "train.py"}}, "command must be a list of strings or one string, got dict"),
+    ({"command": {"python": "train.py"}}, "command must be a list of strings or one string, got a dict"),
     ({"command": ["python", 3]}, "command must be a list of strings"),
     ({"command": []}, "command is empty"),
     ({"command": "python 'train.py"}, "command: No closing quotation"),
@@ -121,10 +121,10 @@ BAD = [
     ({"steps": 8.0}, "steps must be a whole number"),
     ({"stop_after": 8}, "stop_after must be between 1 and steps - 1 (7), got 8"),
     ({"stop_after": 0}, "stop_after must be between 1 and steps - 1"),
-    ({"resume_args": 5}, "resume_args must be a list of strings or one string, got int"),
+    ({"resume_args": 5}, "resume_args must be a list of strings or one string, got an int"),
     ({"timeout": -1}, "timeout must be a number of seconds above 0"),
     ({"warm": "yes"}, "warm must be True or False"),
-    ({"out": 3}, "out must be a folder's path, got int"),
+    ({"out": 3}, "out must be a folder's path, got an int"),
 ]
 
 

@@ -223,7 +223,7 @@ class NoisyDataset(torch.utils.data.Dataset):
     ("arguments", "message"),
     [
         (lambda acc: (data_loader(), acc), "takes the Accelerator first, got a DataLoader"),
-        (lambda acc: (None, data_loader()), "takes the Accelerator first, got a NoneType"),
+        (lambda acc: (None, data_loader()), "takes the Accelerator first, got None"),
         (lambda acc: (acc, torch.nn.Linear(2, 2)), "takes the DataLoader accelerator.prepare returned, got a Linear"),
     ],
 )

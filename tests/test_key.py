@@ -179,7 +179,7 @@ def test_keyed_stores_on_an_object_store_one_file_streamed_and_sharded(moto_s3, 
 def test_a_key_too_short_or_not_a_string_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="key is 6 bytes long: a key is at least 16"):
         CheckpointStore(tmp_path, key="secret")
-    with pytest.raises(UserError, match="key must be a str or bytes, got int"):
+    with pytest.raises(UserError, match="key must be a str or bytes, got an int"):
         save_resume(tmp_path / "a.pth", parts(), key=1234)
     monkeypatch.setenv(KEY_VARIABLE, "short")
     with pytest.raises(UserError, match="EXACTRESUME_KEY is 5 bytes long"):

@@ -119,6 +119,7 @@ def test_a_checkpoint_ahead_is_named_in_the_tier_that_holds_it(tmp_path):
 
 
 def test_what_the_tiers_cannot_do_is_one_line(tmp_path):
+    (tmp_path / "link").symlink_to(tmp_path / "durable")
     for options, needle in (
         ({"durable_every": None}, "local= and durable_every= go together"),
         ({"local": None}, "durable_every= and local= go together"),
@@ -127,6 +128,7 @@ def test_what_the_tiers_cannot_do_is_one_line(tmp_path):
         ({"local": "s3://bucket/local"}, "local= is a folder on this machine's disk"),
         ({"local": 123}, "local= is a folder on this machine's disk, got 123"),
         ({"local": tmp_path / "durable" / "."}, "local= is the store's own folder"),
+        ({"local": tmp_path / "link"}, "local= is the store's own folder"),  # through a link to it
     ):
         with pytest.raises(UserError, match=needle):
             tiered(tmp_path, **options)

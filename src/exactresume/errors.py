@@ -26,6 +26,14 @@ def notice(message: str) -> None:
     print(f"exactresume: {message}", file=sys.stderr)
 
 
+def a_kind_of(value: object) -> str:
+    """What `value` is, for a one-line error: 'an int', 'a list', 'None'."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 class UserError(Exception):
     """A mistake in what the user gave us (a flag, a file, a folder), explained in one line."""
 

@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from exactresume.errors import FieldError
+from exactresume.errors import FieldError, a_kind_of
 
 
 class StepCounter:
@@ -37,7 +37,7 @@ class GeneratorPart:
 
     def __init__(self, generator: torch.Generator, per_rank: bool = False):
         if not isinstance(generator, torch.Generator):
-            raise FieldError(f"GeneratorPart takes a torch.Generator, got a {type(generator).__name__}", "generator")
+            raise FieldError(f"GeneratorPart takes a torch.Generator, got {a_kind_of(generator)}", "generator")
         self.generator, self.per_rank = generator, per_rank
 
     def state_dict(self) -> torch.Tensor:

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from exactresume.errors import FieldError, UserError
+from exactresume.errors import FieldError, UserError, a_kind_of
 
 
 def launched_by_torchrun() -> bool:
@@ -77,5 +77,5 @@ def given_world(world: object, default: World) -> World:
     if world is None:
         return default
     if not isinstance(world, World):
-        raise FieldError(f"world must be an exactresume.World, got a {type(world).__name__}", "world")
+        raise FieldError(f"world must be an exactresume.World, got {a_kind_of(world)}", "world")
     return world

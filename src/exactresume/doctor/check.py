@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from exactresume.doctor.session import run_doctor
-from exactresume.errors import UserError, extras_needed
+from exactresume.errors import UserError, a_kind_of, extras_needed
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def _plan_of(command, steps, stop_after, resume_args, out, timeout, warm):
     if not isinstance(warm, bool):
         raise UserError(f"check_resume: warm must be True or False, got {warm!r}")
     if out is not None and not isinstance(out, str | os.PathLike):
-        raise UserError(f"check_resume: out must be a folder's path, got {type(out).__name__}")
+        raise UserError(f"check_resume: out must be a folder's path, got {a_kind_of(out)}")
     folder = Path(tempfile.mkdtemp(prefix="exactresume-doctor-") if out is None else out)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"check_resume: out {str(folder)!r} is a file, not a folder")
@@ -115,4 +115,4 @@ def argv(name: str, value) -> list[str]:
             raise UserError(f"check_resume: {name}: {error}") from None
     if isinstance(value, list | tuple) and all(isinstance(word, str | os.PathLike) for word in value):
         return [os.fspath(word) for word in value]
-    raise UserError(f"check_resume: {name} must be a list of strings or one string, got {type(value).__name__}")
+    raise UserError(f"check_resume: {name} must be a list of strings or one string, got {a_kind_of(value)}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exactresume.errors import CheckpointError, FieldError, UserError, notice
+from exactresume.errors import CheckpointError, FieldError, UserError, a_kind_of, notice
 from exactresume.store.sealed import load_sealed, save_sealed
 
 from . import shard as shards
@@ -56,13 +56,12 @@ def _check_arguments(accelerator, loader) -> None:
 
     if not (hasattr(accelerator, "save_state") and hasattr(accelerator, "prepare")):
         raise FieldError(
-            f"{NAME}(accelerator, loader) takes the Accelerator first, got a {type(accelerator).__name__}",
+            f"{NAME}(accelerator, loader) takes the Accelerator first, got {a_kind_of(accelerator)}",
             "accelerator",
         )
     if not isinstance(loader, DataLoader):
         raise FieldError(
-            f"{NAME}(accelerator, loader) takes the DataLoader accelerator.prepare returned, got a "
-            f"{type(loader).__name__}",
+            f"{NAME}(accelerator, loader) takes the DataLoader accelerator.prepare returned, got {a_kind_of(loader)}",
             "loader",
         )
 

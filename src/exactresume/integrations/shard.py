@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from exactresume.errors import UserError
+from exactresume.errors import UserError, a_kind_of
 from exactresume.loaders.resumable import ResumableLoader
 
 from .loop_state import LoopState
@@ -28,7 +28,7 @@ def read_through(shard) -> LoopState:
     if isinstance(base, ReadThrough):
         raise UserError("it is given this loader twice; the first call acts and this one does nothing")
     if base is None or not isinstance(base, torch.utils.data.DataLoader):
-        raise UserError(f"it takes what accelerator.prepare(loader) returns, got a {type(shard).__name__}")
+        raise UserError(f"it takes what accelerator.prepare(loader) returns, got {a_kind_of(shard)}")
     if getattr(shard, "use_stateful_dataloader", False):
         raise UserError("use_stateful_dataloader=True has Accelerate restore the loader itself")
     if getattr(shard, "skip_batches", 0):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from exactresume.errors import CheckpointError, FieldError
+from exactresume.errors import CheckpointError, FieldError, a_kind_of
 
 KIND, VERSION = "hf_stream", 1
 # Pipeline stages whose own state resumes at exactly the next example (checked by hand against
@@ -97,8 +97,7 @@ class ResumableStream(torch.utils.data.IterableDataset):
                 "ResumableStream takes a datasets.IterableDataset, got one already wrapped: wrap it once", "dataset"
             )
         if not all(callable(getattr(dataset, name, None)) for name in ("set_epoch", "state_dict", "load_state_dict")):
-            got = type(dataset).__name__
-            raise FieldError(f"ResumableStream takes a datasets.IterableDataset, got a {got}", "dataset")
+            raise FieldError(f"ResumableStream takes a datasets.IterableDataset, got {a_kind_of(dataset)}", "dataset")
         self.dataset = dataset
         # split_dataset_by_node gives each rank its own shards, so each rank keeps its own position.
         self.per_rank = getattr(dataset, "_distributed", None) is not None

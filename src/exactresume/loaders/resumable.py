@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from exactresume.errors import CheckpointError, FieldError, notice
+from exactresume.errors import CheckpointError, FieldError, a_kind_of, notice
 
 from .caveats import caveat, worker_caveat, worker_draws_caveat
 from .position import LoaderPosition, LoaderShape, loader_name
@@ -57,7 +57,7 @@ class ResumableLoader:
                 "ResumableLoader takes a torch DataLoader, got one already wrapped: wrap it once", "loader"
             )
         if not isinstance(loader, DataLoader):
-            raise FieldError(f"ResumableLoader takes a torch DataLoader, got a {type(loader).__name__}", "loader")
+            raise FieldError(f"ResumableLoader takes a torch DataLoader, got {a_kind_of(loader)}", "loader")
         self.loader = loader  # the user's, left as it is
         self.iterable = isinstance(loader.dataset, IterableDataset)
         self.sources = RandomSources(generators_of(loader))

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exactresume.config import check_keep
-from exactresume.errors import CheckpointError, FieldError, StorageError, UserError, notice
+from exactresume.errors import CheckpointError, FieldError, StorageError, UserError, a_kind_of, notice
 from exactresume.store.background import BEFORE_RETURN, BackgroundWriter
 from exactresume.store.disk import DiskFolder
 from exactresume.store.faults import FaultPoints
@@ -141,7 +141,7 @@ class CheckpointStore:
         if is_s3(local) or not isinstance(local, (str, os.PathLike)) or not os.fspath(local):
             raise FieldError(f"local= is a folder on this machine's disk, got {local!r}", "local")
         durable, landing = self.place, DiskFolder(Path(local), self.notify)
-        if isinstance(durable.folder, Path) and os.path.abspath(durable.folder) == os.path.abspath(landing.folder):
+        if isinstance(durable.folder, Path) and os.path.realpath(durable.folder) == os.path.realpath(landing.folder):
             raise FieldError(
                 f"local= is the store's own folder ({local}): give the local tier a folder of its own", "local"
             )
@@ -533,7 +533,7 @@ def _place(
 ) -> Place:
     """The folder on a disk, or the prefix on an object store, that `folder` names."""
     if not isinstance(folder, (str, os.PathLike, S3Location)):
-        raise FieldError(f"folder must be a path, got a {type(folder).__name__}", "folder")
+        raise FieldError(f"folder must be a path, got {a_kind_of(folder)}", "folder")
     if not isinstance(folder, S3Location) and not os.fspath(folder):  # Path("") is the current folder
         raise FieldError("folder must be a folder's path, got an empty one", "folder")
     where = location(folder, config)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exactresume.errors import CheckpointError, FieldError, UserError, notice
+from exactresume.errors import CheckpointError, FieldError, UserError, a_kind_of, notice
 from exactresume.store.fit import check_names, check_tensors
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, RESUME_VERSIONS, check_format
 from exactresume.store.identity import IDENTITY_KEY, with_identity
@@ -54,7 +54,7 @@ def check_parts(parts: Any) -> None:
     """FieldError unless `parts` maps names to objects with `state_dict()` and `load_state_dict()`. Called
     where parts enter, by the public calls (access.py, the stores' save and load); the rest trusts them."""
     if not isinstance(parts, Mapping):
-        raise FieldError(f"parts must be a dict of name -> part, got a {type(parts).__name__}", "parts")
+        raise FieldError(f"parts must be a dict of name -> part, got {a_kind_of(parts)}", "parts")
     for name, part in parts.items():
         if not isinstance(name, str) or name in RESERVED_NAMES:
             reserved = ", ".join(RESERVED_NAMES)

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import xxhash
 
-from exactresume.errors import CheckpointError, FieldError, UserError
+from exactresume.errors import CheckpointError, FieldError, UserError, a_kind_of
 
 KEY_VARIABLE = "EXACTRESUME_KEY"
 SHORTEST_KEY = 16  # bytes: a key a person could guess is no key
@@ -204,7 +204,7 @@ def sealing_for(key: str | bytes | None) -> Sealing | None:
     if key is None:
         return None
     if not isinstance(key, (str, bytes)):
-        raise FieldError(f"key must be a str or bytes, got {type(key).__name__}", "key")
+        raise FieldError(f"key must be a str or bytes, got {a_kind_of(key)}", "key")
     raw = key.encode() if isinstance(key, str) else bytes(key)
     if len(raw) < SHORTEST_KEY:
         raise FieldError(f"key is {len(raw)} bytes long: a key is at least {SHORTEST_KEY} ({MAKE_A_KEY})", "key")
