@@ -255,6 +255,15 @@ def test_reserved_part_names_are_refused(tmp_path):
         quiet_store(tmp_path).save(1, {"identity": GlobalRng()})  # a store's identity= is kept under it
 
 
+def test_a_part_skip_names_that_is_nowhere_is_a_misspelling_said_and_nothing_is_loaded(tmp_path):
+    quiet_store(tmp_path).save(1, make_parts())
+    target = make_parts(seed=5)
+    with pytest.raises(UserError, match="skip= names parts neither given nor in .*step-00000001.pth: optimiser$"):
+        quiet_store(tmp_path).load(target, skip=["optimiser"])
+    assert torch.equal(target["model"].weight, make_parts(seed=5)["model"].weight)
+    assert quiet_store(tmp_path).load(target, skip=["optimizer"]) == 1  # given: left as it is
+
+
 @pytest.mark.parametrize(
     "call",
     ["save_resume", "load_resume", "open_resume", "store.save", "store.load", "sharded.save", "sharded.load"],

@@ -41,6 +41,9 @@ def check_names(
     unknown = set(fresh) - set(given)
     if unknown:
         raise CheckpointError(f"fresh= names parts that are not given: {_all(sorted(unknown))}")
+    nowhere = set(skip) - set(given) - set(saved)
+    if nowhere:  # a misspelt name would otherwise skip nothing, unsaid
+        raise CheckpointError(f"skip= names parts neither given nor in {where}: {_all(sorted(nowhere))}")
     absent = [name for name in given if name not in state and name not in skip]
     unread = [name for name in saved if name not in given and name not in skip]
     starting = [name for name in absent if name in fresh]
@@ -56,14 +59,10 @@ def _mismatch(where: str, saved: list[str], given: list[str], absent: list[str],
         sides.append(f"{_all(absent)} {_is_are(absent)} not in the checkpoint")
     if unread:
         sides.append(f"{_all(unread)} {_is_are(unread)} not given")
-    ways = []
-    if absent and unread:
-        ways.append(f"a renamed part under its saved name ({_all(unread)})")
-    if absent:
-        ways.append(f"fresh={absent!r} to start {_as_now(absent)}")
-    if unread:
-        ways.append(f"skip={unread!r} to leave {_it_them(unread)} unread")
-    return "; ".join(sides) + "; nothing was loaded. To load anyway, give " + " or ".join(ways)
+    ways = [f"a renamed part under its saved name ({_all(unread)})"] if absent and unread else []
+    both = [f"fresh={absent!r} to start {_as_now(absent)}"] if absent else []
+    both += [f"skip={unread!r} to leave {_it_them(unread)} unread"] if unread else []
+    return "; ".join(sides) + "; nothing was loaded. To load anyway, give " + " or ".join([*ways, " and ".join(both)])
 
 
 def check_tensors(name: str, saved: Any, part: Any, source: object) -> None:
