@@ -118,6 +118,22 @@ def test_a_checkpoint_ahead_is_named_in_the_tier_that_holds_it(tmp_path):
         tiered(tmp_path).save(6, loop())
 
 
+def test_a_copy_at_a_step_whose_damaged_checkpoint_was_set_aside_is_pruned_as_any(tmp_path):
+    trained(tmp_path, steps=6)  # durable: 3, 6
+    for tier in ("local", "durable"):
+        damaged = tmp_path / tier / checkpoint_name(6)
+        damaged.write_bytes(damaged.read_bytes()[:-100])
+    parts = loop()
+    with tiered(tmp_path) as store:
+        assert store.load(parts) == 5
+        for number in range(6, 13):
+            store.save(number, parts)
+            store.wait()
+    aside = checkpoint_name(6) + ".unreadable"
+    assert sorted(path.name for path in (tmp_path / "durable").iterdir()) == [aside, *map(checkpoint_name, (9, 12))]
+    assert sorted(path.name for path in (tmp_path / "local").iterdir()) == [aside, *map(checkpoint_name, (11, 12))]
+
+
 def test_what_the_tiers_cannot_do_is_one_line(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "durable")
     for options, needle in (

@@ -381,7 +381,11 @@ class CheckpointStore:
         return True
 
     def _retain_durable(self, step: int) -> None:
-        self._retain(step, self.places[-1])
+        """After the durable copy of `step` landed: the copy is the run's, counted and pruned as any (a damaged
+        one it set aside at that step was passed over by the load), then the durable tier is pruned."""
+        durable = self.places[-1]
+        self.gate.saved(step, durable.folder / self.layout.name(step))
+        self._retain(step, durable)
 
     def _durable_refused(self, step: int, error: OSError) -> StorageError:
         return self.storage_error(step, error, self.places[-1])
