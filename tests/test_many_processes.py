@@ -29,7 +29,7 @@ from exactresume.parallel.replicate import replicate
 from exactresume.store.numbered import CheckpointStore
 from exactresume.store.weights import read_weights
 from exactresume.world import World
-from helpers import assert_one_line_error, call_cli, free_port, ranks_of, run_cli, spawn_cli
+from helpers import assert_one_line_error, call_cli, free_port, process_state, ranks_of, run_cli, spawn_cli
 
 # 30 windows of 8 tokens: an epoch of batches 8, 8, 8 and 6; 12 steps are three epochs.
 FEATURES = ["--loader", "epoch", "--seq-len", "8", "--batch", "8", "--grad-accum", "2", "--dropout", "0.1"]
@@ -65,6 +65,10 @@ def stop_with_sigterm(folder: Path, data: Path) -> subprocess.CompletedProcess:
         time.sleep(0.01)
     ranks = ranks_of(child)
     signal_each(ranks, signal.SIGSTOP)
+    # Stopped, not only asked to: a rank the scheduler had not run yet would take a SIGTERM arriving
+    # first (the lower number goes first) before it stopped, and never show it pending below.
+    while not all(process_state(rank) in ("T", None) for rank in ranks):
+        time.sleep(0.001)
     child.send_signal(signal.SIGTERM)  # to the command only: it passes it through torchrun to every rank
     deadline = time.monotonic() + 60
     while not all(sigterm_pending(rank) for rank in ranks) and time.monotonic() < deadline:
