@@ -122,16 +122,19 @@ class _PieceMac:
             self.piece, self.filled = hashlib.sha256(), 0
         return taken
 
-    def hexdigest(self) -> str:
+    def _settle(self) -> None:
+        """Every piece handed to the pool hashed, and the open piece's kept bytes too."""
         self._hash_kept()
-        leaves = [leaf.result() if isinstance(leaf, Future) else leaf for leaf in self.leaves]
-        leaves += [self.piece.digest()] if self.filled else []
+        self.leaves = [leaf.result() if isinstance(leaf, Future) else leaf for leaf in self.leaves]
+
+    def hexdigest(self) -> str:
+        self._settle()
+        leaves = self.leaves + ([self.piece.digest()] if self.filled else [])
         message = TREE_TAG + struct.pack("<Q", self.length) + b"".join(leaves)
         return hmac.new(self.key, message, hashlib.sha256).hexdigest()[:DIGITS]
 
     def copy(self) -> _PieceMac:
-        self._hash_kept()
-        self.leaves = [leaf.result() if isinstance(leaf, Future) else leaf for leaf in self.leaves]
+        self._settle()
         twin = _PieceMac(self.key)
         twin.leaves, twin.piece, twin.filled, twin.length = (
             list(self.leaves),
@@ -174,7 +177,7 @@ UNKEYED = Sealing()
 class SealError(CheckpointError):
     """A file sealed otherwise than the sealing in force: keyed while no key is set, unkeyed while one is,
     or keyed with a key that does not match (another key's, or modified). Its bytes may be sound: a store
-    never prunes or sets it aside, and does not save beside it unloaded."""
+    never prunes or writes over it, and one that loaded nothing saves at no step up to its own."""
 
 
 _given: contextvars.ContextVar[Sealing | None] = contextvars.ContextVar("exactresume_sealing", default=None)
