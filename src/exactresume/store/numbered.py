@@ -347,9 +347,11 @@ class CheckpointStore:
         return self.place
 
     def _retain(self, step: int, place: Place | None = None) -> None:
-        """Delete all but the newest `keep` checkpoints up to `step` of `place` (the tier saves land in);
+        """Delete all but the newest `keep` checkpoints up to `step` of `place` (the tier saves land in),
+        the one just written at `step` counted as any (one passed over there by the load was set aside);
         a failure here only warns."""
         place = place or self.place
+        self.gate.saved(step, place.folder / self.layout.name(step))
         if self.keep is None:
             return
         older = self.gate.prunable(place.checkpoints(self.layout), step)[: -self.keep]
@@ -381,11 +383,7 @@ class CheckpointStore:
         return True
 
     def _retain_durable(self, step: int) -> None:
-        """After the durable copy of `step` landed: the copy is the run's, counted and pruned as any (a damaged
-        one it set aside at that step was passed over by the load), then the durable tier is pruned."""
-        durable = self.places[-1]
-        self.gate.saved(step, durable.folder / self.layout.name(step))
-        self._retain(step, durable)
+        self._retain(step, self.places[-1])
 
     def _durable_refused(self, step: int, error: OSError) -> StorageError:
         return self.storage_error(step, error, self.places[-1])
