@@ -13,6 +13,7 @@ import torch
 from exactresume.errors import CheckpointError, FieldError, StorageError, UserError
 from exactresume.parts import GeneratorPart, GlobalRng
 from exactresume.store.faults import FAULT_ENV, STAGES, Fault
+from exactresume.store.fit import check_tensors
 from exactresume.store.layout import checkpoint_name
 from exactresume.store.lock import LOCK_NAME
 from exactresume.store.numbered import CheckpointStore
@@ -262,6 +263,38 @@ def test_a_part_skip_names_that_is_nowhere_is_a_misspelling_said_and_nothing_is_
         quiet_store(tmp_path).load(target, skip=["optimiser"])
     assert torch.equal(target["model"].weight, make_parts(seed=5)["model"].weight)
     assert quiet_store(tmp_path).load(target, skip=["optimizer"]) == 1  # given: left as it is
+
+
+def test_another_kind_of_optimizers_state_is_refused_before_torch_loads_it_and_fails_at_the_step(tmp_path):
+    quiet_store(tmp_path).save(1, make_parts())
+    saved = torch.load(tmp_path / checkpoint_name(1), weights_only=True)["optimizer"]
+    # By hand: torch takes AdamW's state into SGD without a word, and its first step raises a KeyError.
+    by_hand = make_parts(seed=5)
+    by_hand["optimizer"] = torch.optim.SGD(by_hand["model"].parameters(), lr=0.1, momentum=0.9)
+    by_hand["optimizer"].load_state_dict(saved)
+    with pytest.raises(KeyError, match="momentum"):
+        advance(by_hand)
+    target = make_parts(seed=5)
+    target["optimizer"] = torch.optim.SGD(target["model"].parameters(), lr=0.1, momentum=0.9)
+    with quiet_store(tmp_path) as store, pytest.raises(CheckpointError) as refused:
+        store.load(target)
+    line = str(refused.value)
+    for needle in ("the part optimizer does not fit", "lack dampening, momentum, which SGD steps with", "betas"):
+        assert needle in line, line
+    assert line.endswith("nothing was loaded; skip=['optimizer'] loads the rest and starts optimizer fresh"), line
+    assert torch.equal(target["model"].weight, make_parts(seed=5)["model"].weight)
+    assert target["optimizer"].param_groups[0]["momentum"] == 0.9
+    assert quiet_store(tmp_path).load(target, skip=["optimizer"]) == 1
+    advance(target)  # SGD steps with its own hyperparameters
+    # Adam's state in an AdamW, and AdamW's of an older torch (without the newer keys): torch fills them in.
+    older = {
+        **saved,
+        "param_groups": [{k: v for k, v in g.items() if k != "decoupled_weight_decay"} for g in saved["param_groups"]],
+    }
+    for optimizer in (torch.optim.Adam, torch.optim.AdamW):
+        again = make_parts(seed=5)
+        again["optimizer"] = optimizer(again["model"].parameters())
+        check_tensors("optimizer", older, again["optimizer"], "older")
 
 
 @pytest.mark.parametrize(

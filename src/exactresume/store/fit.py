@@ -7,6 +7,8 @@ Two questions, asked before the first `load_state_dict` so that a refusal change
 - the tensors: where a saved tensor and the part's current one sit at the same place, their shapes
   and dtypes agree; a module's keys are the same on both sides (PyTorch's own check would copy half
   the tensors first and then raise a message of many lines).
+- an optimizer's hyperparameters: its saved param_groups hold every one this optimizer steps with
+  (torch loads another kind's state without a word, and the first step raises a KeyError).
 
 A part that still fails in its own `load_state_dict` is caught by the caller (resume.restore), which
 puts back every part it already loaded.
@@ -74,11 +76,18 @@ def check_tensors(name: str, saved: Any, part: Any, source: object) -> None:
         return
     current = part.state_dict()
     problems = list(_module_keys(saved, current)) if isinstance(part, torch.nn.Module) else []
+    problems += list(_hyperparameters(saved, part)) if isinstance(part, torch.optim.Optimizer) else []
     problems += [f"{path}: {why}" for path, why in _tensor_misfits(saved, current, name)]
     if problems:
         more = f" and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+        # an optimizer that no longer fits (another kind, other parameters) may be what the loop meant
+        fresh = (
+            f"; skip=[{name!r}] loads the rest and starts {name} fresh"
+            if isinstance(part, torch.optim.Optimizer)
+            else ""
+        )
         raise CheckpointError(
-            f"the part {name} does not fit {source}: {'; '.join(problems[:SHOWN])}{more}; nothing was loaded"
+            f"the part {name} does not fit {source}: {'; '.join(problems[:SHOWN])}{more}; nothing was loaded{fresh}"
         )
 
 
@@ -92,6 +101,25 @@ def _module_keys(saved: Any, current: Mapping) -> Iterator[str]:
         yield f"the saved state lacks {_names(missing)}"
     if unexpected:
         yield f"the module has no {_names(unexpected)}"
+
+
+def _hyperparameters(saved: Any, optimizer: torch.optim.Optimizer) -> Iterator[str]:
+    """What an optimizer steps with that its saved param_groups lack, once torch filled in what newer
+    versions of the same optimizer added (its own __setstate__, run on a copy): saved by another kind."""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not groups or not isinstance(groups, list) or not all(isinstance(group, Mapping) for group in groups):
+        return
+    probe = object.__new__(type(optimizer))
+    try:
+        probe.__setstate__({"defaults": dict(optimizer.defaults), "state": {}, "param_groups": list(map(dict, groups))})
+        filled = set().union(*(group.keys() for group in probe.param_groups))
+    except Exception:  # an optimizer of one's own whose __setstate__ wants more: its load will say
+        return
+    lacking = sorted(set(optimizer.defaults) - filled)
+    if lacking:
+        held = sorted(set().union(*(group.keys() for group in groups)) - set(optimizer.defaults) - {"params"})
+        kind = f" (saved by another optimizer? they hold {_names(held)})" if held else ""
+        yield f"its saved param_groups lack {_names(lacking)}, which {type(optimizer).__name__} steps with{kind}"
 
 
 def _tensor_misfits(saved: Any, current: Any, path: str) -> Iterator[tuple[str, str]]:
