@@ -10,12 +10,13 @@ from dataclasses import fields, replace
 import pytest
 
 from exactresume import __version__
+from exactresume.atomic import write_json
 from exactresume.cli import COMMANDS, build_parser
-from exactresume.commands.config_flags import GROUPS, config_from_args
+from exactresume.commands.config_flags import GROUPS, config_from_args, flag_name
 from exactresume.config import TrainConfig
-from exactresume.flags import config_flags, flag_name
 from exactresume.lab.lab import LabConfig, _train_flags
-from helpers import call_cli
+from exactresume.lab.record import run_record
+from helpers import assert_one_line_error, call_cli
 
 RUN_COMMANDS = ("train", "lab", "ablate")
 FLAG_LINE = re.compile(r"^  (-{1,2}[\w-]+)(?:, (--[\w-]+))?")
@@ -44,24 +45,66 @@ def configs() -> list[TrainConfig]:
     return out
 
 
+def typed(config: TrainConfig) -> list[str]:
+    """Every field of `config` as a user types its flag (repr: a float's every bit)."""
+    flags = []
+    for field in fields(TrainConfig):
+        value = getattr(config, field.name)
+        if isinstance(value, bool):
+            flags.append(flag_name(field) if value else "--no-" + flag_name(field)[2:])
+        else:
+            flags += [flag_name(field), repr(value) if isinstance(value, float) else str(value)]
+    return flags
+
+
+CONFIG_IDS = lambda c: next((k for k, v in c.to_dict().items() if v != getattr(TrainConfig(), k)), "defaults")  # noqa: E731
+
+
 @pytest.mark.parametrize("command", RUN_COMMANDS)
-@pytest.mark.parametrize(
-    "config",
-    configs(),
-    ids=lambda c: next((k for k, v in c.to_dict().items() if v != getattr(TrainConfig(), k)), "defaults"),
-)
+@pytest.mark.parametrize("config", configs(), ids=CONFIG_IDS)
 def test_config_flags_parse_back_to_the_same_config(command, config):
-    args = build_parser().parse_args([command, "--out", "x", *config_flags(config)])
+    args = build_parser().parse_args([command, "--out", "x", *typed(config)])
     assert config_from_args(args) == config
 
 
-def test_every_field_is_a_flag_and_the_lab_passes_every_field():
-    lab = LabConfig(train=replace(TrainConfig(), seed=3, lr=1 / 3, dtype="bf16"), nproc=2)
+@pytest.mark.parametrize("config", configs(), ids=CONFIG_IDS)
+def test_a_config_file_gives_the_same_config_and_a_flag_typed_beside_it_wins(tmp_path, config):
+    write_json(tmp_path / "run.json", config.to_dict())
+    args = build_parser().parse_args(["train", "--out", "x", "--config", str(tmp_path / "run.json")])
+    assert config_from_args(args) == config
+    write_json(tmp_path / "some.json", {"steps": 90, "lr": 1})  # the rest default; an int for a float
+    args = build_parser().parse_args(["train", "--out", "x", "--config", str(tmp_path / "some.json"), "--steps", "70"])
+    assert config_from_args(args) == TrainConfig(steps=70, lr=1.0)
+
+
+def test_the_lab_hands_its_runs_its_config_through_its_run_record(tmp_path):
+    lab = LabConfig(train=replace(TrainConfig(), seed=3, lr=1 / 3, dtype="bf16"), out=tmp_path, nproc=2)
+    (tmp_path / "details").mkdir()
+    write_json(tmp_path / "details" / "run.json", run_record(lab))
     flags = _train_flags(lab)
-    for field in fields(TrainConfig):
-        assert flags.count(flag_name(field)) == 1, field.name
+    assert not any(flag_name(field) in flags for field in fields(TrainConfig))
     args = build_parser().parse_args(["train", "--out", "x", *flags])
     assert config_from_args(args) == lab.train and args.nproc == 2 and args.data == lab.data
+
+
+@pytest.mark.parametrize(
+    "text, needles",
+    [
+        (None, ("--config", "cannot read it", "No such file")),
+        ("{steps: 3", ("--config", "not a JSON file")),
+        ("[1, 2]", ("holds a list, not an object of the run's fields",)),
+        ('{"step": 3}', ("step is not a field of the run (they are seed, steps,",)),
+        ('{"steps": "60"}', ("steps must be an int, got a str",)),
+        ('{"lr": true}', ("lr must be a float, got a bool",)),
+        ('{"dtype": "fp8"}', ("dtype must be one of fp32, bf16, fp16",)),
+    ],
+)
+def test_a_config_file_that_is_not_one_is_refused_in_one_line_and_nothing_is_written(tmp_path, text, needles):
+    if text is not None:
+        (tmp_path / "run.json").write_text(text)
+    finished = call_cli("train", "--out", tmp_path / "out", "--config", tmp_path / "run.json", "--data", tmp_path)
+    assert_one_line_error(finished, *needles)
+    assert not (tmp_path / "out").exists()
 
 
 def help_sections(parser: argparse.ArgumentParser) -> dict[str, list[str]]:

@@ -5,8 +5,8 @@
     exactresume --version
 
 A subcommand is a row of COMMANDS and of PARSERS: the module that adds its flags and runs it. The
-run's flags of train, lab and ablate are made from TrainConfig's fields (flags.py), in the --help
-groups of flags.GROUPS.
+run's flags of train, lab and ablate are made from TrainConfig's fields (commands/config_flags.py),
+in the --help groups of its GROUPS.
 
 A user's mistake prints one line on stderr and exits with code 2; a disk that refuses a write exits
 with 74, a run stopped by SIGTERM/SIGINT after saving a checkpoint with 75 (see training/job.py).

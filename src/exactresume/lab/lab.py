@@ -21,7 +21,6 @@ from exactresume.core.compare import identical, largest, loss_differences, repea
 from exactresume.core.data import ensure_data
 from exactresume.core.steplog import read_loss_log, read_samples
 from exactresume.errors import UserError
-from exactresume.flags import config_flags
 from exactresume.lab.record import RUN_RECORD, run_record
 from exactresume.lab.runs import run_cli, start_runs_server
 from exactresume.parallel.split import check_split
@@ -54,8 +53,16 @@ class LabConfig:
 
 
 def _train_flags(config: LabConfig) -> list[str]:
-    """The flags that give every training run the lab's data, config and process count."""
-    return ["--data", str(config.data), *config_flags(config.train), "--nproc", str(config.nproc)]
+    """The flags that give every training run the lab's data, config (its run record, written first)
+    and process count."""
+    return [
+        "--data",
+        str(config.data),
+        "--config",
+        str(config.out / DETAILS / RUN_RECORD),
+        "--nproc",
+        str(config.nproc),
+    ]
 
 
 def _training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
