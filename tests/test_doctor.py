@@ -27,6 +27,8 @@ EXPECTED = {
     "dcp_weights_only": ("weights_only", "only the model's weights (model.dcp)"),
     "fp16_weights": ("weights_rounded", "stored in float16"),
     "fresh_optimizer": ("optimizer_lost", "fresh optimizer"),
+    # the same, where the lost optimizer's lr (its param_groups') differs first: named as the optimizer's
+    "fresh_optimizer_lr": ("optimizer_lost", "fresh optimizer: moments and step counter start from zero); its lr is"),
     "scheduler_not_saved": ("scheduler_lost", "CosineAnnealingLR"),
     "shuffle_generator": ("data_position_lost", "generator state is not in the checkpoint"),
     "dropout_rng": ("rng_lost", "dropout"),
@@ -60,6 +62,9 @@ def train_args(folder: Path, data: Path) -> list[str]:
     return ["doctor", "--warm", *flags, "--", *command]
 
 
+# A case of its own: a script and its flags.
+VARIANTS = {"fresh_optimizer_lr": ("fresh_optimizer", "--lr-as-built")}
+
 # Run as the user runs them, each run a cold process; the other cases fork their runs (--warm).
 COLD = ("correct_handwritten", "unseeded_init", "dropout_rng")
 TWICE = "dropout_rng"  # also run --warm: the same diagnosis either way
@@ -70,11 +75,11 @@ def doctored(tmp_path_factory, tiny_folder) -> dict[str, tuple]:
     """Every script through the doctor once: script -> (exit code, stdout, doctor.json, its folder)."""
 
     def run(root: Path, case: str):
-        script, folder = case.removesuffix("@warm"), root / case
+        (script, *extra), folder = VARIANTS.get(case, (case.removesuffix("@warm"),)), root / case
         if script == "exactresume_train":
             args = train_args(folder, tiny_folder)
         else:
-            args = doctor_args(folder, script, warm=case not in COLD)
+            args = doctor_args(folder, script, *extra, warm=case not in COLD)
         code = main(args)  # threads share sys.stdout: read what it printed from verdict.txt
         facts = json.loads((folder / "doctor" / "doctor.json").read_text())
         return case, [code, (folder / "doctor" / "verdict.txt").read_text(), facts, str(folder)]

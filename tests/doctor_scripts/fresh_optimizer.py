@@ -10,6 +10,7 @@ parser.add_argument("--out", default="ckpt")
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--save-every", type=int, default=2)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--lr-as-built", action="store_true", help="resume without setting the scheduler's lr back")
 args = parser.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -24,7 +25,7 @@ if args.resume:
     state = torch.load(path, weights_only=True)
     model.load_state_dict(state["model"])
     scheduler.load_state_dict(state["scheduler"])
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups if not args.lr_as_built else ():
         group["lr"] = scheduler.get_last_lr()[0]
     batches.set_state(state["batches"])
     torch.set_rng_state(state["rng"])

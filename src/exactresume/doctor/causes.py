@@ -232,6 +232,11 @@ def schedule(c: Context):
             f"{later(c)}the LR scheduler's state was not saved ({name}): its schedule restarted",
             evidence,
         )
+    if "optim" in c.diff and (c.unsaved("optimizer") or c.resumed.get("optim_step") == c.index + 1):
+        # A fresh optimizer holds the lr it was built with: a restored scheduler writes over it only at its next step.
+        cause, headline, more = optimizer(c)
+        until = " (the restored scheduler sets it only at its next step)" if c.live("lr_scheduler") else ""
+        return cause, f"{headline}; its lr is the one it was built with{until}", evidence[:1] + more
     if not c.live("lr_scheduler") and restarted:
         return (
             "lr_from_zero",
