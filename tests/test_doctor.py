@@ -165,6 +165,13 @@ def test_usage_errors(tmp_path):
     finished = call_cli("doctor", "--steps", "1", "--stop-after", "1", "--out", out, "--", "python")
     assert_one_line_error(finished, "--steps must be a whole number of at least 2, got 1")
     assert not out.exists()  # refused before the doctor makes its folder
+    (tmp_path / "a-file").write_text("")
+    finished = call_cli(
+        "doctor", "--steps", "8", "--stop-after", "4", "--out", tmp_path / "a-file" / "d", "--", "python"
+    )
+    assert_one_line_error(finished, "cannot create output folder", "Not a directory")
+    finished = call_cli("doctor", "--steps", "8", "--stop-after", "4", "--bogus", "--out", tmp_path, "--", "python")
+    assert_one_line_error(finished, "exactresume doctor: error: unrecognized arguments: --bogus")
 
 
 def test_a_failing_command_shows_its_last_line(tmp_path):

@@ -20,7 +20,7 @@ from exactresume.cli import main
 from exactresume.doctor.files import originals, roots
 from exactresume.doctor.run import Process, TracedRun
 from exactresume.doctor.tracer.files import Files
-from helpers import stable_environ
+from helpers import assert_one_line_error, call_cli, stable_environ
 
 SCRIPT = Path(__file__).parent / "doctor_scripts" / "system_files.py"
 
@@ -149,7 +149,8 @@ for step in range(600):
 
 def test_a_killed_doctor_leaves_no_run_writing_into_the_users_folder(tmp_path):
     """kill -9 of the doctor: the run it started ends at its next step (exit code CUT), rather than train on
-    and write over the user's checkpoint after the doctor that would have put it back is gone."""
+    and write over the user's checkpoint after the doctor that would have put it back is gone; the next
+    doctor into the same folder puts back what it had changed before it runs, from its traces."""
     import signal
     import subprocess
     import time
@@ -158,6 +159,8 @@ def test_a_killed_doctor_leaves_no_run_writing_into_the_users_folder(tmp_path):
 
     script = tmp_path / "slow.py"
     script.write_text(SLOW_SCRIPT)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "last.pt").write_text("the user's own")
     command = [sys.executable, "-m", "exactresume.cli", "doctor", "--steps", "400", "--stop-after", "200"]
     command += ["--out", str(tmp_path / "doctor"), "--", sys.executable, str(script), str(tmp_path / "ckpt")]
     doctor = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -175,3 +178,11 @@ def test_a_killed_doctor_leaves_no_run_writing_into_the_users_folder(tmp_path):
         time.sleep(0.2)
     ended = [json.loads(line) for line in trace.read_text().splitlines() if '"event": "end"' in line]
     assert ended[0]["code"] == CUT and ended[0]["steps"] < 400
+    assert (tmp_path / "ckpt" / "last.pt").read_bytes().startswith(b"PK")  # the killed run's, not the user's
+    args = ["--steps", "4", "--stop-after", "2", "--out", tmp_path / "doctor", "--warm"]
+    again = call_cli("doctor", *args, "--", sys.executable, script, tmp_path / "ckpt")
+    assert (
+        "doctor: a doctor into" in again.stdout and "1 path(s) its runs had moved or changed are back" in again.stdout
+    )
+    assert_one_line_error(again, "the resumed run started at step 0")  # the slow script cannot resume
+    assert (tmp_path / "ckpt" / "last.pt").read_text() == "the user's own"

@@ -258,14 +258,48 @@ def test_resume_args_as_typed(tmp_path):
     assert_one_line_error(finished, "--resume-args='--from_resume 1'")
 
 
-def test_an_older_checkpoint_found_by_the_resume_is_named_and_kept(tmp_path):
+def an_older_checkpoint(tmp_path: Path, name: str) -> tuple[list[str], Path, bytes]:
+    """The script's folder holding a checkpoint of an earlier run, under `name`, the newest its resume finds."""
     command = [sys.executable, str(SCRIPTS / "dataloader_base_seed.py"), "--out", str(tmp_path / "out")]
     subprocess.run([*command, "--steps", "2"], check=True, capture_output=True)
-    older = tmp_path / "out" / "step-100.pt"  # the newest name, so the script's resume picks it
+    older = tmp_path / "out" / name
     (tmp_path / "out" / "step-2.pt").rename(older)
-    before = older.read_bytes()
-    flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", "--resume-args", "--resume", "--warm"]
-    finished = call_cli("doctor", *flags, "--", *command)
-    assert_one_line_error(finished, f"but {older}, which was there before the doctor")
+    return command, older, older.read_bytes()
+
+
+DOCTOR_FLAGS = ["--steps", "8", "--stop-after", "4", "--resume-args", "--resume", "--warm"]
+
+
+def test_an_earlier_runs_checkpoint_beside_the_interrupted_runs_is_set_aside_for_the_resume_and_kept(tmp_path):
+    command, older, before = an_older_checkpoint(tmp_path, "step-100.pt")  # named as the script names its own
+    finished = call_cli("doctor", *DOCTOR_FLAGS, "--out", tmp_path / "d", "--", *command)
+    assert finished.returncode == 1, finished.stderr  # the verdict of the case itself (CASES), not a refusal
+    facts = json.loads((tmp_path / "d" / "doctor.json").read_text())
+    assert facts["diagnosis"]["cause"] == "rng_after_iterator", facts["diagnosis"]["headline"]
+    assert f"{older}, an earlier run's checkpoints beside the interrupted run's, were set aside" in finished.stdout
     assert older.read_bytes() == before  # and the straight run's own checkpoints are back beside it
     assert sorted(os.listdir(tmp_path / "out")) == ["step-100.pt", "step-2.pt", "step-4.pt", "step-6.pt", "step-8.pt"]
+
+
+def test_checkpoint_folders_published_over_an_earlier_runs_are_put_back_and_the_newer_set_aside(tmp_path):
+    """exactresume's lines publish a checkpoint folder over an older one by an atomic exchange, which no
+    hook of os sees: the doctor still keeps what the user had, and its resume finds the interrupted run's."""
+    command = [sys.executable, str(SCRIPTS / "correct_handwritten.py"), "--out", str(tmp_path / "out"), "--folders"]
+    subprocess.run(command, check=True, capture_output=True)  # the user's earlier run: step-2 ... step-8
+    before = {path.parent.name: path.read_bytes() for path in (tmp_path / "out").glob("step-*/resume.pt")}
+    assert sorted(before) == ["step-2", "step-4", "step-6", "step-8"]
+    finished = call_cli("doctor", *DOCTOR_FLAGS, "--out", tmp_path / "d", "--", *command)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "exact: steps 5..8 are bit-identical" in finished.stdout
+    assert f"{tmp_path / 'out' / 'step-6'} and {tmp_path / 'out' / 'step-8'}, an earlier run's" in finished.stdout
+    after = {path.parent.name: path.read_bytes() for path in (tmp_path / "out").glob("step-*/resume.pt")}
+    assert after == before  # each folder as it was, not the doctor's runs' versions
+    assert sorted(os.listdir(tmp_path / "out")) == ["step-2", "step-4", "step-6", "step-8"]
+
+
+def test_an_older_checkpoint_named_otherwise_found_by_the_resume_is_named_and_kept(tmp_path):
+    command, older, before = an_older_checkpoint(tmp_path, "step-+100.pt")  # int() reads it; not step-N.pt
+    finished = call_cli("doctor", *DOCTOR_FLAGS, "--out", tmp_path / "d", "--", *command)
+    assert_one_line_error(finished, f"but {older}, which was there before the doctor")
+    assert older.read_bytes() == before
+    assert sorted(os.listdir(tmp_path / "out")) == ["step-+100.pt", "step-2.pt", "step-4.pt", "step-6.pt", "step-8.pt"]

@@ -90,15 +90,20 @@ def _show_help(parser: argparse.ArgumentParser, topic: str | None) -> int:
     if topic is None:
         print(_command_list())
     else:
-        subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
-        subparsers.choices[topic].print_help()
+        _subparsers(parser).choices[topic].print_help()
     return 0
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, whose name the user typed
+        _subparsers(parser).choices.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in (None, "help"):
         return _show_help(parser, getattr(args, "topic", None))
     # What --nproc runs on each rank (this command, by this function), and what a stopped run's summary continues.

@@ -1,7 +1,11 @@
-"""Correct: model, optimizer, LR scheduler, batch generator, RNG (for the dropout) and step, all in one file."""
+"""Correct: model, optimizer, LR scheduler, batch generator, RNG (for the dropout) and step, all in one file.
+
+--folders: each checkpoint a folder of its own, OUT/step-N, published over any older one at once as
+exactresume's lines publish theirs (atomic.replace_folder); the resume takes the newest."""
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 
@@ -10,6 +14,7 @@ parser.add_argument("--out", default="ckpt")
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--save-every", type=int, default=2)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--folders", action="store_true")
 args = parser.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -20,8 +25,23 @@ scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.ste
 batches = torch.Generator().manual_seed(1)
 path, step = os.path.join(args.out, "resume.pt"), 0
 
+
+def newest_folder() -> str:
+    steps = [int(name.removeprefix("step-")) for name in os.listdir(args.out) if name.startswith("step-")]
+    return os.path.join(args.out, f"step-{max(steps)}", "resume.pt")
+
+
+def publish(state: dict, step: int) -> None:
+    from exactresume.atomic import replace_folder
+
+    staging = Path(args.out, f".staging-{step}")
+    staging.mkdir()
+    torch.save(state, staging / "resume.pt")
+    replace_folder(staging, Path(args.out, f"step-{step}"))
+
+
 if args.resume:
-    state = torch.load(path, weights_only=True)
+    state = torch.load(newest_folder() if args.folders else path, weights_only=True)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -47,4 +67,4 @@ while step < args.steps:
             "rng": torch.get_rng_state(),
             "step": step,
         }
-        torch.save(state, path)
+        publish(state, step) if args.folders else torch.save(state, path)

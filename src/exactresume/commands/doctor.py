@@ -12,6 +12,7 @@ import argparse
 import shlex
 from pathlib import Path
 
+from exactresume.atomic import ensure_writable_folder
 from exactresume.commands.places import given_path
 from exactresume.errors import UserError
 
@@ -86,7 +87,7 @@ def _plan_from(args: argparse.Namespace):
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder")
     plan = Plan(command, resume_args, args.steps, args.stop_after, args.out.resolve(), args.timeout, args.warm)
-    args.out.mkdir(parents=True, exist_ok=True)
+    ensure_writable_folder(args.out)
     return plan
 
 

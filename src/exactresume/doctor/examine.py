@@ -9,10 +9,11 @@ resumed      the command with the resume arguments, cut after STEPS steps in all
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from exactresume.doctor.files import Ledger, put_back, roots, set_aside
+from exactresume.doctor.files import Ledger, put_back, recover, roots, set_aside, set_aside_earlier, unfinished
 from exactresume.doctor.run import TracedRun, run_traced
 from exactresume.doctor.warm import Launcher
 from exactresume.errors import FieldError, UserError
@@ -55,21 +56,40 @@ class Runs:
 
 
 def examine(plan: Plan) -> Runs:
-    ledger = Ledger(plan.out)
-    if ledger.path.exists():
-        raise UserError(
-            f"{ledger.path} lists files a previous doctor run put aside: put them back, or use another --out"
+    if unfinished(plan.out):
+        restored = [move for move in recover(plan.out) if "restored" in move]
+        print(
+            f"doctor: a doctor into {plan.out} stopped before its end: {len(restored)} path(s) its runs had moved "
+            f"or changed are back as they were; its runs' files: {plan.out / 'previous' / 'files' / 'stopped'}"
         )
-    return _run_three(plan, ledger, Launcher(plan.warm, plan.out / "logs"))
+    _keep_previous(plan.out)
+    return _run_three(plan, Ledger(plan.out), Launcher(plan.warm, plan.out / "logs"))
+
+
+def _keep_previous(out: Path) -> None:
+    """The files and traces of the previous doctor into OUT (all put back) into OUT/previous, out of this
+    one's way: its moves would otherwise land in folders of the same names."""
+    previous = out / "previous"
+    if (out / "files").exists() or (out / "traces").exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        previous.mkdir()
+        for name in ("files", "traces"):
+            if (out / name).exists():
+                (out / name).rename(previous / name)
 
 
 def _run_three(plan: Plan, ledger: Ledger, launcher: Launcher) -> Runs:
     def run(name: str, command: list[str], steps: int, crash_from: int | None = None, made=()) -> TracedRun:
         return run_traced(name, command, plan.out, steps, launcher, crash_from, plan.timeout, made)
 
-    straight = run("straight", plan.command, plan.steps)
+    try:
+        straight = run("straight", plan.command, plan.steps)
+    except BaseException:  # stopped by --timeout or Ctrl-C: what it changed is put back from its trace
+        recover(plan.out)
+        raise
     aside = set_aside(ledger, straight)
     done: list[TracedRun] = []
+    earlier: list[dict] = []
     try:
         _check_straight(straight, plan)
         interrupted = run("interrupted", plan.command, plan.steps, plan.stop_after)
@@ -77,11 +97,12 @@ def _run_three(plan: Plan, ledger: Ledger, launcher: Launcher) -> Runs:
         resume_step = _check_interrupted(interrupted, plan)
         files = _read_files(interrupted, resume_step)
         steps, made = plan.steps - resume_step, roots([interrupted])
+        earlier = set_aside_earlier(ledger, interrupted)
         resumed = run("resumed", plan.command + plan.resume_args, steps, made=made)
         done.append(resumed)
         _check_resumed(resumed, interrupted, plan)
     finally:
-        moves = aside + put_back(ledger, straight, aside, done)
+        moves = aside + earlier + put_back(ledger, straight, aside, done, earlier)
     return Runs(straight, interrupted, resumed, resume_step, files, moves)
 
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from exactresume.doctor.run import TracedRun
+from exactresume.doctor.run import TracedRun, read_run
 from exactresume.doctor.tracer.files import ordinary
 
 CACHES = ("XDG_CACHE_HOME", "HF_HOME", "TORCH_HOME", "MPLCONFIGDIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
@@ -133,6 +134,8 @@ class Ledger:
     def move(self, source: str, target: str, **facts) -> dict:
         move = {"from": source, "to": target} | facts
         self.moves.append(move)
+        if not os.path.lexists(source) and os.path.lexists(target):
+            return move  # made before a doctor that was stopped (recover) could note it done
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.moves, indent=1))
         Path(target).parent.mkdir(parents=True, exist_ok=True)
@@ -156,19 +159,66 @@ def set_aside(ledger: Ledger, straight: TracedRun) -> list[dict]:
     return moves
 
 
-def put_back(ledger: Ledger, straight: TracedRun, aside: list[dict], runs: list[TracedRun]) -> list[dict]:
-    """The doctor's runs' roots into OUT/files/resumed, every original in place, the straight run's roots back.
+def set_aside_earlier(ledger: Ledger, interrupted: TracedRun) -> list[dict]:
+    """The checkpoints of an earlier run beside the interrupted run's into OUT/files/earlier, so that the
+    resume finds the interrupted run's as it would in a fresh folder: in the folder (or the one above it,
+    never the working folder or one above it) of each checkpoint the interrupted run saved, each entry
+    named as the saved one's but for its numbers (checkpoint-12 beside checkpoint-4) that holds nothing
+    the interrupted run wrote."""
+    saved = [event["path"] for event in interrupted.saves if event.get("path")]
+    wrote = [*saved, *interrupted.wrote]
+    found = set()
+    for path in saved:
+        for entry in (path, os.path.dirname(path)):
+            found |= set(_numbered_siblings(entry, wrote))
+    # beside a checkpoint, so not left alone as the temp folder's scratch is (a cache still is)
+    checkpoints = _checkpoint_places([interrupted]) + sorted({os.path.dirname(path) for path in found})
+    earlier = [path for path in sorted(found) if _the_runs(path, checkpoints)]
+    folder = ledger.folder / "earlier"
+    return [ledger.move(p, str(folder / f"{i:03d}-{Path(p).name}"), run="earlier") for i, p in enumerate(earlier)]
 
-    Returns the moves of the doctor's runs' files and of the originals."""
-    folder = ledger.folder / "resumed"
+
+def _numbered_siblings(entry: str, wrote: list[str]) -> list[str]:
+    """The entries beside `entry` named as it is but for their numbers, of its kind, holding nothing written."""
+    parent, pattern = os.path.dirname(entry), _numbered(os.path.basename(entry))
+    if "#" not in pattern or inside(os.getcwd(), parent) or not os.path.isdir(parent):
+        return []
+    siblings = [os.path.join(parent, name) for name in os.listdir(parent) if _numbered(name) == pattern]
+    return [
+        sibling
+        for sibling in siblings
+        if os.path.isdir(sibling) == os.path.isdir(entry) and not any(inside(path, sibling) for path in wrote)
+    ]
+
+
+def _numbered(name: str) -> str:
+    return re.sub(r"[0-9]+", "#", name)
+
+
+def put_back(
+    ledger: Ledger,
+    straight: TracedRun,
+    aside: list[dict],
+    runs: list[TracedRun],
+    earlier: list[dict] = (),
+    into: str = "resumed",
+) -> list[dict]:
+    """The doctor's runs' roots into OUT/files/resumed, every original in place (an earlier run's
+    checkpoints set aside for the resume too), the straight run's roots back where no original is.
+
+    Returns the moves of the doctor's runs' files, of the originals and of the straight run's roots."""
+    folder = ledger.folder / into
     before = originals([straight, *runs])
     paths = outermost(roots(runs) + [p for p in before if os.path.lexists(p)])
     moves = [ledger.move(p, str(folder / f"{i:03d}-{Path(p).name}"), run="resumed") for i, p in enumerate(paths)]
     for path, copy in before.items():
         moves.append(ledger.move(copy, path, restored="was there before the doctor"))
+    for move in earlier:
+        moves.append(ledger.move(move["to"], move["from"], restored="an earlier run's, set aside for the resume"))
+    kept = [*before, *(move["from"] for move in earlier)]
     for move in aside:
-        if not any((move["from"] + os.sep).startswith(p + os.sep) for p in before):
-            ledger.move(move["to"], move["from"], run="straight, put back")
+        if not any((move["from"] + os.sep).startswith(p + os.sep) for p in kept):
+            moves.append(ledger.move(move["to"], move["from"], run="straight, put back"))
     ledger.done()
     return moves
 
@@ -180,3 +230,24 @@ def _copy_back(copy: str, path: str) -> None:
         shutil.copytree(copy, path, symlinks=True)
     else:
         shutil.copy2(copy, path, follow_symlinks=False)
+
+
+def unfinished(out: Path) -> bool:
+    """Whether a doctor into OUT stopped before it put back what its runs moved (kill -9, a power cut)."""
+    ledger = Ledger(out)
+    return ledger.path.exists() or ((out / "traces").is_dir() and not (ledger.folder / "moves.json").exists())
+
+
+def recover(out: Path) -> list[dict]:
+    """What the runs of a doctor into OUT that stopped before its end moved or changed, put back from
+    their traces: every original in place, an earlier run's checkpoints back, the runs' own files (the
+    straight run's too) into OUT/files/stopped. Returns the moves."""
+    runs = [run for name in ("straight", "interrupted", "resumed") if (run := read_run(name, out))]
+    ledger = Ledger(out)
+    planned = json.loads(ledger.path.read_text()) if ledger.path.exists() else []
+    ledger.moves = list(planned)
+    earlier = [move for move in planned if move.get("run") == "earlier" and os.path.lexists(move["to"])]
+    if not runs:
+        ledger.done()
+        return []
+    return put_back(ledger, runs[0], [], runs, earlier, into="stopped")

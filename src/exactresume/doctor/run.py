@@ -158,6 +158,17 @@ def run_traced(
     return run
 
 
+def read_run(name: str, out: Path) -> TracedRun | None:
+    """A run of an earlier doctor into OUT, as its traces on disk tell it (the paths it wrote and kept),
+    or None where it never started."""
+    trace = out / "traces" / name
+    if not trace.is_dir():
+        return None
+    run = TracedRun(name, [], -1, 0.0, out / "logs" / f"{name}.log", None)
+    _read_traces(run, trace)
+    return run
+
+
 def _check_started(run: TracedRun) -> None:
     """One line when the tracer saw nothing: it could not start in the command's Python, or the command
     started no Python it could start in (a command that failed before is the examiner's to report)."""

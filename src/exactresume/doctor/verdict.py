@@ -17,6 +17,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from exactresume.atomic import atomic_write_bytes
+from exactresume.doctor.context import listed
 from exactresume.doctor.diagnose import name_of
 
 FLOOR = 1e-12
@@ -29,15 +30,21 @@ def terminal(plan, runs, diagnosis) -> str:
     lines += [f"  missing from the checkpoint: {r['name']} ({r['detail']}); fix: {r['fix']}" for r in diagnosis.missing]
     lines += [f"  fix: {line}" for line in diagnosis.fixes]
     lines += [f"  note: {line}" for line in diagnosis.notes if "not seeded" not in line]
-    roots = [Path(m["from"]) for m in runs.moves if m.get("run") == "straight"]
+    roots = [Path(m["to"]) for m in runs.moves if m.get("run") == "straight, put back"]
     files = sorted({shown(root if root.is_dir() else root.parent) for root in roots})
     if files:
-        lines.append(f"  the script's files are in {', '.join(files)} (the straight run's, put back)")
-    restored = [m for m in runs.moves if "restored" in m]
+        lines.append(f"  the straight run's files are back where the script wrote them, in {', '.join(files)}")
+    restored = [m for m in runs.moves if m.get("restored") == "was there before the doctor"]
     if restored:
         lines.append(
             f"  {len(restored)} path(s) there before the doctor, changed by its runs, are back as they were; "
             f"the straight run's versions: {shown(plan.out / 'files' / 'straight')}"
+        )
+    earlier = [shown(Path(m["from"])) for m in runs.moves if m.get("run") == "earlier"]
+    if earlier:
+        lines.append(
+            f"  {listed(earlier)}, an earlier run's checkpoints beside the interrupted run's, were set aside for "
+            "the resume (it would have found them) and are back"
         )
     lines.append(
         f"  the doctor's runs' files: {shown(plan.out / 'files' / 'resumed')}; details: {shown(plan.out / 'report.md')}"
@@ -118,8 +125,7 @@ def markdown(plan, runs, diagnosis) -> str:
     for name in ("straight", "interrupted", "resumed"):
         run = getattr(runs, name)
         lines.append(f"- {name}: {len(run.steps)} steps, exit code {run.rc}, {run.wall_s:.1f} s, output in `{run.log}`")
-    lines += [f"- `{m['from']}` → `{m['to']}`" for m in runs.moves if m.get("run") != "straight"]
-    lines.append("- the straight run's files are back where the script wrote them")
+    lines += [f"- `{m['from']}` → `{m['to']}`" for m in runs.moves if m.get("run") not in ("straight", "earlier")]
     return "\n".join(lines) + "\n"
 
 

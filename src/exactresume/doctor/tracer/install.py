@@ -240,6 +240,14 @@ def _wrap_files(tracer: Tracer, patches: Patches) -> None:
     # tracer imports nothing the script does not (safetensors, say)
     after_import(tracer, patches, "torch.distributed.checkpoint", lambda module: _wrap_dcp(tracer, patches, module))
     after_import(tracer, patches, "safetensors.torch", lambda module: _wrap_safetensors(tracer, patches, module))
+    # exactresume's own lines (the Accelerate one) publish a checkpoint folder over an older one by an
+    # atomic exchange (renameat2, through ctypes), which no hook of os sees: the same as a rename here.
+    after_import(tracer, patches, "exactresume.atomic", lambda module: _wrap_exchange(tracer, patches, module))
+
+
+def _wrap_exchange(tracer: Tracer, patches: Patches, module) -> None:
+    if hasattr(module, "_exchange"):
+        patches.replace(module, "_exchange", lambda original: renaming(tracer, original))
 
 
 def _wrap_safetensors(tracer: Tracer, patches: Patches, module) -> None:
