@@ -60,7 +60,7 @@ def examine(plan: Plan) -> Runs:
         restored = [move for move in recover(plan.out) if "restored" in move]
         print(
             f"doctor: a doctor into {plan.out} stopped before its end: {len(restored)} path(s) its runs had moved "
-            f"or changed are back as they were; its runs' files: {plan.out / 'previous' / 'files' / 'stopped'}"
+            f"or changed are back as they were; its runs' files: {plan.out / 'previous' / 'files'}"
         )
     _keep_previous(plan.out)
     return _run_three(plan, Ledger(plan.out), Launcher(plan.warm, plan.out / "logs"))
