@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from exactresume.cli import main
-from exactresume.doctor.files import originals, roots
+from exactresume.doctor.files import Ledger, originals, put_back, roots
 from exactresume.doctor.run import Process, TracedRun
 from exactresume.doctor.tracer.files import Files
 from helpers import assert_one_line_error, call_cli, stable_environ
@@ -145,6 +145,31 @@ for step in range(600):
     torch.save(model.state_dict(), os.path.join(sys.argv[1], "last.pt"))
     time.sleep(0.05)
 """
+
+
+def test_a_put_back_cut_short_is_finished_without_moving_what_it_had_put_back(tmp_path, monkeypatch):
+    """A doctor stopped halfway through putting back: the next one's recovery leaves the originals it
+    had put back where they are (their copies are gone), and finishes the rest."""
+    monkeypatch.chdir(tmp_path)
+    user, out = tmp_path / "ckpt", tmp_path / "doctor"
+    user.mkdir()
+    (out / "files" / "before").mkdir(parents=True)
+    for name in ("a.pt", "b.pt"):
+        (user / name).write_text(f"the user's {name}")
+    (out / "files" / "before" / "b.pt").write_text("the user's b.pt")  # a.pt's copy: put back already
+    (user / "b.pt").write_text("the run's")
+    (user / "new.pt").write_text("made by the run")
+    run = traced(
+        {str(user / n): n == "new.pt" for n in ("a.pt", "b.pt", "new.pt")},
+        {
+            str(user / "a.pt"): str(out / "files" / "before" / "a.pt"),
+            str(user / "b.pt"): str(out / "files" / "before" / "b.pt"),
+        },
+        saves=[str(user / "new.pt")],
+    )
+    put_back(Ledger(out), run, [], [run], into="stopped")
+    assert {p.name: p.read_text() for p in user.iterdir()} == {"a.pt": "the user's a.pt", "b.pt": "the user's b.pt"}
+    assert sorted(p.read_text() for p in (out / "files" / "stopped").iterdir()) == ["made by the run", "the run's"]
 
 
 def test_a_killed_doctor_leaves_no_run_writing_into_the_users_folder(tmp_path):

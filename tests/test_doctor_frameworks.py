@@ -295,6 +295,11 @@ def test_checkpoint_folders_published_over_an_earlier_runs_are_put_back_and_the_
     after = {path.parent.name: path.read_bytes() for path in (tmp_path / "out").glob("step-*/resume.pt")}
     assert after == before  # each folder as it was, not the doctor's runs' versions
     assert sorted(os.listdir(tmp_path / "out")) == ["step-2", "step-4", "step-6", "step-8"]
+    assert all(os.listdir(folder) == ["resume.pt"] for folder in (tmp_path / "out").iterdir())  # nothing moved in
+    again = call_cli("doctor", *DOCTOR_FLAGS, "--out", tmp_path / "d", "--", *command)  # the same, once more
+    assert again.returncode == 0 and "exact: steps 5..8" in again.stdout, again.stdout + again.stderr
+    assert {path.parent.name: path.read_bytes() for path in (tmp_path / "out").glob("step-*/resume.pt")} == before
+    assert all(os.listdir(folder) == ["resume.pt"] for folder in (tmp_path / "out").iterdir())
 
 
 def test_an_older_checkpoint_named_otherwise_found_by_the_resume_is_named_and_kept(tmp_path):

@@ -134,8 +134,8 @@ class Ledger:
     def move(self, source: str, target: str, **facts) -> dict:
         move = {"from": source, "to": target} | facts
         self.moves.append(move)
-        if not os.path.lexists(source) and os.path.lexists(target):
-            return move  # made before a doctor that was stopped (recover) could note it done
+        if os.path.lexists(target):  # made before a doctor that was stopped (recover) could note it done,
+            return move  # or a path already put back: never into it, never over it
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.moves, indent=1))
         Path(target).parent.mkdir(parents=True, exist_ok=True)
@@ -209,12 +209,16 @@ def put_back(
     Returns the moves of the doctor's runs' files, of the originals and of the straight run's roots."""
     folder = ledger.folder / into
     before = originals([straight, *runs])
-    paths = outermost(roots(runs) + [p for p in before if os.path.lexists(p)])
+    done = [path for path, copy in before.items() if not os.path.lexists(copy)]  # by a doctor stopped since
+    before = {path: copy for path, copy in before.items() if path not in done}
+    made = [path for path in roots(runs) if not any(inside(path, original) for original in done)]
+    paths = outermost(made + [p for p in before if os.path.lexists(p)])
     moves = [ledger.move(p, str(folder / f"{i:03d}-{Path(p).name}"), run="resumed") for i, p in enumerate(paths)]
     for path, copy in before.items():
         moves.append(ledger.move(copy, path, restored="was there before the doctor"))
-    for move in earlier:
-        moves.append(ledger.move(move["to"], move["from"], restored="an earlier run's, set aside for the resume"))
+    for move in earlier:  # where the straight run had changed it too, its original is back already
+        if not any(inside(move["from"], path) or inside(path, move["from"]) for path in before):
+            moves.append(ledger.move(move["to"], move["from"], restored="an earlier run's, set aside for the resume"))
     kept = [*before, *(move["from"] for move in earlier)]
     for move in aside:
         if not any((move["from"] + os.sep).startswith(p + os.sep) for p in kept):
