@@ -96,7 +96,15 @@ def test_the_lab_hands_its_runs_its_config_through_its_run_record(tmp_path):
         ('{"step": 3}', ("step is not a field of the run (they are seed, steps,",)),
         ('{"steps": "60"}', ("steps must be an int, got a str",)),
         ('{"lr": true}', ("lr must be a float, got a bool",)),
-        ('{"dtype": "fp8"}', ("dtype must be one of fp32, bf16, fp16",)),
+        (
+            '{"dtype": "fp8"}',
+            (
+                "--config",
+                "dtype must be one of fp32, bf16, fp16",
+            ),
+        ),
+        ('{"steps": -5}', ("--config", ": steps must be at least 1, got -5")),  # the file's name, not --steps
+        ('{"data": 1, "out": 2}', ("data, out are not fields of the run",)),
     ],
 )
 def test_a_config_file_that_is_not_one_is_refused_in_one_line_and_nothing_is_written(tmp_path, text, needles):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from exactresume.cli import main
-from exactresume.doctor.files import Ledger, originals, put_back, roots
+from exactresume.doctor.files import Ledger, originals, put_back, roots, set_aside
 from exactresume.doctor.run import Process, TracedRun
 from exactresume.doctor.tracer.files import Files
 from helpers import assert_one_line_error, call_cli, stable_environ
@@ -145,6 +145,29 @@ for step in range(600):
     torch.save(model.state_dict(), os.path.join(sys.argv[1], "last.pt"))
     time.sleep(0.05)
 """
+
+
+def test_a_file_the_straight_run_added_to_a_folder_of_yours_is_not_put_back_into_it(tmp_path, monkeypatch):
+    """A checkpoint folder of the user's own run that the straight run wrote into (a rank file of its own
+    beside the user's weights) gets back the user's files only: mixed, a later resume of it would read the
+    doctor's run's file with the user's weights. A folder the straight run made comes back whole."""
+    monkeypatch.chdir(tmp_path)
+    yours, made, out = tmp_path / "out" / "checkpoint-2", tmp_path / "out" / "checkpoint-4", tmp_path / "doctor"
+    for folder in (yours, made, out / "files" / "before"):
+        folder.mkdir(parents=True)
+    (out / "files" / "before" / "model.pt").write_text("yours")
+    (yours / "model.pt").write_text("the straight run's")
+    (yours / "rank0.pt").write_text("added by the straight run")
+    (made / "model.pt").write_text("made by the straight run")
+    wrote = {yours / "model.pt": False, yours / "rank0.pt": True, made: True, made / "model.pt": True}
+    kept = {str(yours / "model.pt"): str(out / "files" / "before" / "model.pt")}
+    run = traced(
+        {str(path): new for path, new in wrote.items()}, kept, [str(yours / "model.pt"), str(made / "model.pt")]
+    )
+    ledger = Ledger(out)
+    put_back(ledger, run, set_aside(ledger, run), [])
+    assert os.listdir(yours) == ["model.pt"] and (yours / "model.pt").read_text() == "yours"
+    assert os.listdir(made) == ["model.pt"] and (made / "model.pt").read_text() == "made by the straight run"
 
 
 def test_a_put_back_cut_short_is_finished_without_moving_what_it_had_put_back(tmp_path, monkeypatch):

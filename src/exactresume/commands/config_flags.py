@@ -16,7 +16,7 @@ from dataclasses import Field, fields
 from pathlib import Path
 
 from exactresume.config import FEATURES_GROUP, RUN_GROUP, TrainConfig
-from exactresume.errors import UserError, a_kind_of
+from exactresume.errors import FieldError, UserError, a_kind_of
 
 CHECKPOINTS_GROUP = "checkpoints"
 ABLATION_GROUP = "ablation"
@@ -59,7 +59,14 @@ def add_config_flags(groups: dict[str, argparse._ArgumentGroup]) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The config the command line gives: each field as typed, else from --config, else its default."""
     typed = {field.name: getattr(args, field.name) for field in fields(TrainConfig) if hasattr(args, field.name)}
-    return TrainConfig(**(_read_config_file(args.config) if args.config else {}) | typed)
+    if not args.config:
+        return TrainConfig(**typed)
+    try:
+        return TrainConfig(**_read_config_file(args.config) | typed)
+    except FieldError as error:
+        if set(error.fields) & set(typed):
+            raise
+        raise UserError(f"--config {args.config}: {error}") from None  # the file's field names, not flags
 
 
 def _read_config_file(path: Path) -> dict:
@@ -79,9 +86,8 @@ def _read_config_file(path: Path) -> dict:
     known = {field.name: field for field in fields(TrainConfig)}
     unknown = sorted(set(values) - set(known))
     if unknown:
-        raise UserError(
-            f"--config {path}: {', '.join(unknown)} is not a field of the run (they are {', '.join(known)})"
-        )
+        named = f"{unknown[0]} is not a field" if len(unknown) == 1 else f"{', '.join(unknown)} are not fields"
+        raise UserError(f"--config {path}: {named} of the run (they are {', '.join(known)})")
     return {name: _field_value(path, known[name], value) for name, value in values.items()}
 
 

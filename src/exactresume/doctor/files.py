@@ -220,8 +220,11 @@ def put_back(
         if not any(inside(move["from"], path) or inside(path, move["from"]) for path in before):
             moves.append(ledger.move(move["to"], move["from"], restored="an earlier run's, set aside for the resume"))
     kept = [*before, *(move["from"] for move in earlier)]
+    # A folder that holds files of yours the runs changed (a checkpoint folder of your own run) gets
+    # back only yours: a file the straight run added beside them would mix two runs in one checkpoint.
+    yours = {os.path.dirname(path) for path in before}
     for move in aside:
-        if not any((move["from"] + os.sep).startswith(p + os.sep) for p in kept):
+        if not any(inside(move["from"], p) for p in kept) and os.path.dirname(move["from"]) not in yours:
             moves.append(ledger.move(move["to"], move["from"], run="straight, put back"))
     ledger.done()
     return moves
