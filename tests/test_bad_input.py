@@ -205,3 +205,12 @@ def test_prepare_refusals_are_one_line_with_exit_2(tmp_path):
     ):
         assert_one_line_error(call_cli("prepare", "--out", out, *flags), reason)
         assert not (out / "manifest.json").exists()
+
+
+def test_resume_auto_beside_a_stop_at_file_says_which_flag_reads_it(tmp_path, kjv_folder, stopped):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "resume.pth").write_bytes((stopped / "resume.pth").read_bytes())
+    finished = call_cli("train", "--out", tmp_path / "out", "--data", kjv_folder, *SMALL, "--resume", "auto")
+    said = finished.stdout + finished.stderr
+    assert finished.returncode == 0 and "starting at step 0" in said, said
+    assert f"(the --stop-at file {tmp_path / 'out' / 'resume.pth'} is read by --resume FILE)" in said, said

@@ -174,9 +174,11 @@ class TrainConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise FieldError(f"dropout must be in [0, 1), got {self.dropout}", "dropout")
         self._check_micro_batch()
-        if self.workers < 0 or (self.workers and self.loader != "epoch"):
+        if self.workers < 0:
+            raise FieldError(f"workers must be at least 0, got {self.workers}", "workers")
+        if self.workers and self.loader != "epoch":
             raise FieldError(
-                f"workers {self.workers}: worker processes need loader epoch and a count of at least 0",
+                f"workers {self.workers} needs loader epoch (random batches take no worker processes)",
                 "workers",
                 "loader",
             )
