@@ -142,6 +142,10 @@ class Ledger:
         shutil.move(source, target)
         return move
 
+    def move_into(self, paths: list[str], folder: Path, run: str) -> list[dict]:
+        """Each path into `folder`, numbered in order (two paths may share a name)."""
+        return [self.move(p, str(folder / f"{i:03d}-{Path(p).name}"), run=run) for i, p in enumerate(paths)]
+
     def done(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "moves.json").write_text(json.dumps(self.moves, indent=1))
@@ -153,7 +157,7 @@ def set_aside(ledger: Ledger, straight: TracedRun) -> list[dict]:
     folder = ledger.folder / "straight"
     before = originals([straight])
     paths = outermost(roots([straight]) + [p for p in before if os.path.lexists(p)])
-    moves = [ledger.move(p, str(folder / f"{i:03d}-{Path(p).name}"), run="straight") for i, p in enumerate(paths)]
+    moves = ledger.move_into(paths, folder, "straight")
     for path, copy in before.items():
         _copy_back(copy, path)
     return moves
@@ -175,7 +179,7 @@ def set_aside_earlier(ledger: Ledger, interrupted: TracedRun) -> list[dict]:
     checkpoints = _checkpoint_places([interrupted]) + sorted({os.path.dirname(path) for path in found})
     earlier = [path for path in sorted(found) if _the_runs(path, checkpoints)]
     folder = ledger.folder / "earlier"
-    return [ledger.move(p, str(folder / f"{i:03d}-{Path(p).name}"), run="earlier") for i, p in enumerate(earlier)]
+    return ledger.move_into(earlier, folder, "earlier")
 
 
 def _numbered_siblings(entry: str, wrote: list[str]) -> list[str]:
@@ -213,7 +217,7 @@ def put_back(
     before = {path: copy for path, copy in before.items() if path not in done}
     made = [path for path in roots(runs) if not any(inside(path, original) for original in done)]
     paths = outermost(made + [p for p in before if os.path.lexists(p)])
-    moves = [ledger.move(p, str(folder / f"{i:03d}-{Path(p).name}"), run="resumed") for i, p in enumerate(paths)]
+    moves = ledger.move_into(paths, folder, "resumed")
     for path, copy in before.items():
         moves.append(ledger.move(copy, path, restored="was there before the doctor"))
     for move in earlier:  # where the straight run had changed it too, its original is back already

@@ -156,9 +156,9 @@ class JobRun:
             resumed = open_resume(job.resume, job.checkpoint_folder, needs, notify=self.notify, destination=into)
         if resumed is None:
             if world.is_main:
-                stopped = isinstance(job.resume_file, Path) and job.resume_file.exists()  # --auto reads no such file
-                stopped = f" (the --stop-at file {job.resume_file} is read by --resume FILE)" if stopped else ""
-                note(f"no checkpoint in {job.checkpoint_folder}{stopped}; starting at step 0")
+                stop_file = isinstance(job.resume_file, Path) and job.resume_file.exists()  # auto reads no such file
+                hint = f" (the --stop-at file {job.resume_file} is read by --resume FILE)" if stop_file else ""
+                note(f"no checkpoint in {job.checkpoint_folder}{hint}; starting at step 0")
             return
         parts = run.parts() if resumed.kind == "sharded" else run.file_parts()
         resumed.restore(parts, skip=skip_parts, world=world)
