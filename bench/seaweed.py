@@ -49,10 +49,13 @@ def _free(port: int) -> bool:
 _PORTS = random.SystemRandom()
 
 
-def _free_ports(count: int, taken: tuple[int, ...] = ()) -> list[int]:
+PORTS = range(10000, 20000)  # each port p and its gRPC port p + 10000
+
+
+def _free_ports(count: int, span: range, taken: tuple[int, ...] = ()) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
-        port = _PORTS.randint(10000, 19999)
+        port = _PORTS.choice(span)
         if port not in (*ports, *taken) and _free(port) and _free(port + 10000):
             ports.append(port)
     return ports
@@ -61,9 +64,11 @@ def _free_ports(count: int, taken: tuple[int, ...] = ()) -> list[int]:
 class SeaweedServer:
     """One `weed server` (master, volume, filer and S3 gateway) over a data folder."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.s3, self.master, self.volume, self.filer = _free_ports(4)
+    def __init__(self, folder: Path, ports: range = PORTS):
+        """`ports`: where its ports are drawn from; servers started side by side by several processes each
+        take a part of PORTS of their own (two that probe the same free port at once both take it)."""
+        self.folder, self.ports = folder, ports
+        self.s3, self.master, self.volume, self.filer = _free_ports(4, ports)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -91,7 +96,7 @@ class SeaweedServer:
             # A port of ours was taken while it was stopped (another server's start, on another test
             # process, may pick it): other ports for the parts behind the gateway, the same endpoint.
             time.sleep(1.0 + attempt)
-            self.master, self.volume, self.filer = _free_ports(3, taken=(self.s3,))
+            self.master, self.volume, self.filer = _free_ports(3, self.ports, taken=(self.s3,))
         raise RuntimeError(f"weed server exited {self.process.returncode}: see {self.folder / 'weed.log'}")
 
     def _wait_until_answering(self, timeout: float, log_start: int) -> bool:

@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 
 from exactresume.core.data import PrepareConfig, prepare
+from exactresume.forkserver import client as forkserver
 from helpers import MOTO_SECRET, OFFLINE, TINY_TEXT
 
 os.environ.update(OFFLINE)  # before any test starts a process or a fork server (helpers.OFFLINE)
+# A test process starts runs of more kinds than a user's does (the doctor's, with and without its tracer on
+# the path, the frameworks', the trainer's): kept, not closed and started again for each turn of kinds.
+forkserver.MAX_SERVERS = 10
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -64,10 +68,12 @@ def s3_server(tmp_path_factory):
     """A real S3 server on this machine (bench/seaweed.py), with test credentials in the environment."""
     import os
 
-    from bench.seaweed import CREDENTIALS, SeaweedServer
+    from bench.seaweed import CREDENTIALS, PORTS, SeaweedServer
 
     os.environ.update(CREDENTIALS)
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweed")).start()
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"), PORTS[worker::workers]).start()
     yield server
     server.stop()
 
