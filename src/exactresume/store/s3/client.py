@@ -22,6 +22,7 @@ that answers HTTP without S3's error documents is named as the wrong port it mos
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import struct
 import threading
@@ -322,9 +323,11 @@ def _refusal(what: str, code: str, error: Exception) -> Exception:
 
 
 def _make_client(config: S3Config) -> Any:
-    """A boto3 S3 client: credentials from the standard chain, our own retries (boto3's are turned off)."""
+    """A boto3 S3 client: credentials from the standard chain (a session of its own, which resolves them
+    again), our own retries (boto3's are turned off), and the process's one reader of botocore's models."""
     try:
-        import boto3
+        import boto3  # noqa: F401  (the SDK the [s3] extra installs; its clients are botocore's own)
+        import botocore.session
         from botocore.config import Config
     except ImportError:
         raise UserError("s3:// locations need boto3: pip install 'exactresume[s3]'") from None
@@ -337,5 +340,15 @@ def _make_client(config: S3Config) -> Any:
         request_checksum_calculation="when_required",  # we send each part's CRC-32 ourselves
         response_checksum_validation="when_required",
     )
-    session = boto3.session.Session()
-    return session.client("s3", endpoint_url=config.endpoint, config=settings)
+    session = botocore.session.Session()
+    session.register_component("data_loader", _models())
+    return session.create_client("s3", endpoint_url=config.endpoint, config=settings)
+
+
+@functools.cache
+def _models() -> Any:
+    """botocore's loader of its JSON models, shared by every session of this process: a new one parses S3's
+    model again, 0.1 s of CPU a client (most of a small load's time on an object store)."""
+    import botocore.loaders
+
+    return botocore.loaders.create_loader()
