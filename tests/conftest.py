@@ -66,8 +66,6 @@ def small_disk(tmp_path):
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3 server on this machine (bench/seaweed.py), with test credentials in the environment."""
-    import os
-
     from bench.seaweed import CREDENTIALS, PORTS, SeaweedServer
 
     os.environ.update(CREDENTIALS)
