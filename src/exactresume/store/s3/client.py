@@ -341,14 +341,14 @@ def _make_client(config: S3Config) -> Any:
         response_checksum_validation="when_required",
     )
     session = botocore.session.Session()
-    session.register_component("data_loader", _models())
+    session.register_component("data_loader", _models(session.get_config_variable("data_path")))
     return session.create_client("s3", endpoint_url=config.endpoint, config=settings)
 
 
 @functools.cache
-def _models() -> Any:
-    """botocore's loader of its JSON models, shared by every session of this process: a new one parses S3's
-    model again, 0.1 s of CPU a client (most of a small load's time on an object store)."""
+def _models(data_path: str | None) -> Any:
+    """botocore's loader of its JSON models (and of any in AWS_DATA_PATH, as a session's own would be), shared
+    by every session of this process: a new one parses S3's model again, 0.1 s of CPU a client."""
     import botocore.loaders
 
-    return botocore.loaders.create_loader()
+    return botocore.loaders.create_loader(data_path)
