@@ -46,7 +46,7 @@ def _free(port: int) -> bool:
 
 # The OS's randomness, not the `random` module's: a test that restores python's RNG state (GlobalRng)
 # would otherwise make two test processes pick the same ports at once.
-_PORTS = random.SystemRandom()
+_DRAWS = random.SystemRandom()
 
 
 PORTS = range(10000, 20000)  # each port p and its gRPC port p + 10000
@@ -55,7 +55,7 @@ PORTS = range(10000, 20000)  # each port p and its gRPC port p + 10000
 def _free_ports(count: int, span: range, taken: tuple[int, ...] = ()) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
-        port = _PORTS.choice(span)
+        port = _DRAWS.choice(span)
         if port not in (*ports, *taken) and _free(port) and _free(port + 10000):
             ports.append(port)
     return ports
