@@ -93,7 +93,9 @@ class StagingMemory:
         target = staged.get(key) if source.nbytes() else None
         if target is None:
             target = self._storage(len(staged), source.nbytes())
-            target.copy_(source)
+            # Copied as byte tensors: a tensor's copy_ lets go of the interpreter lock while it copies, a
+            # storage's holds it, and the loop's thread waits for every millisecond the writer holds it.
+            _bytes_of(target).copy_(_bytes_of(source))
             staged[key] = target
         return torch.empty(0, dtype=tensor.dtype).set_(target, tensor.storage_offset(), tensor.size(), tensor.stride())
 
@@ -106,6 +108,10 @@ class StagingMemory:
         else:
             self.pool.append(storage)
         return storage
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class Stages(Protocol):

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from exactresume.errors import CheckpointError
+from exactresume.store.resume import IMMUTABLE
 
 LOOK_SECONDS = 0.1  # how often the writer, waiting for the decision, looks whether the loop's thread has ended
 
@@ -114,7 +115,8 @@ def _tensors(value: Any, path: tuple):
             yield from _tensors(item, (*path, key))
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            yield from _tensors(item, (*path, index))
+            if type(item) not in IMMUTABLE:
+                yield from _tensors(item, (*path, index))
 
 
 def _count(tensor: torch.Tensor) -> int | None:

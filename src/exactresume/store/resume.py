@@ -39,6 +39,7 @@ OPTIONAL_PARTS = ("scaler",)  # held only by runs that have one; the config says
 STEP_KEY = "checkpoint_step"  # beside the parts in every file: the step it was saved at
 RESERVED_NAMES = ("format", "version", STEP_KEY, IDENTITY_KEY)  # our own keys: no part may take them
 PER_RANK_KEY = "per_rank"
+IMMUTABLE = frozenset({int, float, str, bytes, bool, type(None)})  # what a copy would give back as it is
 
 
 def capture(parts: Mapping[str, Stateful], step: int | None = None, identity: dict | None = None) -> dict:
@@ -98,7 +99,8 @@ def tensors_in(state: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(value)
     elif isinstance(state, (list, tuple)):
         for value in state:
-            yield from tensors_in(value)
+            if type(value) not in IMMUTABLE:
+                yield from tensors_in(value)
 
 
 def _parameters(part: Stateful) -> Iterator[tuple[str, torch.Tensor]]:
@@ -199,6 +201,8 @@ def _copied(tensor: torch.Tensor) -> torch.Tensor:
 def rebuilt(value: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """`value` with its dicts, lists and tuples remade, each tensor replaced by `tensor(it)`, and every
     other value deep-copied (numbers, strings, numpy RNG arrays: small)."""
+    if type(value) in IMMUTABLE:
+        return value
     if isinstance(value, torch.Tensor):
         return tensor(value)
     if isinstance(value, dict):
@@ -209,6 +213,8 @@ def rebuilt(value: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, list):
         return [rebuilt(item, tensor) for item in value]
     if type(value) is tuple:
+        if all(type(item) in IMMUTABLE for item in value):  # Python's RNG state: 625 ints
+            return value
         return tuple(rebuilt(item, tensor) for item in value)
     return copy.deepcopy(value)
 
