@@ -199,8 +199,8 @@ def _copied(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def rebuilt(value: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`value` with its dicts, lists and tuples remade, each tensor replaced by `tensor(it)`, and every
-    other value deep-copied (numbers, strings, numpy RNG arrays: small)."""
+    """`value` with its dicts, lists and tuples remade, each tensor replaced by `tensor(it)`, every other
+    value deep-copied (numpy RNG arrays: small) but the immutable ones, kept as they are."""
     if type(value) in IMMUTABLE:
         return value
     if isinstance(value, torch.Tensor):
