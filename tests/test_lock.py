@@ -5,10 +5,12 @@ uninterrupted run; readers take no lock.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -174,6 +176,20 @@ def test_a_second_checkpoint_store_is_refused_in_this_process_and_another(tmp_pa
         third.save(2, {"count": Counter(2)})
     restored = Counter()
     assert CheckpointStore(folder).load({"count": restored}) == 2 and restored.value == 2
+
+
+def test_a_refusal_in_the_moment_the_holder_writes_its_note_still_names_it(tmp_path):
+    """The holder takes the lock, then writes who it is; a refusal in between waits for the note."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked, and still empty
+    note = threading.Timer(0.05, lambda: os.pwrite(fd, b'{"pid": 4242, "host": "h", "since": 0}\n', 0))
+    note.start()
+    with pytest.raises(UserError, match="is being written by pid 4242 on host h"):
+        FolderLock.acquire(folder)
+    note.join()
+    os.close(fd)
 
 
 def test_lab_and_ablate_are_refused_while_the_folder_is_written(tmp_path, kjv_folder):

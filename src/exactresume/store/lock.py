@@ -64,7 +64,7 @@ class FolderLock:
             lock = cls._try(folder)
             if lock is not None:
                 return lock, ""
-            holder = read_holder(folder / LOCK_NAME)
+            holder = _holder_once_written(folder / LOCK_NAME)
             if holder.get("token") in _inherited_tokens() and holder.get("pid") != os.getpid():
                 return cls(folder, None, str(holder["token"])), ""  # our parent's lock: we write for it
             return None, describe_holder(folder, holder)
@@ -155,6 +155,18 @@ def wait_for_turn(
             notify(f"{holder}; waiting up to {wait:g} s for it to finish")
             told = True
         time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+
+def _holder_once_written(path: Path, tries: int = 20) -> dict:
+    """`read_holder`, read again for a moment while the file is empty: a holder writes it just after it
+    takes the lock, and a refusal should name it."""
+    holder = read_holder(path)
+    for _ in range(tries):
+        if holder:
+            break
+        time.sleep(0.01)
+        holder = read_holder(path)
+    return holder
 
 
 def read_holder(path: Path) -> dict:
