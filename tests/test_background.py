@@ -256,6 +256,40 @@ def test_when_the_loop_thread_ends_without_waiting_the_writer_decides(tmp_path):
     store.wait()
 
 
+@pytest.mark.parametrize("mode", [BEFORE_RETURN, DURING_NEXT_STEP])
+def test_load_waits_for_the_save_in_flight_and_reads_it(tmp_path, mode):
+    """A rollback right after a background save loads that save, not the one before it, and takes
+    nothing from under its writer."""
+    loop = Loop()
+    store = CheckpointStore(tmp_path / "checkpoints", background=True, copy=mode)
+    store.save(1, loop.parts)
+    store.wait_for_copy()  # the loop's BatchNorm changes its state in the forward
+    loop.step()
+    commit = store.commit
+    store.commit = lambda *args, **kwargs: (time.sleep(0.5), commit(*args, **kwargs))[1]  # a slow disk
+    store.save(2, loop.parts)
+    at_two = {name: tensor.clone() for name, tensor in loop.model.state_dict().items()}
+    store.wait_for_copy()
+    loop.step()  # the write goes on
+    assert store.busy()
+    assert store.load(loop.parts) == 2
+    assert all(torch.equal(loop.model.state_dict()[name], tensor) for name, tensor in at_two.items())
+    store.close()
+
+
+def test_a_closed_store_saves_and_loads_no_more_and_holds_no_lock(tmp_path):
+    loop = Loop()
+    with CheckpointStore(tmp_path / "checkpoints", background=True) as store:
+        store.save(1, loop.parts)
+    for call in (lambda: store.save(2, loop.parts), lambda: store.load(loop.parts)):
+        with pytest.raises(UserError, match="checkpoints is closed: make a new CheckpointStore to save or load again"):
+            call()
+    again = CheckpointStore(tmp_path / "checkpoints")  # the folder is not held by the closed store
+    assert again.load(loop.parts) == 1
+    again.save(2, loop.parts)
+    again.close()
+
+
 def test_an_unknown_copy_mode_is_refused(tmp_path):
     with pytest.raises(UserError, match="copy must be 'before-return' or 'during-next-step', got 'overlap'"):
         CheckpointStore(tmp_path, background=True, copy="overlap")

@@ -91,7 +91,12 @@ def test_a_resume_takes_the_newest_checkpoint_of_this_run_that_verifies_across_t
         step(straight, number)
     for name, tensor in straight["model"].state_dict().items():
         assert torch.equal(resumed["model"].state_dict()[name], tensor), name
-    if loss != "wiped":
+    if loss == "wiped":
+        assert said == [
+            f"the local tier {local} holds no checkpoint (a new machine, or its folder wiped): "
+            f"resuming from {tmp_path / 'durable' / checkpoint_name(6)}, the durable tier's newest"
+        ]
+    else:
         assert len(said) == 1 and ("damaged" if loss == "damaged" else "another run's, by its identity") in said[0]
     if loss == "another run's":  # never written over nor pruned: set aside when this run saves its step
         with tiered(tmp_path, identity=identity, said=said) as store:

@@ -125,6 +125,7 @@ class CheckpointStore:
         self.identity, self.gate = check_identity(identity), SaveGate()
         self.world, self.writer = _saving_world(background, copy, world, sharded), None
         self.coalesced = 0  # saves skipped by `coalesce` because the one before was still being written
+        self.closed = False
         # checkpoints found to verify, and to be sealed otherwise (SealError), by path: each read once
         self.sound: frozenset[Location] = frozenset()
         self.sealed_otherwise: dict[Location, str] = {}
@@ -227,6 +228,7 @@ class CheckpointStore:
         In the background, it returns once the state is copied (or at once: background.py), and with
         `coalesce` a save asked for while the one before is still being written is skipped (None).
         Under many processes every rank calls it, and every rank skips together."""
+        self._check_open()
         check_parts(parts)
         if self.layout.sharded:
             return self._save_sharded(step, per_rank(parts, self.world))
@@ -425,14 +427,20 @@ class CheckpointStore:
         return self.writer.blocked_seconds if self.writer is not None else 0.0
 
     def close(self) -> None:
-        """Wait for the save in flight, then let another store write the folder (`release`)."""
+        """Wait for the save in flight, then let another store write the folder (`release`); the store
+        saves and loads no more."""
         try:
             if self.writer is not None:
                 self.writer.close()
             if self.durable is not None:
                 self.durable.wait()
         finally:
+            self.closed = True
             self.release()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise UserError(f"the store of {self.folder} is closed: make a new CheckpointStore to save or load again")
 
     def __enter__(self) -> CheckpointStore:
         return self
@@ -466,9 +474,12 @@ class CheckpointStore:
         are, `fresh` parts new since the save, which then start as they are. With `clean` (the writer)
         it first locks the folder and removes the leftovers of interrupted saves; without (a reader) it
         takes no lock. Under many processes every rank calls it, each restores its own entry of the
-        per-rank parts (or its shards), and only rank 0 cleans.
+        per-rank parts (or its shards), and only rank 0 cleans. A background save still in flight is
+        waited for first (its error raised), so that the newest checkpoint is the last one saved.
         """
+        self._check_open()
         check_parts(parts)  # a mistake in the call is named before anything is read or cleaned
+        self.wait()
         if self.layout.sharded:
             from exactresume.store.sharded import sharded_parts  # DCP takes a second to import: only when used
 
@@ -480,6 +491,7 @@ class CheckpointStore:
         if found is None:
             return None
         checkpoint, state = found
+        self._say_if_the_local_tier_was_lost(checkpoint)
         if not any_identity:
             self._check_run(checkpoint, state)
         try:
@@ -491,6 +503,14 @@ class CheckpointStore:
         for name in starting:
             self.notify(started_fresh(checkpoint.path, name))
         return checkpoint.step
+
+    def _say_if_the_local_tier_was_lost(self, checkpoint: Checkpoint) -> None:
+        """A local tier with no checkpoint beside a durable one that has: a new machine, or a wiped folder."""
+        if self.durable is not None and not self.place.checkpoints(self.layout):
+            self.notify(
+                f"the local tier {self.place.folder} holds no checkpoint (a new machine, or its folder wiped): "
+                f"resuming from {checkpoint.path}, the durable tier's newest"
+            )
 
     @_sealed_with_its_key
     def load_newest(self, places: list[Place] | None = None) -> tuple[Checkpoint, dict] | None:
