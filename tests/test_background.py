@@ -7,6 +7,8 @@ test_fault_tolerance.py, resumed in new processes; users' loops in tests/users/t
 from __future__ import annotations
 
 import errno
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -23,7 +25,7 @@ from exactresume.store.faults import Fault, FaultPoints
 from exactresume.store.numbered import CheckpointStore
 from exactresume.store.resume import capture
 from exactresume.training.loop import build_run, train
-from helpers import SMALL, assert_one_line_error, call_cli
+from helpers import SMALL, assert_one_line_error, call_cli, run_python
 
 
 @pytest.fixture
@@ -288,6 +290,42 @@ def test_a_closed_store_saves_and_loads_no_more_and_holds_no_lock(tmp_path):
     assert again.load(loop.parts) == 1
     again.save(2, loop.parts)
     again.close()
+
+
+EXITS_WITHOUT_CLOSE = """
+import sys
+import torch
+from exactresume import CheckpointStore
+
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.AdamW(model.parameters())
+store = CheckpointStore(sys.argv[1], background=True, copy="during-next-step")
+store.save(1, {"model": model, "optimizer": optimizer})
+with torch.no_grad():
+    model.weight.mul_(2)  # before the loop waited for the copy; then the script ends
+"""
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_refusal_no_call_is_left_to_raise_is_said_at_the_exit(tmp_path, fork):
+    """A script that changes the state after its last save and ends without close: at its exit the
+    writer refuses the save, and the refusal is said on stderr, forked from a server as in a new process."""
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS_WITHOUT_CLOSE)
+    command = [sys.executable, str(script), str(tmp_path / "checkpoints")]
+    if fork:
+        finished = run_python(*command[1:])  # stdout and stderr together
+    else:
+        finished = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = finished.stdout
+    assert finished.returncode == 0, output
+    assert output.splitlines() == [
+        "exactresume: the checkpoint at step 1 was not written: model.weight changed in place before the loop waited "
+        "for its copy (with copy='during-next-step' the state is copied during the next step and may change only "
+        "from the optimizer's step on); save with the default copy='before-return', or make the change after "
+        "store.wait_for_copy()"
+    ]
+    assert not list((tmp_path / "checkpoints").glob("step-*"))
 
 
 def test_an_unknown_copy_mode_is_refused(tmp_path):

@@ -15,7 +15,8 @@ One request per line on stdin, one answer per line on stdout:
 Several runs may go at once; the server exits when its stdin closes. A run is what `PYTHON ARGV...`
 would be after its start: its own environment, folder, argv, sys.path[0] and fresh random seeds,
 output at the descriptor level (C++ output too), the doctor's tracer started from its environment
-when the server loaded one (--tracer), the program run as __main__, atexit handlers at its exit.
+when the server loaded one (--tracer), the program run as __main__, and at its exit its threads
+waited for, then its atexit handlers.
 The server never builds a model or draws a random number, so every run starts from the same state.
 """
 
@@ -29,6 +30,7 @@ import runpy
 import select
 import signal
 import sys
+import threading
 import traceback
 
 TRACER_NAME = "_exactresume_doctor_tracer"  # the private name the tracer's shim loads it under
@@ -108,6 +110,7 @@ def _become_run(request: dict, tracer) -> None:
         traceback.print_exc()
     finally:
         try:
+            threading._shutdown()  # its threads end first, as at an interpreter's exit (a save in flight, say)
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()

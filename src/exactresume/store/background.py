@@ -29,11 +29,12 @@ back verified, and a kill at any moment leaves what a kill of a synchronous save
 save is in flight: `save` first waits for the previous one and reuses its staging memory (the copy
 is kept between saves, so a background-saving run holds one extra copy of its state).
 
-A failure in the background is raised by the store's next `save`, `wait` or `close` (or the optimizer
-step that waits for the copy) as itself when it is a UserError, as the store's one-line StorageError when
-the storage refused a write (naming the step, the error and the newest checkpoint, which is intact),
-and as itself, with its traceback, when it is anything else (a bug). `blocked_seconds` adds up the
-time the caller spent waiting in `save` and for the copy.
+A failure in the background is raised by the store's next `save`, `wait`, `close` or `load` (or the
+optimizer step that waits for the copy) as itself when it is a UserError, as the store's one-line
+StorageError when the storage refused a write (naming the step, the error and the newest checkpoint,
+which is intact), and as itself, with its traceback, when it is anything else (a bug); where no call
+was left to raise it (a script that ends without `close`), it is said on stderr at the exit.
+`blocked_seconds` adds up the time the caller spent waiting in `save` and for the copy.
 
 `store.save(..., coalesce=True)` (`train --save-every 1 --async-save`) does not wait when the previous
 save is still being written (`busy()`): the store skips that one and counts it, so a disk slower than
@@ -43,15 +44,18 @@ the write ends takes the state of its own step.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import traceback
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from exactresume.errors import FieldError, StorageError
+from exactresume.errors import FieldError, StorageError, UserError, notice
 from exactresume.store.copy_guard import CopyGuard
 from exactresume.store.resume import capture, rebuilt
 from exactresume.store.seal_hash import thread_in_this_context
@@ -110,6 +114,21 @@ class StagingMemory:
         return storage
 
 
+_WRITERS: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
+
+
+@atexit.register
+def _tell_what_was_never_raised() -> None:
+    """At the interpreter's exit (after its threads ended): the failure of a save that no call was
+    left to raise (a script that ends without `close`), its line, or a bug's traceback."""
+    for writer in list(_WRITERS):
+        failure, writer._failure = writer._failure, None
+        if isinstance(failure, UserError):
+            notice(str(failure))
+        elif failure is not None:
+            traceback.print_exception(failure)
+
+
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
@@ -146,6 +165,7 @@ class BackgroundWriter:
         self._guard: CopyGuard | None = None  # the copy in flight, with copy="during-next-step"
         self._failure: BaseException | None = None
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
+        _WRITERS.add(self)
 
     def busy(self) -> bool:
         """Whether a save is still being copied or written."""
