@@ -192,6 +192,26 @@ def test_a_refusal_in_the_moment_the_holder_writes_its_note_still_names_it(tmp_p
     os.close(fd)
 
 
+def test_a_holder_letting_go_while_a_refusal_looks_is_no_refusal(tmp_path):
+    """The holder unlocks and deletes its file between another's try and its look at who holds it: the
+    lock is free, and taken."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def let_go() -> None:
+        (folder / LOCK_NAME).unlink()
+        os.close(fd)
+
+    timer = threading.Timer(0.05, let_go)
+    timer.start()
+    lock = FolderLock.acquire(folder)
+    timer.join()
+    assert lock.held and read_holder(folder / LOCK_NAME)["pid"] == os.getpid()
+    lock.release()
+
+
 def test_lab_and_ablate_are_refused_while_the_folder_is_written(tmp_path, kjv_folder):
     with FolderLock.acquire(tmp_path):
         for command in ("lab", "ablate"):

@@ -22,6 +22,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -245,9 +246,10 @@ def _refuse_a_file_in_the_way(folder: Path) -> None:
     """A store whose folder is a file, or lies under one, could never save: refused before it loads as
     empty (a fresh start) and fails only at its first save."""
     for place in (folder, *folder.parents):
-        if os.path.isdir(place):
-            return
-        if not os.path.exists(place):
+        try:  # one look at each: a folder another store is making now is not a file in between
+            if stat.S_ISDIR(os.stat(place).st_mode):
+                return
+        except FileNotFoundError:
             continue
         if place == folder:
             raise UserError(f"{folder} is a file, not a folder of checkpoints: give a folder's path")

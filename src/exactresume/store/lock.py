@@ -65,6 +65,11 @@ class FolderLock:
             if lock is not None:
                 return lock, ""
             holder = _holder_once_written(folder / LOCK_NAME)
+            if not holder:  # the holder let go while we looked (its file is gone): the lock may be free now
+                lock = cls._try(folder)
+                if lock is not None:
+                    return lock, ""
+                holder = _holder_once_written(folder / LOCK_NAME)
             if holder.get("token") in _inherited_tokens() and holder.get("pid") != os.getpid():
                 return cls(folder, None, str(holder["token"])), ""  # our parent's lock: we write for it
             return None, describe_holder(folder, holder)
