@@ -249,7 +249,7 @@ def _refuse_a_file_in_the_way(folder: Path) -> None:
         try:  # one look at each: a folder another store is making now is not a file in between
             if stat.S_ISDIR(os.stat(place).st_mode):
                 return
-        except FileNotFoundError:
+        except OSError:  # not there (or under a file): its parent says
             continue
         if place == folder:
             raise UserError(f"{folder} is a file, not a folder of checkpoints: give a folder's path")
