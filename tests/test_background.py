@@ -290,6 +290,10 @@ def test_a_closed_store_saves_and_loads_no_more_and_holds_no_lock(tmp_path):
     assert again.load(loop.parts) == 1
     again.save(2, loop.parts)
     again.close()
+    tiered = CheckpointStore(tmp_path / "durable", local=tmp_path / "local", durable_every=2, background=True)
+    tiered.close()
+    with pytest.raises(UserError, match=f"the store of {tmp_path / 'durable'} and {tmp_path / 'local'} is closed"):
+        tiered.save(3, loop.parts)  # named as it was made: the durable folder, then the local one
 
 
 EXITS_WITHOUT_CLOSE = """

@@ -156,7 +156,10 @@ def test_a_second_checkpoint_store_is_refused_in_this_process_and_another(tmp_pa
     first = CheckpointStore(folder)
     first.save(1, {"count": Counter(1), "rng": GlobalRng()})
     second = CheckpointStore(folder)
-    with pytest.raises(UserError, match=f"is being written by pid {os.getpid()} \\(this process\\)"):
+    with pytest.raises(
+        UserError,
+        match=f"is being written by pid {os.getpid()} \\(this process: another store of it on the folder, to close",
+    ):
         second.save(2, {"count": Counter(2)})
     with pytest.raises(UserError, match="being written"):
         second.load({"count": Counter()})  # a load cleans up: a writer's act

@@ -348,13 +348,42 @@ def test_a_load_that_fails_in_a_part_puts_back_the_parts_already_loaded(tmp_path
     assert "\n" not in message and "the part later could not load" in message and "no part was changed" in message
 
 
-def test_a_store_that_saved_an_earlier_step_again_may_still_save_the_one_it_loaded(tmp_path):
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.glob("step-*"))}
+
+
+def test_a_step_before_a_later_checkpoint_of_the_run_is_refused_and_the_one_it_loaded_still_saves(tmp_path):
     model = torch.nn.Linear(4, 2)
     with CheckpointStore(tmp_path) as store:
         store.save(1, {"model": model}), store.save(2, {"model": model})
+    before = folder_bytes(tmp_path)
     with CheckpointStore(tmp_path) as store:
         assert store.load({"model": model}) == 2
-        store.save(1, {"model": model})  # the loop went back a step
+        with pytest.raises(CheckpointError) as refused:  # the loop did not keep the step load returned
+            store.save(1, {"model": model})
+        assert folder_bytes(tmp_path) == before
         store.save(2, {"model": model})  # this store loaded step 2: it is the run's own
+    message = str(refused.value)
+    assert "\n" not in message and "holds step-00000002.pth, a later step of this run than the 1" in message
+    assert "a resume would take it, not this save" in message
     with pytest.raises(CheckpointError, match="already holds step-00000002.pth, a checkpoint this store has not"):
         CheckpointStore(tmp_path).save(2, {"model": model})
+
+
+def test_a_loop_whose_step_went_back_is_told_before_its_saves_hide_behind_the_old_ones(tmp_path):
+    """Saved at 5 after 12, a checkpoint would sit below the run's newest: a resume takes 12, and
+    retention, counting up to the step saved, keeps 12 for ever."""
+    model = torch.nn.Linear(4, 2)
+    with CheckpointStore(tmp_path, keep=2) as store:
+        for step in (8, 10, 12):
+            store.save(step, {"model": model})
+        kept = folder_bytes(tmp_path)
+        with pytest.raises(CheckpointError, match="holds step-00000012.pth, a later step of this run than the 5"):
+            store.save(5, {"model": model})
+        assert folder_bytes(tmp_path) == kept
+        store.save(13, {"model": model})  # a later step saves as before
+        assert [checkpoint.step for checkpoint in store.checkpoints()] == [12, 13]
+        for later in (12, 13):
+            (tmp_path / step_file(later)).rename(tmp_path / f"{step_file(later)}.moved")
+        store.save(5, {"model": model})  # the later ones moved out: going back is the user's to choose
+        assert [checkpoint.step for checkpoint in store.checkpoints()] == [5]

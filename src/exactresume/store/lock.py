@@ -190,7 +190,7 @@ def describe_holder(folder: Path, holder: dict) -> str:
     since = time.localtime(float(holder.get("since", 0)))
     today = time.localtime().tm_yday == since.tm_yday and time.localtime().tm_year == since.tm_year
     when = time.strftime("%H:%M:%S" if today else "%Y-%m-%d %H:%M:%S", since)
-    mine = " (this process)" if holder["pid"] == os.getpid() else ""
+    mine = " (this process: another store of it on the folder, to close first)" if holder["pid"] == os.getpid() else ""
     return f"{folder} is being written by pid {holder['pid']}{mine} on host {holder.get('host', '?')} since {when}"
 
 

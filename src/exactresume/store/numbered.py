@@ -306,11 +306,12 @@ class CheckpointStore:
         step = check_step(step)
         try:
             self.gate.check(step, self.folder, self.checkpoints(), self._may_be_sound)
-        except CheckpointError:
-            barred = self.gate.bar.checkpoint
-            if barred.path not in self.sealed_otherwise:
+        except CheckpointError as refused:
+            bar = self.gate.bar
+            if bar is None or str(refused) != bar.line or bar.checkpoint.path not in self.sealed_otherwise:
                 raise
             # not damage nor another run: the key differs, and the line says so
+            barred = bar.checkpoint
             self.gate.refuse(barred, sealed_otherwise_saves(barred.path, self.sealed_otherwise[barred.path]))
             raise CheckpointError(self.gate.bar.line) from None
         return step
@@ -440,7 +441,8 @@ class CheckpointStore:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise UserError(f"the store of {self.folder} is closed: make a new CheckpointStore to save or load again")
+            named = " and ".join(str(place.folder) for place in reversed(self.places))  # as given: durable first
+            raise UserError(f"the store of {named} is closed: make a new CheckpointStore to save or load again")
 
     def __enter__(self) -> CheckpointStore:
         return self

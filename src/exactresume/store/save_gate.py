@@ -4,7 +4,8 @@ A store writes a folder only as the run it writes has it, so that no save writes
 checkpoint it has no right to. Three facts decide, and `check` is the one place that reads them:
 
 - `ours_up_to`: the furthest step this store loaded or saved, or the step its run resumed at from
-  elsewhere: the checkpoints up to there are its run's own, to write over or prune.
+  elsewhere: the checkpoints up to there are its run's own, to write over or prune; a save at a step
+  before one of them is refused, as a resume would take that one and never the save.
 - `bar`: a checkpoint this store must not save beside, and the line every save says while it is in
   the folder: one a load could not load (the parts differ, another run's identity, every checkpoint
   damaged), or one ahead of what the store knows that a save met (a loop that forgot to load, or
@@ -53,6 +54,9 @@ class SaveGate:
         if ahead is not None:
             self.bar = Bar(ahead, _not_loaded(folder, ahead))
             raise CheckpointError(self.bar.line)
+        later = self._later_of_ours(step, checkpoints, verifies)
+        if later is not None:  # no bar: a save past it may run
+            raise CheckpointError(_step_went_back(step, later))
         if self.ours_up_to is None and self.saved_from is None:  # the first save of a store that never loaded
             self.saved_from = step
 
@@ -68,9 +72,21 @@ class SaveGate:
                 return checkpoint
         return None
 
+    def _later_of_ours(
+        self, step: int, checkpoints: list[Checkpoint], verifies: Callable[[Checkpoint], bool]
+    ) -> Checkpoint | None:
+        """A checkpoint of the run this store loaded or wrote, at a step past `step`, whose bytes verify: a
+        resume would take it and never this save (a loop whose step went back: the step `load` returned
+        not kept, a counter reset), and retention, counting up to `step`, would never prune it."""
+        for checkpoint in reversed(checkpoints):
+            ours = self.ours_up_to is not None and step < checkpoint.step <= self.ours_up_to
+            passed = checkpoint.path in self.passed_over or checkpoint.path in self.superseded
+            if ours and not passed and verifies(checkpoint):
+                return checkpoint
+        return None
+
     def saved(self, step: int, path: Location) -> None:
-        """A save at `step` is durable at `path`: a checkpoint of the run again, kept or pruned as any (a
-        loop that saves an earlier step again may still save the later ones)."""
+        """A save at `step` is durable at `path`: a checkpoint of the run again, kept or pruned as any."""
         self.ours_up_to = step if self.ours_up_to is None else max(self.ours_up_to, step)
         self.passed_over = self.passed_over - {path}
 
@@ -104,4 +120,13 @@ def _not_loaded(folder: Location, ahead: Checkpoint) -> str:
     return (
         f"{ahead.path.parent} already holds {ahead.path.name}, a checkpoint this store has not loaded: load "
         "the folder first (store.load(parts); exactresume train: --resume auto), or save into another folder"
+    )
+
+
+def _step_went_back(step: int, later: Checkpoint) -> str:
+    """The line for a save at a step before a checkpoint of the run's own."""
+    return (
+        f"{later.path.parent} holds {later.path.name}, a later step of this run than the {step} being saved: a "
+        "resume would take it, not this save: a loop's step goes on from the one load returned (step = "
+        "store.load(parts) or 0); to go back to an earlier checkpoint, move the later ones out of the folder"
     )
