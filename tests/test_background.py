@@ -279,6 +279,20 @@ def test_load_waits_for_the_save_in_flight_and_reads_it(tmp_path, mode):
     store.close()
 
 
+def test_a_second_store_of_the_folder_is_refused_while_the_first_ones_save_waits_for_its_writer(tmp_path):
+    loop = Loop()
+    first = CheckpointStore(tmp_path, background=True)
+    commit = first.commit
+    first.commit = lambda *args, **kwargs: (time.sleep(0.5), commit(*args, **kwargs))[1]  # a writer slow to start
+    first.save(1, loop.parts)
+    second = CheckpointStore(tmp_path)
+    with pytest.raises(UserError, match="this process: another store of it on the folder, to close first"):
+        second.load(loop.parts)  # a load cleans up, a writer's act: the folder is the first store's
+    second.close()
+    first.close()  # its save was not refused for the second store's lock
+    assert [checkpoint.step for checkpoint in first.checkpoints()] == [1]
+
+
 def test_a_closed_store_saves_and_loads_no_more_and_holds_no_lock(tmp_path):
     loop = Loop()
     with CheckpointStore(tmp_path / "checkpoints", background=True) as store:

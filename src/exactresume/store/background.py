@@ -141,6 +141,7 @@ class Stages(Protocol):
     faults: FaultPoints
 
     def check_save(self, step: Any) -> int: ...
+    def hold_lock(self) -> None: ...
     def reached(self, step: int) -> None: ...
     def commit(self, step: int, state: dict, before_publish: Callable[[], None] | None = None) -> Any: ...
     def path_for(self, step: int) -> Any: ...
@@ -176,6 +177,10 @@ class BackgroundWriter:
         started = time.perf_counter()
         self.wait()
         step = self.store.check_save(step)
+        try:  # here, not in the writer: another store of the folder is refused at its own call, not this save
+            self.store.hold_lock()
+        except OSError as error:
+            raise self.store.storage_error(step, error) from error
         self.store.faults.reached("snapshot")
         state = capture(parts, step, self.store.identity)
         if self.copy == BEFORE_RETURN:
