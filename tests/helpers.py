@@ -27,7 +27,7 @@ from exactresume.lab import runs
 # Small runs keep the suite fast; exactness does not depend on size.
 MOTO_SECRET = "moto-secret-never-printed"  # the secret key conftest.moto_s3 sets: no message may show it
 
-SMALL = ["--steps", "8", "--batch", "2", "--seq-len", "16"]
+SMALL = ["--steps", "8", "--batch", "2", "--seq-len", "16", "--preset", "tiny"]
 
 # Twelve short paragraphs: 246 training tokens, so 15 samples of 16 tokens. With --batch 4 an
 # epoch is 4 steps (4, 4, 4 and a short last batch of 3), and 8 steps cross an epoch boundary.

@@ -33,7 +33,7 @@ def write_part_then_die(writer: FileSystemWriter, plan, planner) -> None:
 
 def main(data: Path, folder: Path) -> None:
     with process_group(World.from_env()) as world:
-        run = build_run(TrainConfig(steps=8, batch=2, seq_len=16), load_tokens(data))
+        run = build_run(TrainConfig(steps=8, batch=2, seq_len=16, preset="tiny"), load_tokens(data))
         replicate(run, world)
         train(run, 2)
         save(folder / "resume.dcp", run, world, sharded=True)

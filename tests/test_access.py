@@ -19,7 +19,7 @@ from exactresume.training.loop import build_run, train
 from exactresume.world import World
 from helpers import SMALL, call_cli
 
-CONFIG = TrainConfig(steps=8, batch=2, seq_len=16)  # the run SMALL's flags describe
+CONFIG = TrainConfig(steps=8, batch=2, seq_len=16, preset="tiny")  # the run SMALL's flags describe
 
 
 def refuse(message: str) -> None:

@@ -22,6 +22,7 @@ from exactresume.store.weights import read_weights
 from helpers import assert_one_line_error, call_cli, run_cli, train_cli
 
 RANDOM = ["--steps", "6", "--batch", "4", "--seq-len", "16", "--micro-batch", "1", "--dropout", "0.1"]
+RANDOM += ["--preset", "tiny"]
 # The tiny corpus at --seq-len 17 has 14 samples: epochs of 4, 4, 4 and 2 sequences, 8 steps cross two.
 EPOCH = [
     "--steps",

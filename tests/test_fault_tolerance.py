@@ -52,8 +52,13 @@ def one_thread():
         yield
 
 
+# The default model: its 20 MB checkpoints are what the full disk (30 MB) and the file-size limit are sized for.
+DEFAULT_MODEL = ["--preset", "default"]
+
+
 def train_flags(folder: Path, data: Path, *extra: object) -> list:
-    return ["train", "--out", folder, "--data", data, *SMALL, "--samples", folder / "samples.csv", *extra]
+    flags = [*SMALL, *DEFAULT_MODEL, "--samples", folder / "samples.csv"]
+    return ["train", "--out", folder, "--data", data, *flags, *extra]
 
 
 def chaos_flags(folder: Path, data: Path) -> list:

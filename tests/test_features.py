@@ -103,7 +103,7 @@ def test_resume_file_holds_the_loader_position_and_the_scaler(tmp_path, kjv_fold
     )
     state = read_resume_file(tmp_path / "h" / "resume.pth")
     assert state["scaler"]["scale"] == 65536.0 and state["scaler"]["_growth_tracker"] == 2  # 2 steps without overflow
-    run = build_run(TrainConfig(steps=8, batch=2, seq_len=16, dtype="fp16"), load_tokens(kjv_folder))
+    run = build_run(TrainConfig(steps=8, batch=2, seq_len=16, dtype="fp16", preset="tiny"), load_tokens(kjv_folder))
     restore(state, run.parts())
     assert run.scaler.state_dict() == state["scaler"]
 
@@ -175,11 +175,11 @@ def test_a_resume_file_from_before_the_feature_fields_resumes_with_their_default
         del state["config"]["train"][name]
     save_sealed(tmp_path / "old.pth", state)
     data = load_tokens(kjv_folder)
-    run = build_run(TrainConfig(steps=8, batch=2, seq_len=16), data)
+    run = build_run(TrainConfig(steps=8, batch=2, seq_len=16, preset="tiny"), data)
     restore(read_resume_file(tmp_path / "old.pth"), run.parts())
     assert run.step.value == 2
     with pytest.raises(CheckpointError, match="dropout"):
         restore(
             read_resume_file(tmp_path / "old.pth"),
-            build_run(TrainConfig(steps=8, batch=2, seq_len=16, dropout=0.1), data).parts(),
+            build_run(TrainConfig(steps=8, batch=2, seq_len=16, dropout=0.1, preset="tiny"), data).parts(),
         )

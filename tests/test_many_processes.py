@@ -33,7 +33,7 @@ from helpers import assert_one_line_error, call_cli, free_port, process_state, r
 
 # 30 windows of 8 tokens: an epoch of batches 8, 8, 8 and 6; 12 steps are three epochs.
 FEATURES = ["--loader", "epoch", "--seq-len", "8", "--batch", "8", "--grad-accum", "2", "--dropout", "0.1"]
-FEATURES += ["--dtype", "bf16", "--steps", "12", "--nproc", "2"]
+FEATURES += ["--dtype", "bf16", "--steps", "12", "--nproc", "2", "--preset", "tiny"]
 
 
 def flags(folder: Path, data: Path, *extra: object) -> list[str]:

@@ -33,13 +33,15 @@ from helpers import (
     spawn_cli,
 )
 
-# Parts of 5 MiB: a checkpoint of the small run (20 MB) goes up as a multipart upload of four.
+# Parts of 5 MiB: a checkpoint of the default model (20 MB) goes up as a multipart upload of four.
 PARTS = ("--s3-part-mib", "5")
+DEFAULT_MODEL = ("--preset", "default")
 
 
 def train_flags(out: Path, data: Path, endpoint: str | None = None, *extra: object) -> list:
     reach = ["--s3-endpoint", endpoint, *PARTS] if endpoint else []
-    return ["train", "--out", out, "--data", data, *SMALL, "--samples", out / "samples.csv", *reach, *extra]
+    flags = [*SMALL, *DEFAULT_MODEL, "--samples", out / "samples.csv", *reach]
+    return ["train", "--out", out, "--data", data, *flags, *extra]
 
 
 def chaos_flags(out: Path, data: Path, endpoint: str | None = None, prefix: str | None = None) -> list:

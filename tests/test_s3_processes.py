@@ -18,7 +18,16 @@ from exactresume.store.s3.lease import LEASE_NAME
 from exactresume.store.sharded import verify_sharded
 from helpers import assert_weights_equal, max_abs_difference, spawn_cli, train_cli
 
-FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16"]  # a batch of 4 splits over 1 and 2 processes
+FLAGS = [
+    "--steps",
+    "8",
+    "--batch",
+    "4",
+    "--seq-len",
+    "16",
+    "--preset",
+    "tiny",
+]  # a batch of 4 splits over 1 and 2 processes
 STOP = 3
 CROSS_N_ATOL = 1e-4  # what only the order of floating-point reduction moves (tests/test_fsdp.py)
 
@@ -69,6 +78,7 @@ def _a_run_that_lost_the_prefix_leaves_its_sharded_state_alone(tmp_path, data, s
     run meanwhile, the save stops, on every rank, in rank 0's one line, with the old resume.dcp as it was."""
     client, bucket, key = s3_server.client(), *prefix.removeprefix("s3://").split("/", 1)
     flags = ["--steps", "40", "--batch", "4", "--seq-len", "16", "--stop-at", "30", "--sharded", "--nproc", 2]
+    flags += ["--preset", "tiny"]
     reach = ["--checkpoints", prefix, "--s3-endpoint", s3_server.endpoint]
     run = spawn_cli("train", "--out", tmp_path / "late", "--data", data, *flags, *reach, env={"OMP_NUM_THREADS": "1"})
     lease = f"{key}/{LEASE_NAME}"

@@ -22,7 +22,7 @@ from exactresume.store.s3.lease import LEASE_NAME, SECONDS_ENV
 from helpers import once_per_session, run_cli, spawn_cli, train_cli
 
 # Three saves a run; a run of these holds its prefix long enough (a second or two) for another to meet it.
-FLAGS = ["--steps", "60", "--batch", "2", "--seq-len", "16", "--save-every", "20"]
+FLAGS = ["--steps", "60", "--batch", "2", "--seq-len", "16", "--save-every", "20", "--preset", "tiny"]
 LEASE = 3.0  # seconds: the killed holder "on another host" is waited for this long
 
 

@@ -23,7 +23,7 @@ from exactresume.store.identity import with_identity
 from exactresume.store.layout import checkpoint_name
 from helpers import assert_one_line_error, assert_weights_equal, run_cli, spawn_cli, train_cli
 
-FLAGS = ["--steps", "12", "--batch", "4", "--seq-len", "16"]
+FLAGS = ["--steps", "12", "--batch", "4", "--seq-len", "16", "--preset", "tiny"]
 
 
 def loop(seed: int = 0) -> dict:
@@ -289,7 +289,7 @@ def test_two_runs_writing_one_durable_folder_outside_out_are_one_too_many(tmp_pa
     """--checkpoints outside OUT is locked by the run writing it, as OUT is: a second run is refused."""
     shared = tmp_path / "shared"
     tiers = ["--save-every", 1, "--local-checkpoints", tmp_path / "a-local", "--durable-every", 1]
-    long_run = ["--steps", 400, "--batch", 4, "--seq-len", 16, *tiers, "--checkpoints", shared]
+    long_run = ["--steps", 400, "--batch", 4, "--seq-len", 16, "--preset", "tiny", *tiers, "--checkpoints", shared]
     first = spawn_cli("train", "--out", tmp_path / "a", "--data", kjv_folder, *long_run)
     deadline = time.monotonic() + 120
     while not list(shared.glob("step-*.pth")):
