@@ -176,6 +176,40 @@ def test_keyed_stores_on_an_object_store_one_file_streamed_and_sharded(moto_s3, 
         CheckpointStore("s3://keyed/one", key=KEY).load(big, clean=False)
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one file", "sharded"])
+def test_a_forged_checkpoint_on_an_object_store_is_copied_aside_before_its_step_is_committed_anew(moto_s3, sharded):
+    """As on a disk: the load passes over a checkpoint it cannot verify, and the save at its step keeps it
+    as NAME.unreadable (a server-side copy: a prefix has no rename) rather than write over it."""
+    moto_s3.create_bucket(Bucket="keyed")
+    options = {"sharded": sharded}
+    for prefix, key in (("run", KEY), ("attacker", None)):
+        with CheckpointStore(f"s3://keyed/{prefix}", key=key, keep=None, **options) as store:
+            for step in (1, 2):
+                store.save(step, parts(step if prefix == "run" else 9))
+    name = checkpoint_name(2).replace(".pth", ".dcp") if sharded else checkpoint_name(2)
+
+    def objects(prefix: str) -> dict[str, bytes]:
+        listed = moto_s3.list_objects_v2(Bucket="keyed", Prefix=prefix).get("Contents", [])
+        read = lambda key: moto_s3.get_object(Bucket="keyed", Key=key)["Body"].read()
+        return {entry["Key"][len(prefix) :]: read(entry["Key"]) for entry in listed}
+
+    planted = objects(f"attacker/{name}")  # the attacker's step 2, with its commit, over the run's
+    for below in planted:
+        source = {"Bucket": "keyed", "Key": f"attacker/{name}{below}"}
+        moto_s3.copy_object(Bucket="keyed", Key=f"run/{name}{below}", CopySource=source)
+    said = []
+    with CheckpointStore("s3://keyed/run", key=KEY, keep=None, notify=said.append, **options) as store:
+        loaded = parts()
+        assert store.load(loaded) == 1
+        store.save(2, loaded)
+        assert [str(path) for path in store.set_aside()] == [f"s3://keyed/run/{name}.unreadable"]
+    checkpoint = {below: data for below, data in planted.items() if below != ".commit"}  # a one-file's commit: beside
+    assert objects(f"run/{name}.unreadable") == checkpoint  # kept byte for byte, never read
+    assert any(f"set aside s3://keyed/run/{name} as {name}.unreadable" in line for line in said), said
+    with CheckpointStore("s3://keyed/run", key=KEY, **options) as store:
+        assert store.load(parts()) == 2
+
+
 def test_a_key_too_short_or_not_a_string_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="key is 6 bytes long: a key is at least 16"):
         CheckpointStore(tmp_path, key="secret")
@@ -187,7 +221,7 @@ def test_a_key_too_short_or_not_a_string_is_one_line(tmp_path, monkeypatch):
     assert not any(tmp_path.iterdir())  # refused before anything was written
 
 
-FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16", "--save-every", "2"]
+FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16", "--save-every", "2", "--preset", "tiny"]
 
 
 def test_the_trainer_with_a_key_resumes_bit_identical_and_refuses_what_another_key_or_none_wrote(tmp_path, kjv_folder):
@@ -220,6 +254,35 @@ def test_the_trainer_with_a_key_resumes_bit_identical_and_refuses_what_another_k
     assert_one_line_error(started_over, f"already holds {checkpoint_name(2)}, a checkpoint this store has not loaded")
     assert (plain / "log.csv").read_bytes() == log
     shutil.rmtree(plain)
+
+
+def a_weight_changed_and_resealed_without_the_key(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    next(iter(state["model"].values())).add_(1)
+    with keyed(Sealing()):
+        save_sealed(path, state)
+
+
+@pytest.mark.parametrize("forge", [sealed_with_another_key, a_weight_changed_and_resealed_without_the_key])
+def test_a_forged_checkpoint_planted_ahead_of_a_keyed_run_is_passed_over_and_set_aside_not_a_stop(
+    tmp_path, kjv_folder, forge
+):
+    """One file planted in the folder must not stop every restart of a keyed run: its resume passes over
+    it, as a store's load does, and its save at that step sets it aside."""
+    key = {KEY_VARIABLE: KEY}
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train_cli(straight, "--data", kjv_folder, *FLAGS, check=True, env=key)
+    train_cli(run, "--data", kjv_folder, *FLAGS, "--stop-at", 4, check=True, env=key)
+    planted = run / "checkpoints" / checkpoint_name(6)
+    shutil.copyfile(run / "checkpoints" / checkpoint_name(4), planted)
+    forge(planted)
+    forged = planted.read_bytes()
+    resumed = train_cli(run, "--data", kjv_folder, *FLAGS, "--resume", "auto", check=True, env=key)
+    assert f"skipping checkpoint {planted}" in resumed.stderr + resumed.stdout
+    assert (run / "checkpoints" / f"{checkpoint_name(6)}.unreadable").read_bytes() == forged  # kept, never read
+    with keyed(Sealing(KEY.encode())):
+        assert_weights_equal(straight / "final.pth", run / "final.pth")
+    assert (run / "log.csv").read_bytes() == (straight / "log.csv").read_bytes()
 
 
 def test_inspect_says_which_seal_it_verified_and_refuses_a_keyed_file_without_the_key(tmp_path, monkeypatch):

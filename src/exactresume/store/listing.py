@@ -50,7 +50,7 @@ def _checkpoint(store: CheckpointStore, checkpoint: Checkpoint, summarize) -> di
 def list_checkpoints(folder: Location, summarize) -> dict:
     """The folder's checkpoints (oldest first), each verified; `summarize(value)` sizes one part."""
     store = store_reading(folder, notify=lambda message: None)
-    found, set_aside = store.checkpoints(), _set_aside(store, folder)
+    found, set_aside = store.checkpoints(), store.set_aside()
     if not found:
         leftovers = store.leftovers()
         what = "uncommitted object(s)" if isinstance(folder, S3Location) else ".tmp leftover(s)"
@@ -78,12 +78,6 @@ def _checksum(checkpoints: list[dict]) -> str:
     """verified: every checkpoint; mismatch: one is damaged; else not verified (by the key in force, or none)."""
     statuses = {checkpoint["status"] for checkpoint in checkpoints}
     return "mismatch" if "damaged" in statuses else SEALED_OTHERWISE if SEALED_OTHERWISE in statuses else "verified"
-
-
-def _set_aside(store: CheckpointStore, folder: Location) -> list[Path]:
-    """The damaged checkpoints a save renamed NAME.unreadable (a folder on a disk only: an object store's
-    saves write over nothing)."""
-    return [] if isinstance(folder, S3Location) else store.set_aside()
 
 
 def _description(checkpoints: list[dict], valid: list[int], set_aside: list[Path]) -> str:

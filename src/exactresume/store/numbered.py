@@ -321,9 +321,16 @@ class CheckpointStore:
         self.gate.saved(step, self.path_for(step))
         self.sound = self.sound | {self.path_for(step)}
 
-    def continue_from(self, step: int) -> None:
-        """The run this store writes was resumed at `step` from elsewhere: its checkpoints up to there are its own."""
+    def continue_from(self, step: int, loaded_here: bool = False) -> None:
+        """The run this store writes was resumed at `step` from elsewhere: its checkpoints up to there are its own.
+        `loaded_here`: from this store's own checkpoints, by a search that passed over each later one that
+        does not verify (damaged, or sealed otherwise: a forged file, another key's): kept from retention
+        and set aside at its step, as after this store's own `load`, not a bar to every save."""
         self.gate.resumed_at(step)
+        if loaded_here:
+            for checkpoint in self.checkpoints():
+                if checkpoint.step > step and not self.verifies(checkpoint):
+                    self.gate.pass_over(checkpoint.path)
 
     def storage_error(self, step: int, error: OSError, place: Place | None = None) -> StorageError:
         """The one line for a save that the storage refused (in `place`: by default the tier saves land in):

@@ -173,7 +173,7 @@ class JobRun:
         would refuse to write beside (another run's, or one sealed with another key) is refused now, before
         a log row is written, not at the first save."""
         start = self.run_state.step.value
-        store.continue_from(start)
+        store.continue_from(start, loaded_here=self.job.resume == AUTO_RESUME)
         if self.job.save_every is not None:
             store.check_save(start + 1)
 

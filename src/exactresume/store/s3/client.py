@@ -40,6 +40,8 @@ from exactresume.store.sealed import file_digest
 
 READ_PIECE = 8 << 20  # a download is written and hashed this many bytes at a time
 UPLOAD_THREADS = 4  # parts of one multipart upload in flight at once
+ONE_COPY_LIMIT = 5 << 30  # S3's largest object one CopyObject copies; a larger one is copied in parts
+COPY_PART = 1 << 30
 # Answers worth another try: a busy or failing server, and bytes damaged on the way (BadDigest).
 RETRIED_CODES = {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "ServiceUnavailable", "BadDigest"}
 # AWS's answers to a request signed for, or sent to, another region than the bucket's.
@@ -262,6 +264,30 @@ class ObjectStore:
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return found
+
+    def copy(self, source: S3Location, target: S3Location, size: int) -> None:
+        """`source` (of `size` bytes) copied to `target` by the server: no byte passes through this machine.
+        Above S3's limit for one CopyObject, in parts; an interrupted one is a leftover upload (abort_uploads)."""
+        origin, what = {"Bucket": source.bucket, "Key": source.key}, f"the copy of {source} to {target}"
+        named = {"Bucket": target.bucket, "Key": target.key}
+        if size <= ONE_COPY_LIMIT:
+            self.call("copy_object", what, CopySource=origin, **named)
+            return
+        upload = self.call("create_multipart_upload", what, **named)["UploadId"]
+        parts = []
+        for number, start in enumerate(range(0, size, COPY_PART), 1):
+            span = f"bytes={start}-{min(start + COPY_PART, size) - 1}"
+            copied = self.call(
+                "upload_part_copy",
+                what,
+                UploadId=upload,
+                PartNumber=number,
+                CopySource=origin,
+                CopySourceRange=span,
+                **named,
+            )
+            parts.append({"PartNumber": number, "ETag": copied["CopyPartResult"]["ETag"]})
+        self.call("complete_multipart_upload", what, UploadId=upload, MultipartUpload={"Parts": parts}, **named)
 
     # -- removing --------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from exactresume.errors import CheckpointError
 from exactresume.store.faults import FaultPoints
-from exactresume.store.layout import COMMIT, Layout
+from exactresume.store.layout import COMMIT, UNREADABLE_SUFFIX, Layout, is_set_aside
 from exactresume.store.locations import Checkpoint, S3Location
 from exactresume.store.s3.client import ObjectStore
 from exactresume.store.s3.commit import COMMIT_SUFFIX
@@ -87,7 +87,9 @@ class S3Prefix:
         return [self.folder / name for name in self._listing(layout)[1]]
 
     def set_aside(self) -> list[S3Location]:
-        return []  # a checkpoint on a prefix is committed anew, never written over in place
+        """Checkpoints a save copied to `NAME.unreadable` before committing their step anew: kept, never read."""
+        tops = {name.partition("/")[0] for name in self.objects.list(self.folder)}
+        return [self.folder / name for name in sorted(tops) if is_set_aside(name)]
 
     def remove_leftovers(self, layout: Layout) -> list[S3Location]:
         """Abort the uploads a killed save abandoned and delete its uncommitted objects: what was deleted."""
@@ -105,9 +107,29 @@ class S3Prefix:
     # -- writing ----------------------------------------------------------------------------------
 
     def prepare(self, checkpoint: Checkpoint, layout: Layout, not_ours: bool = False) -> None:
-        """Before a checkpoint is written: the prefix's lease held, and still this run's."""
+        """Before a checkpoint is written: the prefix's lease held, and still this run's; one at its name that
+        the load before passed over (`not_ours`) copied to `NAME.unreadable` first: its bytes may matter to
+        someone, and its step is about to be committed anew."""
         self.hold_lock()
         self.lease.check()  # before anything is written over: another run may have committed this step
+        if not_ours:
+            self._set_aside(checkpoint)
+
+    def _set_aside(self, checkpoint: Checkpoint) -> None:
+        names = self.objects.list(self.folder)
+        name = checkpoint.path.name
+        objects = {below: size for below, size in names.items() if below == name or below.startswith(name + "/")}
+        if not objects:
+            return
+        aside, number = name + UNREADABLE_SUFFIX, 1
+        while any(below == aside or below.startswith(aside + "/") for below in names):
+            number += 1
+            aside = f"{name}{UNREADABLE_SUFFIX}.{number}"
+        for below, size in objects.items():
+            self.objects.copy(self.folder / below, self.folder / (aside + below[len(name) :]), size)
+        self.notify(
+            f"set aside {checkpoint.path} as {aside} before saving its step again (the load before passed it over)"
+        )
 
     def write_file(
         self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, before_publish: Callable[[], None] | None
