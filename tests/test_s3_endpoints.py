@@ -12,6 +12,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from exactresume import CheckpointStore
 from exactresume.errors import UserError
 from exactresume.store.locations import S3Config
 from exactresume.store.s3.client import _refusal
@@ -63,6 +64,17 @@ def test_seaweedfs_filer_port_is_named(s3_server):
 def test_a_missing_scheme_is_named(credentials):
     port = free_port()
     assert_one_line_error(inspect(f"127.0.0.1:{port}"), "scheme is missing", f"http://127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("typed", ["s3:/bucket/run", "gs://bucket/run"])
+def test_a_location_that_begins_as_another_url_is_refused_not_made_a_local_folder(tmp_path, monkeypatch, typed):
+    monkeypatch.chdir(tmp_path)
+    for flag in ("--checkpoints", "--out", "--resume"):
+        command = ["train", "--out", "out", "--steps", "1", flag, typed] if flag != "--out" else ["train", flag, typed]
+        assert_one_line_error(call_cli(*command), f"{typed} begins as a URL", "s3://BUCKET/PREFIX")
+    assert not any(tmp_path.iterdir())  # refused as the flags were read: nothing made
+    with pytest.raises(UserError, match="begins as a URL"):
+        CheckpointStore("s3:/bucket/run")
 
 
 def test_user_info_is_refused_without_printing_it():

@@ -67,13 +67,18 @@ def place(value, args: argparse.Namespace):
 
 def resume_source(text: str) -> Path | str:
     """--resume's value: 'auto', an `s3://` location (made with --s3-endpoint later), or a file or folder."""
-    return text if text == "auto" or text.startswith("s3://") else Path(text)
+    return text if text == "auto" or text.startswith("s3://") else given_path(text)
 
 
 def given_path(text: str) -> Path:
-    """A path flag's value; an empty one is refused (Path("") would be the current folder)."""
+    """A path flag's value; an empty one is refused (Path("") would be the current folder), and so is one
+    that begins as a URL (`s3:/bucket`, `gs://bucket`), which would otherwise be a folder made here."""
     if not text:
         raise argparse.ArgumentTypeError("a path cannot be empty")
+    from exactresume.store.locations import not_a_url
+
+    if not_a_url(text):
+        raise argparse.ArgumentTypeError(not_a_url(text))
     return Path(text)
 
 

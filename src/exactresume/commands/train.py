@@ -25,7 +25,15 @@ from exactresume.commands.config_flags import (
     config_from_args,
 )
 from exactresume.commands.output import add_output_flags, emit, progress_mode
-from exactresume.commands.places import add_data_flag, add_s3_flags, given_path, local_folder, place, resume_source
+from exactresume.commands.places import (
+    add_data_flag,
+    add_s3_flags,
+    any_location,
+    given_path,
+    local_folder,
+    place,
+    resume_source,
+)
 from exactresume.commands.writer import add_writer_flags, remove_made_folder
 
 
@@ -62,6 +70,7 @@ def _add_checkpoint_flags(checkpoints) -> None:
     )
     checkpoints.add_argument(
         "--checkpoints",
+        type=any_location,
         metavar="FOLDER|s3://BUCKET/PREFIX",
         help="where the periodic checkpoints go (default OUT/checkpoints); on s3:// the resume file goes there too",
     )

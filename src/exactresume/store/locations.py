@@ -117,10 +117,27 @@ def is_s3(value: object) -> bool:
     return isinstance(value, S3Location) or (isinstance(value, str) and value.startswith(SCHEME))
 
 
+# A scheme and a colon: what a URL begins with (two letters at least: `C:/` is a drive, not a scheme).
+URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:/")
+
+
+def not_a_url(text: str) -> str | None:
+    """Why `text`, given as a folder or file, is none: it begins as a URL other than s3:// (`s3:/bucket`,
+    `gs://bucket`), which would otherwise be a folder made here; None when it is a plain path."""
+    if is_s3(text) or not URL_START.match(text):
+        return None
+    return (
+        f"{text} begins as a URL: an object store location is s3://BUCKET/PREFIX (its server from "
+        "--s3-endpoint, or S3Config), and a folder is a plain path"
+    )
+
+
 def location(value: str | Path | S3Location, config: S3Config | None = None) -> Location:
     """`value` as a Path, or as an S3Location reached through `config` (UserError for a malformed one)."""
     if isinstance(value, S3Location):
         return value if config is None else replace(value, config=config)
+    if isinstance(value, str) and not_a_url(value):
+        raise UserError(not_a_url(value))
     if not is_s3(value):
         return Path(value)
     bucket, _, key = str(value)[len(SCHEME) :].partition("/")
