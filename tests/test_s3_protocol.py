@@ -306,3 +306,16 @@ def test_a_sharded_store_on_a_prefix_keeps_cleans_skips_damage_and_resumes(s3):
     assert len(said) == 1 and "step-00000003.dcp" in said[0] and "damaged" in said[0], said
     left = {entry["Key"] for entry in s3.list_objects_v2(Bucket=BUCKET)["Contents"]}
     assert not any(key.startswith("run/step-00000004.dcp/") for key in left)  # cleaned by the writer's load
+
+
+def test_a_copy_over_the_one_request_limit_goes_in_parts_and_is_byte_identical(s3, monkeypatch):
+    from exactresume.store.s3 import client as s3_client
+
+    monkeypatch.setattr(s3_client, "ONE_COPY_LIMIT", 1 << 20)  # as a checkpoint over 5 GiB is copied
+    monkeypatch.setattr(s3_client, "COPY_PART", 5 << 20)
+    data = os.urandom(12 << 20)  # three parts: 5, 5 and 2 MiB
+    s3.put_object(Bucket=BUCKET, Key="run/big", Body=data)
+    objects = ObjectStore()
+    objects.copy(location(f"s3://{BUCKET}/run/big"), location(f"s3://{BUCKET}/run/big.unreadable"), len(data))
+    assert s3.get_object(Bucket=BUCKET, Key="run/big.unreadable")["Body"].read() == data
+    assert s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
