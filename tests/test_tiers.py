@@ -49,13 +49,16 @@ def names(folder: Path) -> list[str]:
     return sorted(path.name for path in folder.glob("step-*"))
 
 
-def trained(tmp_path: Path, steps: int = 7, **options) -> dict:
+def trained(tmp_path: Path, steps: int = 7, killed: bool = True, **options) -> dict:
+    """`steps` saves; `killed`: the process then ends without `close` (as a kill ends it), so the durable
+    tier holds the due steps alone."""
     parts = loop()
-    with tiered(tmp_path, **options) as store:
-        for number in range(1, steps + 1):
-            step(parts, number)
-            store.save(number, parts)
-            store.wait()  # the copy in flight is in: no durable step is left to the local tier alone
+    store = tiered(tmp_path, **options)
+    for number in range(1, steps + 1):
+        step(parts, number)
+        store.save(number, parts)
+        store.wait()  # the copy in flight is in: no durable step is left to the local tier alone
+    store.release() if killed else store.close()
     return parts
 
 
@@ -66,6 +69,16 @@ def test_every_save_lands_locally_and_every_nth_step_is_copied_durable_byte_for_
     local, durable = (tmp_path / tier / checkpoint_name(6) for tier in ("local", "durable"))
     assert local.read_bytes() == durable.read_bytes()  # the local file's verified bytes, not a second torch.save
     assert torch.load(durable, weights_only=True)["checkpoint_step"] == 6  # a plain torch file
+
+
+def test_close_copies_the_newest_local_step_durable_when_it_was_not_due(tmp_path):
+    trained(tmp_path, killed=False)
+    assert names(tmp_path / "durable") == [checkpoint_name(6), checkpoint_name(7)]  # keep=2 holds there too
+    local, durable = (tmp_path / tier / checkpoint_name(7) for tier in ("local", "durable"))
+    assert local.read_bytes() == durable.read_bytes()
+    with tiered(tmp_path) as store:  # nothing newer locally: a close copies nothing again
+        assert store.load(loop(1)) == 7
+    assert durable.read_bytes() == local.read_bytes() and names(tmp_path / "durable")[-1] == checkpoint_name(7)
 
 
 @pytest.mark.parametrize("loss", ["wiped", "damaged", "another run's"])
@@ -174,8 +187,9 @@ def test_a_durable_tier_that_refuses_a_copy_is_one_line_and_the_local_tier_goes_
     with pytest.raises(StorageError, match="at step 6 in"):  # the next due copy is tried again, and said
         store.save(6, parts)
         store.wait()
-    store.close()
-    assert tried == [3, 6] and names(tmp_path / "local") == [checkpoint_name(4), checkpoint_name(6)]
+    with pytest.raises(StorageError, match="at step 6 in"):  # the close tries the newest once more, and says so
+        store.close()
+    assert tried == [3, 6, 6] and names(tmp_path / "local") == [checkpoint_name(4), checkpoint_name(6)]
     assert names(tmp_path / "durable") == []
 
 
@@ -206,10 +220,11 @@ def test_a_durable_tier_on_an_object_store(tmp_path, moto_s3):
             store.save(number, parts)
             store.wait()
     keys = sorted(item["Key"] for item in moto_s3.list_objects_v2(Bucket="tiers")["Contents"])
-    assert keys == [f"run/{checkpoint_name(n)}{end}" for n in (2, 4) for end in ("", ".commit")]
+    # steps 2 and 4 as they were due, then 5 by the close: the newest two kept
+    assert keys == [f"run/{checkpoint_name(n)}{end}" for n in (4, 5) for end in ("", ".commit")]
     shutil.rmtree(tmp_path / "local")  # a node replaced: its local tier is gone
     with CheckpointStore(prefix, local=tmp_path / "local", durable_every=2) as store:
-        assert store.load(loop(1)) == 4
+        assert store.load(loop(1)) == 5
 
 
 # -- the trainer: --local-checkpoints DIR --durable-every N ------------------------------------------
@@ -248,17 +263,19 @@ def test_the_trainer_killed_at_a_random_moment_resumes_from_its_local_tier_bit_i
 def test_the_trainer_resumes_from_the_right_tier_when_the_local_one_is_lost(straight, tmp_path, kjv_folder, loss):
     out = tmp_path / "run"
     train_cli(out, "--data", kjv_folder, *tier_flags(out), "--stop-at", 7, check=True)
-    local = out / "local"
-    assert names(local) == [checkpoint_name(n) for n in (5, 6, 7)] and names(out / "checkpoints") == [
-        checkpoint_name(5)
+    local, durable = out / "local", out / "checkpoints"
+    # the stop's close copied its last step durable: it outlives the node
+    assert names(local) == [checkpoint_name(n) for n in (5, 6, 7)] and names(durable) == [
+        checkpoint_name(5),
+        checkpoint_name(7),
     ]
     if loss == "wiped":
         shutil.rmtree(local)
-        expected = out / "checkpoints" / checkpoint_name(5)
+        expected = durable / checkpoint_name(7)
     elif loss == "damaged":
         newest = local / checkpoint_name(7)
         newest.write_bytes(newest.read_bytes()[:-100])
-        expected = local / checkpoint_name(6)
+        expected = durable / checkpoint_name(7)
     else:
         state = torch.load(local / checkpoint_name(7), weights_only=True) | {"checkpoint_step": 9}
         write_verified(local / checkpoint_name(9), with_identity(state, {"out": str(tmp_path / "elsewhere")}))

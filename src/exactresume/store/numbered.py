@@ -289,8 +289,8 @@ class CheckpointStore:
         self._prepare(checkpoint)
         self.place.write_file(checkpoint, state, self.faults, before_publish)
         self._retain(step)
-        if self.durable is not None and self.durable.due(step):
-            self.durable.copy(checkpoint)
+        if self.durable is not None:
+            self.durable.landed(checkpoint)
         return checkpoint.path
 
     def skips(self, coalesce: bool) -> bool:
@@ -435,13 +435,14 @@ class CheckpointStore:
         return self.writer.blocked_seconds if self.writer is not None else 0.0
 
     def close(self) -> None:
-        """Wait for the save in flight, then let another store write the folder (`release`); the store
-        saves and loads no more."""
+        """Wait for the save in flight (with two tiers, and copy the newest local checkpoint to the durable
+        tier when its step is not there yet), then let another store write the folder (`release`); the
+        store saves and loads no more."""
         try:
             if self.writer is not None:
                 self.writer.close()
             if self.durable is not None:
-                self.durable.wait()
+                self.durable.finish()  # the last step durable too, copied if it was not due
         finally:
             self.closed = True
             self.release()

@@ -9,8 +9,10 @@ verified bytes, in a thread of its own, never serialised twice: the loop goes on
 The file is opened when it is handed over, so the local tier's pruning cannot take it from under the
 copy. At most one copy is in flight; a step due while the one before is still being copied is left
 to the local tier (counted in `skipped`), so a slow durable tier costs durable checkpoints, never
-training time. A copy that fails is raised by the store's next `save`, `wait` or `close`, as the
-store's one line for a write the storage refused.
+training time. At `close` the newest local checkpoint, due or not, is copied if the durable tier
+does not hold its step yet: a run that ends (or is preempted and saves) leaves its last step durable.
+A copy that fails is raised by the store's next `save`, `wait` or `close`, as the store's one line
+for a write the storage refused.
 
 A resume takes the newest checkpoint that verifies and is this run's (its identity) across both
 tiers: a local tier lost with its node, wiped, damaged or holding another run's checkpoint falls back
@@ -47,8 +49,17 @@ class DurableCopy:
         self.durable, self.layout, self.every = durable, layout, _check_every(every)
         self.retain, self.refused = retain, refused
         self.skipped = 0  # steps due while the copy before was in flight: left to the local tier
+        self.newest: Checkpoint | None = None  # the newest local checkpoint written, and the newest copied
+        self.copied: int | None = None
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
+
+    def landed(self, local: Checkpoint) -> None:
+        """A checkpoint was written to the local tier; copied now if its step is due (`copy`)."""
+        if self.newest is None or local.step >= self.newest.step:
+            self.newest = local
+        if self.due(local.step):
+            self.copy(local)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -76,11 +87,23 @@ class DurableCopy:
             with source:
                 self.durable.prepare(target, self.layout)
                 self.durable.write_copy(target, source)
+            self.copied = target.step if self.copied is None else max(self.copied, target.step)
             self.retain(target.step)
         except OSError as error:
             self._failure = self.refused(target.step, error)
         except BaseException as error:  # a UserError (a lease lost) as it is; anything else is a bug
             self._failure = error
+
+    def finish(self) -> None:
+        """Wait for the copy in flight, then copy the newest local checkpoint if the durable tier has not its
+        step (one not due, or skipped); raise what failed."""
+        try:
+            self.wait()
+        finally:
+            newest = self.newest
+            if newest is not None and (self.copied is None or newest.step > self.copied) and newest.path.exists():
+                self.copy(newest)
+        self.wait()
 
     def wait(self) -> None:
         """Block until no copy is in flight; raise the error of the last one if it failed."""

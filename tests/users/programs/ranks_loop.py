@@ -7,7 +7,8 @@ FOLDER:UNTIL:HOW is one run, trained (or resumed) up to step UNTIL, saved as HOW
 - file: every rank calls `save_resume(..., world=)` at UNTIL and `load_resume` (no world) at the start;
 - sharded: `save_resume(..., sharded=True)` at UNTIL and `open_resume(...).restore` (no world);
 - tiers: a store with a local tier, each rank its own (as on its own node; rank 0 writes), every 2nd step
-  durable: the ranks' tiers disagree at a resume, and every rank takes the durable tier's newest;
+  durable, each run ending as a lost node's would (no `close`, which would copy its last step durable):
+  the ranks' tiers disagree at a resume, and every rank takes the durable tier's newest;
 - shared-tiers: the same with one local tier for both ranks (one node): they agree on its newest.
 
 Each rank writes FOLDER/end-RANK.pt: its weights and both generators' states.
@@ -36,9 +37,14 @@ def train(folder: Path, until: int, how: str, world: World) -> None:
         local = folder / ("local" if how == "shared-tiers" else f"local-{world.rank}")
         tiers = {"local": local, "durable_every": 2} if how.endswith("tiers") else {}
         options = {"keep": 2, "world": world, "sharded": how == "sharded-store"} | tiers
-        with CheckpointStore(folder / "checkpoints", **options) as store:
-            start = store.load(parts) or 0
-            steps(model, optimizer, data, range(start + 1, until + 1), world, lambda step: store.save(step, parts))
+        store = CheckpointStore(folder / "checkpoints", **options)
+        start = store.load(parts) or 0
+        steps(model, optimizer, data, range(start + 1, until + 1), world, lambda step: store.save(step, parts))
+        if how == "tiers":  # each run ends as a lost node's would, without the close that copies its last step
+            store.wait()
+            store.release()
+        else:
+            store.close()
         return finish(folder, model, data, world)
     resume = folder / ("resume.dcp" if how == "sharded" else "resume.pth")
     start = 0
