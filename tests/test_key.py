@@ -318,6 +318,21 @@ def test_inspect_of_a_folder_tells_checkpoints_it_cannot_verify_from_damaged_one
     assert "2 checkpoints, 2 sealed with a key, none set" in shown and "damaged" not in shown
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one file", "sharded"])
+def test_inspect_of_an_object_store_prefix_tells_checkpoints_it_cannot_verify_as_a_folders_does(
+    moto_s3, monkeypatch, sharded
+):
+    moto_s3.create_bucket(Bucket="keyed")
+    with CheckpointStore("s3://keyed/run", keep=None, key=KEY, sharded=sharded) as store:
+        store.save(1, parts())
+    for key, status in [(None, "not verified"), (OTHER_KEY, "not verified"), (KEY, "verified")]:
+        if key:
+            monkeypatch.setenv(KEY_VARIABLE, key)
+        listed = json.loads(call_cli("inspect", "s3://keyed/run", "--json").stdout)
+        assert [c["status"] for c in listed["checkpoints"]] == [status], listed
+        assert "damaged" not in listed["description"], listed
+
+
 def test_a_state_kept_inside_a_frameworks_checkpoint_is_keyed_too():
     with keyed(Sealing(KEY.encode())):
         entry = sealed({"step": 3})

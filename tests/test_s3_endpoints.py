@@ -11,8 +11,9 @@ import time
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
-from exactresume import CheckpointStore
+from exactresume import CheckpointStore, save_resume
 from exactresume.errors import UserError
 from exactresume.store.locations import S3Config
 from exactresume.store.s3.client import _refusal
@@ -110,3 +111,13 @@ def test_the_timeout_flag_is_checked():
 def test_a_wrong_region_is_named(code):
     refusal = _refusal("the listing of s3://bucket/run", code, Exception())
     assert isinstance(refusal, UserError) and "another region" in str(refusal) and "AWS_REGION" in str(refusal)
+
+
+def test_an_endpoint_no_location_uses_is_said_and_the_command_goes_on(tmp_path):
+    save_resume(tmp_path / "resume.pth", {"model": torch.nn.Linear(2, 2)}, step=1)
+    shown = call_cli("inspect", tmp_path / "resume.pth", "--s3-endpoint", "http://127.0.0.1:9")
+    assert shown.returncode == 0, shown.stderr
+    assert (
+        shown.stderr
+        == "exactresume: --s3-endpoint http://127.0.0.1:9 is unused: no location of this command is s3://BUCKET/PREFIX\n"
+    )

@@ -229,7 +229,7 @@ def test_server_frozen_or_killed_mid_save_stops_in_one_line_within_the_bound_the
     assert child.returncode == 74, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    assert endpoint in lines[0] and "2 tries" in lines[0] and "rerun with --resume auto" in lines[0], stderr
+    assert endpoint in lines[0] and "2 tries" in lines[0] and "--resume auto" in lines[0], stderr
     bound = S3Config(tries=2, connect_timeout=2, read_timeout=2).bound()
     assert took <= bound + 2, (took, bound)  # and the process's own exit
     assert committed(endpoint, s3_prefix) == [1, 2]

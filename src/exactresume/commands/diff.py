@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from exactresume.commands.output import emit
-from exactresume.commands.places import add_s3_flags, any_location, place
+from exactresume.commands.places import add_s3_flags, any_location, check_endpoint_used, place
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from exactresume.core.compare import tensor_differences
     from exactresume.store.weights import read_weights
 
+    check_endpoint_used(args, args.a, args.b)
     differences = tensor_differences(read_weights(place(args.a, args))[0], read_weights(place(args.b, args))[0])
     unequal = {name: diff for name, diff in differences.items() if not diff.within(args.atol)}
     summary = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from exactresume.commands.output import emit
-from exactresume.commands.places import add_s3_flags, any_location, given_path, place
+from exactresume.commands.places import add_s3_flags, any_location, check_endpoint_used, given_path, place
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from exactresume.store.contents import format_inspection, inspect_checkpoint, inspect_tiers
 
+    check_endpoint_used(args, args.path)
     if args.local_checkpoints is not None:
         info = inspect_tiers(place(args.path, args), args.local_checkpoints)
     else:

@@ -58,6 +58,16 @@ def _s3_config(args: argparse.Namespace):
     return S3Config(endpoint=args.s3_endpoint, tries=args.s3_tries, part_bytes=args.s3_part_mib << 20, **timeouts)
 
 
+def check_endpoint_used(args: argparse.Namespace, *values) -> None:
+    """--s3-endpoint given where no value is an `s3://` location: said, not silently unused (a script may
+    pass it to every run, so the run goes on)."""
+    from exactresume.errors import notice
+    from exactresume.store.locations import is_s3
+
+    if args.s3_endpoint is not None and not any(is_s3(value) for value in values):
+        notice(f"--s3-endpoint {args.s3_endpoint} is unused: no location of this command is s3://BUCKET/PREFIX")
+
+
 def place(value, args: argparse.Namespace):
     """A flag's location: an `s3://` one reached as --s3-endpoint says, anything else a Path (or as it is)."""
     from exactresume.store.locations import is_s3, location

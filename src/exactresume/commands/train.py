@@ -29,6 +29,7 @@ from exactresume.commands.places import (
     add_data_flag,
     add_s3_flags,
     any_location,
+    check_endpoint_used,
     given_path,
     local_folder,
     place,
@@ -135,6 +136,7 @@ def _job_from(args: argparse.Namespace, world):
     from exactresume.world import launched_by_torchrun
 
     skip = frozenset(name for flag, name in ((args.no_optim, "optimizer"), (args.no_skip, "gen_state")) if flag)
+    check_endpoint_used(args, args.resume, args.checkpoints)
     return TrainJob(
         config_from_args(args),
         args.data,

@@ -258,7 +258,7 @@ def _inspect_s3(target: S3Location) -> dict:
         try:
             info = inspect_checkpoint(local)
         except CheckpointError as error:
-            raise CheckpointError(str(error).replace(str(local), str(target))) from None
+            raise type(error)(str(error).replace(str(local), str(target))) from None
     return info | {"path": str(target)}
 
 

@@ -38,7 +38,7 @@ def read_weights(path: Location) -> tuple[StateDict, ModelConfig | None]:
             try:
                 return read_weights(local)
             except CheckpointError as error:
-                raise CheckpointError(str(error).replace(str(local), str(path))) from None
+                raise type(error)(str(error).replace(str(local), str(path))) from None
     path = Path(path)
     kind, config = path_kind(path), None
     if kind == "folder":  # a CheckpointStore's folder: its newest checkpoint that verifies, as a resume reads it

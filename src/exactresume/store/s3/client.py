@@ -136,7 +136,7 @@ class ObjectStore:
     def _gave_up(self, what: str, reason: str) -> StorageError:
         return StorageError(
             f"the object store at {self.endpoint} did not answer {what} ({reason}; {self.config.tries} tries); "
-            "the committed checkpoints are unchanged: rerun with --resume auto once it is back"
+            "the committed checkpoints are unchanged: once it is back, run again (a training run with --resume auto)"
         )
 
     def _reason(self, error: Exception) -> str:
@@ -204,7 +204,7 @@ class ObjectStore:
         reason = f"no bytes within {self.config.read_timeout:g} s" if "Timeout" in name else name
         return StorageError(
             f"the object store at {self.endpoint} broke off GET {target} ({reason}); "
-            "the committed checkpoints are unchanged: rerun with --resume auto once it is back"
+            "the committed checkpoints are unchanged: once it is back, run again (a training run with --resume auto)"
         )
 
     def digest(self, target: S3Location) -> str:

@@ -64,7 +64,7 @@ def read_commit(store: ObjectStore, at: S3Location, into: Path, format: str, ver
     try:
         state = check_format(at, load_sealed(into), format, version, "an exactresume commit object")
     except CheckpointError as error:
-        raise CheckpointError(str(error).replace(str(into), str(at))) from None
+        raise type(error)(str(error).replace(str(into), str(at))) from None
     files, sizes = state.get("files"), state.get("bytes")
     if not (isinstance(files, dict) and isinstance(sizes, dict) and files and files.keys() == sizes.keys()):
         raise CheckpointError(f"{at}: a commit object that names no objects, or not each with its size")

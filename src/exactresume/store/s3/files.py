@@ -172,4 +172,4 @@ def load_committed(objects: ObjectStore, source: S3Location, size: int | None = 
         try:
             return load_sealed(local)
         except CheckpointError as error:
-            raise CheckpointError(str(error).replace(str(local), str(source))) from None
+            raise type(error)(str(error).replace(str(local), str(source))) from None

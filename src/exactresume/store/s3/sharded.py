@@ -133,4 +133,4 @@ def load_sharded_s3(target: S3Location, destination: Destination | None = None, 
             reader = ranged_reader(objects, target, folder, commit)  # the shards' items, each by one ranged GET
             return read_verified(folder, reader, commit["files"], destination, needs, commit["bytes"])
         except CheckpointError as error:
-            raise CheckpointError(str(error).replace(str(folder), str(target))) from None
+            raise type(error)(str(error).replace(str(folder), str(target))) from None
