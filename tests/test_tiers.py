@@ -300,6 +300,10 @@ def test_the_trainers_tier_flags_refuse_what_they_cannot_do(tmp_path, kjv_folder
     ):
         finished = train_cli(tmp_path / "out", "--data", kjv_folder, *FLAGS, *flags)
         assert_one_line_error(finished, needle)
+    unmakeable = ["--save-every", 1, "--durable-every", 2, "--local-checkpoints", "/proc/exactresume-local"]
+    finished = train_cli(tmp_path / "run", "--data", kjv_folder, *FLAGS, *unmakeable)
+    assert_one_line_error(finished, "cannot create --local-checkpoints folder /proc/exactresume-local")
+    assert not (tmp_path / "run" / "log.csv").exists()  # said before a step was trained
 
 
 def test_two_runs_writing_one_durable_folder_outside_out_are_one_too_many(tmp_path, kjv_folder):

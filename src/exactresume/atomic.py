@@ -146,22 +146,22 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda file: file.write(data))
 
 
-def ensure_writable_folder(folder: Path) -> Path:
-    """Create `folder` if needed and check we may write there, or raise a one-line UserError."""
+def ensure_writable_folder(folder: Path, what: str = "output folder") -> Path:
+    """Create `folder` if needed and check we may write there, or raise a one-line UserError naming it as `what`."""
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise UserError(f"cannot create output folder {folder}: {error.strerror}") from None
+        raise UserError(f"cannot create {what} {folder}: {error.strerror}") from None
     if not folder.is_dir():
-        raise UserError(f"output path {folder} is not a folder")
+        raise UserError(f"{what} {folder} is not a folder")
     # A real probe, not os.access: root passes access checks even on read-only file systems.
     probe = folder / f".write-probe-{os.getpid()}"
     try:
         probe.touch()
         probe.unlink()
     except OSError as error:
-        raise UserError(f"output folder {folder} is not writable: {error.strerror}") from None
+        raise UserError(f"{what} {folder} is not writable: {error.strerror}") from None
     return folder
 
 

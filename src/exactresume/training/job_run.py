@@ -112,15 +112,17 @@ class JobRun:
     def _check_outputs(self) -> None:
         job = self.job
         folders = [
-            job.out,
-            job.weights_file.parent,
-            job.log_file.parent,
-            *([job.samples.parent] if job.samples else []),
+            (job.out, "output folder"),
+            (job.weights_file.parent, "--weights folder"),
+            (job.log_file.parent, "--log folder"),
+            *([(job.samples.parent, "--samples folder")] if job.samples else []),
         ]
         if job.save_every is not None and not is_s3(job.checkpoint_folder):
-            folders.append(job.checkpoint_folder)
-        for folder in folders:
-            ensure_writable_folder(folder)
+            folders.append((job.checkpoint_folder, "--checkpoints folder"))
+        if job.local_checkpoints is not None:  # each rank's own, before a step is trained
+            folders.append((job.local_checkpoints, "--local-checkpoints folder"))
+        for folder, what in folders:
+            ensure_writable_folder(folder, what)
         if job.resume is not None and job.stop_at is None and job.weights_file == job.resume:
             raise UserError(f"--weights would overwrite the resume file {job.resume}")
 
