@@ -146,6 +146,8 @@ def test_every_rank_writes_its_shard_of_each_checkpoint_and_auto_resume_reads_it
     assert (marker["processes"], marker["step"]) == (2, 3)
     listed = run_cli("inspect", checkpoints, check=True).stdout
     assert "2 checkpoints; a resume continues from step 3" in listed and "step-00000003.dcp  verified" in listed
+    compared = call_cli("diff", checkpoints, newest)  # a folder of sharded checkpoints: its newest, read whole
+    assert compared.returncode == 0 and "equal" in compared.stdout, compared.stdout + compared.stderr
     for nproc in (2, 1, 4):
         out = tmp_path / f"on-{nproc}"
         shutil.copytree(checkpoints, out / "checkpoints")

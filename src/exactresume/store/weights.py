@@ -59,11 +59,24 @@ def read_weights(path: Location) -> tuple[StateDict, ModelConfig | None]:
 
 
 def _newest_checkpoint(folder: Path) -> dict:
+    """The newest checkpoint that verifies of a store's folder: one-file ones, or sharded ones (`step-*.dcp`,
+    read whole) where the folder holds only those."""
+    from exactresume.store.layout import ONE_FILE, SHARDED
     from exactresume.store.numbered import CheckpointStore
+    from exactresume.world import World
 
-    found = CheckpointStore(folder, keep=None).load_newest()  # each one passed over is named on stderr
+    names = [path.name for path in folder.iterdir()]
+
+    def holds(layout) -> bool:
+        return any(layout.step_of(name) is not None for name in names)
+
+    sharded = holds(SHARDED) and not holds(ONE_FILE)
+    store = CheckpointStore(folder, keep=None, sharded=sharded, world=World())  # read here, in one process
+    found = store.load_newest()  # each one passed over is named on stderr
     if found is None:
-        raise CheckpointError(f"{folder} holds no checkpoint that verifies (step-*.pth)")
+        raise CheckpointError(
+            f"{folder} holds no checkpoint that verifies ({'step-*.dcp' if sharded else 'step-*.pth'})"
+        )
     return found[1]
 
 
