@@ -172,3 +172,27 @@ def test_a_ddp_model_freed_after_its_group_ended_does_not_hang_the_rank():
             for process in ranks.processes:
                 process.kill()
             pytest.fail("a rank hung after its process group ended")
+
+
+def test_a_rank_killed_alone_ends_the_run_in_one_line_and_auto_resume_continues(tmp_path, tiny_folder, straight):
+    folder = tmp_path / "run"
+    command = flags(folder, tiny_folder, "--save-every", 2, "--progress", "none")
+    child = spawn_cli(*command, env={"OMP_NUM_THREADS": "1"})
+    while logged_steps(folder) < 3 and child.poll() is None:
+        time.sleep(0.01)
+    ranks = ranks_of(child)
+    signal_each(ranks, signal.SIGSTOP)  # held mid-run: the kill lands before the run can end
+    os.kill(ranks[-1], signal.SIGKILL)
+    signal_each(ranks[:-1], signal.SIGCONT)
+    stdout, stderr = child.communicate()
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr and "E1" not in stderr, stderr
+    # the agent names the rank it saw fail first: the one killed, or one whose peer vanished
+    named = re.fullmatch(
+        r"exactresume train: error: rank \d \(pid \d+\) was ended by SIGKILL .*--resume auto\n", stderr
+    )
+    assert (named and child.returncode == 128 + signal.SIGKILL) or (
+        "a rank was ended from outside" in stderr and child.returncode == 1
+    ), (child.returncode, stderr)
+    run_cli(*command, "--resume", "auto", check=True)
+    for name, tensor in read_weights(straight / "final.pth")[0].items():
+        assert torch.equal(read_weights(folder / "final.pth")[0][name], tensor), name

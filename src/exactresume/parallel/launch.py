@@ -45,6 +45,29 @@ def first_error(stderr: str) -> str | None:
     return next((line for line in stderr.splitlines() if ERROR_LINE.match(line)), None)
 
 
+# The agent's report of a rank that ended: its exit code (negative: the signal that ended it), rank and pid.
+RANK_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+# What a rank's collective says when the rank at the other end of its connection is gone.
+PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer")
+AFTER = "and the other ranks were stopped; the checkpoints already written are intact: rerun with --resume auto"
+
+
+def killed_rank(stderr: str, command: str, agent_code: int) -> tuple[str, int] | None:
+    """Where a rank was ended from outside and printed nothing (kill -9, the out-of-memory killer): our one
+    line for it, and the exit code (a shell's for the signal, when the agent saw it); None otherwise. The
+    agent reports the first rank it saw fail, which may be one whose peer had vanished."""
+    said = f"exactresume {command}: error:"
+    for code, rank, pid in RANK_FAILED.findall(stderr):
+        if int(code) < 0:
+            name = signal.Signals(-int(code)).name
+            how = f"was ended by {name} (a kill, or the out-of-memory killer)"
+            return f"{said} rank {rank} (pid {pid}) {how}, {AFTER}", 128 - int(code)
+    if PEER_GONE.search(stderr):
+        how = "was ended from outside (a kill, or the out-of-memory killer: its peers lost their connection to it)"
+        return f"{said} a rank {how}, {AFTER}", agent_code
+    return None
+
+
 def launch(main: Callable[[list[str]], int], argv: Collection[str], nproc: int) -> int:
     """Run the command `main(ARGV)` in N processes; a rank's one line and exit code when one fails."""
     if not hasattr(os, "fork"):
@@ -62,6 +85,10 @@ def launch(main: Callable[[list[str]], int], argv: Collection[str], nproc: int) 
         stderr = agent_stderr.read()  # the agent's and the ranks' stderr, until the last of them ends
         code = os.waitstatus_to_exitcode(os.waitpid(agent, 0)[1])
     error = first_error(stderr) if code else None
+    killed = killed_rank(stderr, next(iter(argv), ""), code) if code and error is None else None
+    if killed is not None:  # the agent's log of it is torch's report, not the user's: one line instead
+        print(killed[0], file=sys.stderr)
+        return killed[1]
     if error is None:
         sys.stderr.writelines(line for line in stderr.splitlines(keepends=True) if EXPECTED_NOTE not in line)
         return code
