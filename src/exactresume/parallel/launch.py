@@ -52,7 +52,7 @@ PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer")
 AFTER = "and the other ranks were stopped; the checkpoints already written are intact: rerun with --resume auto"
 
 
-def killed_rank(stderr: str, command: str, agent_code: int) -> tuple[str, int] | None:
+def _killed_rank(stderr: str, command: str, agent_code: int) -> tuple[str, int] | None:
     """Where a rank was ended from outside and printed nothing (kill -9, the out-of-memory killer): our one
     line for it, and the exit code (a shell's for the signal, when the agent saw it); None otherwise. The
     agent reports the first rank it saw fail, which may be one whose peer had vanished."""
@@ -85,7 +85,7 @@ def launch(main: Callable[[list[str]], int], argv: Collection[str], nproc: int) 
         stderr = agent_stderr.read()  # the agent's and the ranks' stderr, until the last of them ends
         code = os.waitstatus_to_exitcode(os.waitpid(agent, 0)[1])
     error = first_error(stderr) if code else None
-    killed = killed_rank(stderr, next(iter(argv), ""), code) if code and error is None else None
+    killed = _killed_rank(stderr, next(iter(argv), ""), code) if code and error is None else None
     if killed is not None:  # the agent's log of it is torch's report, not the user's: one line instead
         print(killed[0], file=sys.stderr)
         return killed[1]
