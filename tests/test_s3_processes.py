@@ -18,16 +18,8 @@ from exactresume.store.s3.lease import LEASE_NAME
 from exactresume.store.sharded import verify_sharded
 from helpers import assert_weights_equal, max_abs_difference, spawn_cli, train_cli
 
-FLAGS = [
-    "--steps",
-    "8",
-    "--batch",
-    "4",
-    "--seq-len",
-    "16",
-    "--preset",
-    "tiny",
-]  # a batch of 4 splits over 1 and 2 processes
+# a batch of 4 splits over 1 and 2 processes
+FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16", "--preset", "tiny"]
 STOP = 3
 CROSS_N_ATOL = 1e-4  # what only the order of floating-point reduction moves (tests/test_fsdp.py)
 
