@@ -203,8 +203,7 @@ def test_a_forged_checkpoint_on_an_object_store_is_copied_aside_before_its_step_
         assert store.load(loaded) == 1
         store.save(2, loaded)
         assert [str(path) for path in store.set_aside()] == [f"s3://keyed/run/{name}.unreadable"]
-    checkpoint = {below: data for below, data in planted.items() if below != ".commit"}  # a one-file's commit: beside
-    assert objects(f"run/{name}.unreadable") == checkpoint  # kept byte for byte, never read
+    assert objects(f"run/{name}.unreadable") == planted  # kept byte for byte with its commit, never read
     assert any(f"set aside s3://keyed/run/{name} as {name}.unreadable" in line for line in said), said
     with CheckpointStore("s3://keyed/run", key=KEY, **options) as store:
         assert store.load(parts()) == 2
@@ -277,8 +276,12 @@ def test_a_forged_checkpoint_planted_ahead_of_a_keyed_run_is_passed_over_and_set
     shutil.copyfile(run / "checkpoints" / checkpoint_name(4), planted)
     forge(planted)
     forged = planted.read_bytes()
+    beyond = run / "checkpoints" / checkpoint_name(20)  # and one past the run's end, never reached
+    beyond.write_bytes(forged)
     resumed = train_cli(run, "--data", kjv_folder, *FLAGS, "--resume", "auto", check=True, env=key)
     assert f"skipping checkpoint {planted}" in resumed.stderr + resumed.stdout
+    newest = next(line for line in resumed.stdout.splitlines() if line.startswith("newest checkpoint"))
+    assert checkpoint_name(8) in newest and "3 kept" in newest, newest  # the run's own, not the planted one
     assert (run / "checkpoints" / f"{checkpoint_name(6)}.unreadable").read_bytes() == forged  # kept, never read
     with keyed(Sealing(KEY.encode())):
         assert_weights_equal(straight / "final.pth", run / "final.pth")

@@ -67,7 +67,7 @@ def test_a_missing_scheme_is_named(credentials):
     assert_one_line_error(inspect(f"127.0.0.1:{port}"), "scheme is missing", f"http://127.0.0.1:{port}")
 
 
-@pytest.mark.parametrize("typed", ["s3:/bucket/run", "gs://bucket/run"])
+@pytest.mark.parametrize("typed", ["s3:/bucket/run", "s3:bucket/run", "gs://bucket/run"])
 def test_a_location_that_begins_as_another_url_is_refused_not_made_a_local_folder(tmp_path, monkeypatch, typed):
     monkeypatch.chdir(tmp_path)
     for flag in ("--checkpoints", "--out", "--resume"):

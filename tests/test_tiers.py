@@ -304,6 +304,9 @@ def test_the_trainers_tier_flags_refuse_what_they_cannot_do(tmp_path, kjv_folder
     finished = train_cli(tmp_path / "run", "--data", kjv_folder, *FLAGS, *unmakeable)
     assert_one_line_error(finished, "cannot create --local-checkpoints folder /proc/exactresume-local")
     assert not (tmp_path / "run" / "log.csv").exists()  # said before a step was trained
+    (tmp_path / "a-file").write_text("")
+    finished = train_cli(tmp_path / "run", "--data", kjv_folder, *FLAGS, *unmakeable[:-1], tmp_path / "a-file")
+    assert_one_line_error(finished, f"--local-checkpoints folder {tmp_path / 'a-file'} is a file, not a folder")
 
 
 def test_two_runs_writing_one_durable_folder_outside_out_are_one_too_many(tmp_path, kjv_folder):

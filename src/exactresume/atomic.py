@@ -149,6 +149,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def ensure_writable_folder(folder: Path, what: str = "output folder") -> Path:
     """Create `folder` if needed and check we may write there, or raise a one-line UserError naming it as `what`."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{what} {folder} is a file, not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:

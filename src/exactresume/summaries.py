@@ -119,7 +119,10 @@ def train_summary(job, argv: list[str], memory: dict | None = None) -> dict:
     rows = log_rows(job.log_file)
     from exactresume.store.numbered import store_reading  # imports torch: only once a run is over
 
-    checkpoints = [checkpoint.path for checkpoint in store_reading(job.checkpoint_folder, notify=print).checkpoints()]
+    reached = int(rows[-1][0]) if rows else None
+    listed = store_reading(job.checkpoint_folder, notify=print).checkpoints()
+    # the run's own: none past the step it reached (a file planted ahead, which its resume passed over)
+    checkpoints = [checkpoint.path for checkpoint in listed if reached is None or checkpoint.step <= reached]
     stopped = job.stop_at is not None
     files = {
         "resume": written(job.resume_file) if stopped else None,
@@ -131,7 +134,7 @@ def train_summary(job, argv: list[str], memory: dict | None = None) -> dict:
     }
     return {
         "command": "train",
-        "step": int(rows[-1][0]) if rows else None,
+        "step": reached,
         "steps": job.config.steps,
         "stop_at": job.stop_at,
         "loss": float(rows[-1][1]) if rows else None,

@@ -123,8 +123,8 @@ URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:/")
 
 def not_a_url(text: str) -> str | None:
     """Why `text`, given as a folder or file, is none: it begins as a URL other than s3:// (`s3:/bucket`,
-    `gs://bucket`), which would otherwise be a folder made here; None when it is a plain path."""
-    if is_s3(text) or not URL_START.match(text):
+    `s3:bucket`, `gs://bucket`), which would otherwise be a folder made here; None when it is a plain path."""
+    if is_s3(text) or not (URL_START.match(text) or text.lower().startswith("s3:")):
         return None
     return (
         f"{text} begins as a URL: an object store location is s3://BUCKET/PREFIX (its server from "

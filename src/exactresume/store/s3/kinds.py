@@ -24,6 +24,7 @@ from exactresume.store.resume import check_resume_state
 from exactresume.store.s3.client import ObjectStore
 from exactresume.store.s3.commit import fetch_committed, read_commit
 from exactresume.store.s3.files import fetch_file, load_committed, local_folder
+from exactresume.store.seal_hash import SealError
 
 SHARDED_NAMES = ("commit.pth", ".metadata")
 
@@ -83,5 +84,6 @@ def _newest_copy(objects: ObjectStore, prefix: S3Location, folder: Path) -> Path
             fetch_file(objects, checkpoint.path, folder).rename(local / checkpoint.path.name)
             return local
         except CheckpointError as error:
-            notice(f"skipping damaged checkpoint {error}")  # as a resume from the prefix says it
+            damaged = "" if isinstance(error, SealError) else "damaged "  # another key's may be sound
+            notice(f"skipping {damaged}checkpoint {error}")  # as a resume from the prefix says it
     raise CheckpointError(f"{prefix} holds no checkpoint that verifies (step-*.pth)")

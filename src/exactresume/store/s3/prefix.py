@@ -118,7 +118,8 @@ class S3Prefix:
     def _set_aside(self, checkpoint: Checkpoint) -> None:
         names = self.objects.list(self.folder)
         name = checkpoint.path.name
-        objects = {below: size for below, size in names.items() if below == name or below.startswith(name + "/")}
+        kept = (name, name + COMMIT_SUFFIX)  # a one-file checkpoint's commit beside it; a sharded one's inside
+        objects = {below: size for below, size in names.items() if below in kept or below.startswith(name + "/")}
         if not objects:
             return
         aside, number = name + UNREADABLE_SUFFIX, 1
