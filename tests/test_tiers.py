@@ -21,7 +21,7 @@ from exactresume import CheckpointStore, StorageError, UserError
 from exactresume.store.disk import DiskFolder, write_verified
 from exactresume.store.identity import with_identity
 from exactresume.store.layout import checkpoint_name
-from helpers import assert_one_line_error, assert_weights_equal, run_cli, spawn_cli, train_cli
+from helpers import assert_one_line_error, assert_weights_equal, run_cli, run_python, spawn_cli, train_cli
 
 FLAGS = ["--steps", "12", "--batch", "4", "--seq-len", "16", "--preset", "tiny"]
 
@@ -323,3 +323,27 @@ def test_two_runs_writing_one_durable_folder_outside_out_are_one_too_many(tmp_pa
     first.send_signal(signal.SIGKILL)
     first.wait()
     assert_one_line_error(second, f"{shared} is being written by pid {first.pid}")
+
+
+LEAVES_ITS_STORE_OPEN = """
+import sys
+import torch
+from exactresume import CheckpointStore
+
+model = torch.nn.Linear(4, 2)
+store = CheckpointStore(sys.argv[1], local=sys.argv[2], durable_every=4, background=True)
+for step in range(1, 7):
+    store.save(step, {"model": model})
+"""
+
+
+def test_a_script_that_leaves_its_tiered_store_open_has_its_last_step_copied_durable_at_exit(tmp_path):
+    """As `close` would: the interpreter's exit copies the newest local step the durable tier lacks."""
+    script = tmp_path / "open.py"
+    script.write_text(LEAVES_ITS_STORE_OPEN)
+    finished = run_python(script, tmp_path / "durable", tmp_path / "local")
+    assert finished.returncode == 0 and finished.stdout == "", finished.stdout
+    assert names(tmp_path / "durable") == [checkpoint_name(4), checkpoint_name(6)]
+    assert (tmp_path / "durable" / checkpoint_name(6)).read_bytes() == (
+        tmp_path / "local" / checkpoint_name(6)
+    ).read_bytes()

@@ -10,7 +10,8 @@ The file is opened when it is handed over, so the local tier's pruning cannot ta
 copy. At most one copy is in flight; a step due while the one before is still being copied is left
 to the local tier (counted in `skipped`), so a slow durable tier costs durable checkpoints, never
 training time. At `close` the newest local checkpoint, due or not, is copied if the durable tier
-does not hold its step yet: a run that ends (or is preempted and saves) leaves its last step durable.
+does not hold its step yet: a run that ends (or is preempted and saves) leaves its last step durable;
+a script that leaves its store open has it done at the interpreter's exit.
 A copy that fails is raised by the store's next `save`, `wait` or `close`, as the store's one line
 for a write the storage refused.
 
@@ -22,15 +23,33 @@ the same step or all take the durable tier's newest (numbered.py).
 
 from __future__ import annotations
 
+import atexit
 import threading
+import traceback
+import weakref
 from collections.abc import Callable
 from typing import BinaryIO
 
-from exactresume.errors import FieldError, StorageError
+from exactresume.errors import FieldError, StorageError, UserError, notice
 from exactresume.store.layout import Layout
 from exactresume.store.locations import Checkpoint
 from exactresume.store.place import Place
 from exactresume.store.seal_hash import thread_in_this_context
+
+_UNFINISHED: weakref.WeakSet[DurableCopy] = weakref.WeakSet()  # tiers whose newest step may not be durable yet
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """At the interpreter's exit (after its threads ended), what `close` would have done for a store a
+    script left open: its newest local step copied durable; what fails is said, as nothing is left to raise it."""
+    for copier in list(_UNFINISHED):
+        try:
+            copier.finish()
+        except UserError as failure:
+            notice(str(failure))
+        except Exception as failure:  # a bug: its own traceback
+            traceback.print_exception(failure)
 
 
 class DurableCopy:
@@ -58,6 +77,7 @@ class DurableCopy:
         """A checkpoint was written to the local tier; copied now if its step is due (`copy`)."""
         if self.newest is None or local.step >= self.newest.step:
             self.newest = local
+        _UNFINISHED.add(self)
         if self.due(local.step):
             self.copy(local)
 
@@ -97,6 +117,7 @@ class DurableCopy:
     def finish(self) -> None:
         """Wait for the copy in flight, then copy the newest local checkpoint if the durable tier has not its
         step (one not due, or skipped); raise what failed."""
+        _UNFINISHED.discard(self)
         try:
             self.wait()
         finally:
