@@ -17,7 +17,7 @@ import pytest
 
 from exactresume.cli import main
 from exactresume.forkserver.client import forkable
-from helpers import assert_one_line_error, call_cli, once_per_session, stable_environ
+from helpers import SMALL, assert_one_line_error, call_cli, once_per_session, stable_environ
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 
@@ -57,7 +57,7 @@ def doctor_args(
 def train_args(folder: Path, data: Path) -> list[str]:
     """`exactresume train` itself as the doctor's subject, resumed with --resume auto."""
     train = ["train", "--data", str(data), "--out", str(folder / "run"), "--save-every", "2", "--keep", "0"]
-    command = [sys.executable, "-m", "exactresume.cli", *train, "--steps", "8", "--batch", "2", "--seq-len", "16"]
+    command = [sys.executable, "-m", "exactresume.cli", *train, *SMALL]
     flags = ["--steps", "8", "--stop-after", "4", "--out", str(folder / "doctor"), "--resume-args=--resume auto"]
     return ["doctor", "--warm", *flags, "--", *command]
 
