@@ -149,14 +149,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def ensure_writable_folder(folder: Path, what: str = "output folder") -> Path:
     """Create `folder` if needed and check we may write there, or raise a one-line UserError naming it as `what`."""
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"{what} {folder} is a file, not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"{what} {folder} is a file, not a folder") from None
         raise UserError(f"cannot create {what} {folder}: {error.strerror}") from None
-    if not folder.is_dir():
-        raise UserError(f"{what} {folder} is not a folder")
     # A real probe, not os.access: root passes access checks even on read-only file systems.
     probe = folder / f".write-probe-{os.getpid()}"
     try:

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import re
 import sys
+import traceback
 
 # The optional dependencies' modules and the extra that installs each (pyproject.toml): the library
 # itself needs only torch and xxhash.
@@ -24,6 +25,15 @@ EXTRAS = {name: "lab" for name in ("numpy", "tokenizers", "safetensors", "matplo
 def notice(message: str) -> None:
     """One line on stderr, named as ours, for what the user should know that is not an error."""
     print(f"exactresume: {message}", file=sys.stderr)
+
+
+def tell_unraised(failure: BaseException) -> None:
+    """A failure no call is left to raise (at the interpreter's exit): a UserError as its one line, anything
+    else (a bug) with its traceback."""
+    if isinstance(failure, UserError):
+        notice(str(failure))
+    else:
+        traceback.print_exception(failure)
 
 
 def a_kind_of(value: object) -> str:

@@ -47,7 +47,6 @@ from __future__ import annotations
 import atexit
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -55,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from exactresume.errors import FieldError, StorageError, UserError, notice
+from exactresume.errors import FieldError, StorageError, tell_unraised
 from exactresume.store.copy_guard import CopyGuard
 from exactresume.store.resume import capture, rebuilt
 from exactresume.store.seal_hash import thread_in_this_context
@@ -123,10 +122,8 @@ def _tell_what_was_never_raised() -> None:
     left to raise (a script that ends without `close`), its line, or a bug's traceback."""
     for writer in list(_WRITERS):
         failure, writer._failure = writer._failure, None
-        if isinstance(failure, UserError):
-            notice(str(failure))
-        elif failure is not None:
-            traceback.print_exception(failure)
+        if failure is not None:
+            tell_unraised(failure)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import atexit
 import threading
-import traceback
 import weakref
 from collections.abc import Callable
 from typing import BinaryIO
 
-from exactresume.errors import FieldError, StorageError, UserError, notice
+from exactresume.errors import FieldError, StorageError, tell_unraised
 from exactresume.store.layout import Layout
 from exactresume.store.locations import Checkpoint
 from exactresume.store.place import Place
@@ -46,10 +45,8 @@ def _finish_at_exit() -> None:
     for copier in list(_UNFINISHED):
         try:
             copier.finish()
-        except UserError as failure:
-            notice(str(failure))
-        except Exception as failure:  # a bug: its own traceback
-            traceback.print_exception(failure)
+        except Exception as failure:
+            tell_unraised(failure)
 
 
 class DurableCopy:
