@@ -9,18 +9,22 @@ DATA := data/kjv
 
 setup: $(STAMP)
 
-# Reinstall only when the project's dependencies change. pip installs this torch, from where its own
-# configuration finds it (this machine keeps the CPU build on its disk), and uv; uv then installs the
-# rest in seconds where pip takes minutes, keeping that torch. The library itself takes any torch in
-# pyproject.toml's range; constraints.txt holds the exact versions of everything else the tests ran on.
-# uv compiles what it installs to bytecode (pip does, uv does not by default): where PYTHONDONTWRITEBYTECODE
-# is set, as on our machines, each new process would otherwise compile transformers, Lightning and numpy
-# from source again (a cold `import transformers.trainer` 9.4 s, compiled 6.5 s).
+# Reinstall only when the project's dependencies change. The machine's pip puts uv in a venv made
+# without pip of its own; uv then installs everything, this torch included, unpacking and compiling on
+# every core (a set-up from nothing 63 s with pip installing torch, 40 s so). uv reads no pip
+# configuration: it is handed the folder of wheels pip's configuration names (this machine keeps the CPU
+# build of torch there; without it, torch comes from the package index, a CUDA build of GBs). The library
+# itself takes any torch in pyproject.toml's range; constraints.txt holds the exact versions of everything
+# else the tests ran on. uv compiles what it installs to bytecode: where PYTHONDONTWRITEBYTECODE is set, as
+# on our machines, each new process would otherwise compile torch, transformers and Lightning from source
+# again (a cold `import transformers.trainer` 9.4 s, compiled 6.5 s).
 TORCH := torch==2.13.0
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --constraint constraints.txt "$(TORCH)" uv
-	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python --constraint constraints.txt -e '.[test]'
+	test -x $(BIN)/python || $(PYTHON) -m venv --without-pip $(VENV)
+	$(PYTHON) -m pip --python $(BIN)/python install --quiet --disable-pip-version-check --constraint constraints.txt uv
+	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
+		--constraint constraints.txt "$(TORCH)" -e '.[test]'
 	touch $(STAMP)
 
 # After a dependency changed in pyproject.toml and is installed in the venv: its versions, as constraints.txt.

@@ -34,6 +34,8 @@ from helpers import (
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# The truth by hand forks its ranks (as torchrun would start them, less the imports); the doctor runs torchrun
+FORKED_TORCHRUN = (sys.executable, str(Path(__file__).with_name("forked_torchrun.py")), "2")
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,12 @@ def by_hand(case: Case, folder: Path) -> dict:
     the resumed steps drew the straight run's batch, which straight step each resumed batch matches,
     and whether the final weights are equal."""
     straight, resumed = folder / "straight", folder / "resumed"
-    run_script(case.command(straight, "--record", str(folder / "a")), folder / "straight.log")
+    hand = replace(case, launcher=FORKED_TORCHRUN) if case.launcher == tuple(TORCHRUN) else case
+    run_script(hand.command(straight, "--record", str(folder / "a")), folder / "straight.log")
     resumed.mkdir(parents=True)
     copy = shutil.copytree if (straight / case.checkpoint).is_dir() else shutil.copy2
     copy(straight / case.checkpoint, resumed / (case.copied_as or case.checkpoint))
-    run_script(case.command(resumed, "--resume", "--record", str(folder / "b")), folder / "resumed.log")
+    run_script(hand.command(resumed, "--resume", "--record", str(folder / "b")), folder / "resumed.log")
     suffixes = ["-0.pt", "-1.pt"] if case.launcher != (sys.executable,) else [""]
     return {str(rank): compare(folder / f"a{s}", folder / f"b{s}", case.resume_step) for rank, s in enumerate(suffixes)}
 

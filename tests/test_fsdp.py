@@ -33,6 +33,7 @@ from helpers import (
     process_state,
     ranks_of,
     run_cli,
+    run_python,
     spawn_cli,
     train_cli,
 )
@@ -97,9 +98,10 @@ def resumed(runs: Path, tmp_path: Path, data: Path, source: str, nproc: int) -> 
 def test_two_processes_compute_the_gradient_one_process_does(tmp_path):
     """The gradient itself, not only the weights: AdamW and clipping would hide one N times too large."""
     worker = Path(__file__).with_name("fsdp_gradient.py")
-    subprocess.run([sys.executable, worker, tmp_path / "one.pt"], check=True, env=ENV)
-    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    subprocess.run([*two, worker, tmp_path / "two.pt"], check=True, env=ENV, capture_output=True)
+    one = run_python(worker, tmp_path / "one.pt", env={"OMP_NUM_THREADS": "1"})
+    forked_torchrun = Path(__file__).with_name("forked_torchrun.py")  # the ranks forked, as torchrun would start them
+    two = run_python(forked_torchrun, 2, worker, tmp_path / "two.pt", env={"OMP_NUM_THREADS": "1"})
+    assert one.returncode == two.returncode == 0, one.stdout + two.stdout
     one, sharded = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one.keys() == sharded.keys()
     for name in one:

