@@ -14,6 +14,9 @@ import torch
 from exactresume import CheckpointStore, UserError
 from exactresume.errors import CheckpointError
 from exactresume.store.access import open_resume
+from exactresume.store.dcp_writer import HashingWriter
+from exactresume.store.seal_hash import UNKEYED, Sealing, keyed
+from exactresume.store.sealed import file_digest
 
 
 def loop(seed: int) -> dict:
@@ -80,3 +83,17 @@ def test_an_object_store_without_boto3_is_one_line_naming_the_extra(monkeypatch)
     for call in (lambda: CheckpointStore("s3://bucket/run").load(loop(0)), lambda: open_resume("s3://bucket/r.pth")):
         with pytest.raises(UserError, match=r"s3:// locations need boto3: pip install 'exactresume\[s3\]'"):
             call()
+
+
+@pytest.mark.parametrize("seals", [UNKEYED, Sealing(b"a key of 32 bytes, for the test.")], ids=["xxh3", "keyed"])
+def test_each_file_dcp_writes_is_hashed_as_it_is_written(tmp_path, seals):
+    """The checksums a sharded save commits come from the bytes DCP wrote, not from reading its files again:
+    they must be the files' own, index (written under another name, then renamed) included."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"weights": torch.randn(300, 70), "moments": {"step": torch.tensor(3.0), "note": "a string", "n": 7}}
+    writer = HashingWriter(tmp_path, seals)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    with keyed(seals):
+        on_disk = {path.name: file_digest(path) for path in tmp_path.iterdir()}
+    assert set(on_disk) == {".metadata", "__0_0.distcp"} and writer.digests == on_disk

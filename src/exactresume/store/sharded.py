@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from exactresume.atomic import fsync_path, replace_folder, tmp_path
 from exactresume.errors import CheckpointError
 from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
+from exactresume.store.dcp_writer import HashingWriter
 from exactresume.store.formats import check_format
 from exactresume.store.layout import COMMIT
 from exactresume.store.resume import capture, check_resume_state, is_dtensor, tensors_in
@@ -155,8 +156,8 @@ def save_sharded(
     identity: dict | None = None,
     stage: Callable[[str], None] = lambda name: None,
 ) -> None:
-    """Every rank writes its shard (saved at `step`, by the run `identity` names) into FOLDER.tmp/ and
-    hashes the files it wrote; rank 0 commits their checksums, puts the folder at `folder`, and every
+    """Every rank writes its shard (saved at `step`, by the run `identity` names) into FOLDER.tmp/,
+    hashed as it is written; rank 0 commits their checksums, puts the folder at `folder`, and every
     rank reads its own files back verified (the ranks hash at once, on their own cores). `stage(name)`
     is called at each stage, a fault-injection point (store/faults.py): "write" on every rank, then on
     rank 0 "fsync" (every shard is durable, the commit not yet written), "rename", "folder-fsync" and
@@ -168,10 +169,10 @@ def save_sharded(
         staging.mkdir(parents=True)
     world.barrier()
     stage("write")
+    writer = HashingWriter(staging, sealing())  # each shard and the index fsynced before DCP returns
     with quiet_single_process(), first_failure():
-        # sync_files: each shard and the metadata are fsynced before DCP returns.
-        dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=True), no_dist=world.size == 1)
-    own = {path.name: file_digest(path) for path in _own_files(staging, world)}
+        dcp.save(state, storage_writer=writer, no_dist=world.size == 1)
+    own = {path.name: writer.digests.get(path.name) or file_digest(path) for path in _own_files(staging, world)}
     files = {name: digest for hashed in world.gather(own) for name, digest in hashed.items()}
     if world.is_main:  # dcp.save returns on rank 0 only after every rank's shard and the metadata are written
         stage("fsync")
