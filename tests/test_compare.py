@@ -19,7 +19,7 @@ from exactresume.core.compare import identical, largest, tensor_diff, weight_dis
 from exactresume.core.model import MiniMindLM
 from exactresume.lab.lab import LabConfig, comparison_figures
 from exactresume.store.weights import read_weights, save_weights
-from helpers import call_cli, run_cli
+from helpers import assert_one_line_error, call_cli, run_cli
 
 NAN, INF = float("nan"), float("inf")
 DOCS_LAB = Path(__file__).resolve().parents[1] / "docs" / "lab"
@@ -118,6 +118,12 @@ def test_diff_of_a_copy_with_one_nan_is_different_and_says_nan(tmp_path, straigh
     assert "NaN" in finished.stdout and ": different (atol 0)" in finished.stdout
     assert "model.norm.weight  (1 of " in finished.stdout  # the tensor is named
     assert call_cli("diff", straight, copy, "--atol", "1e9").returncode == 1  # no tolerance forgives a NaN
+
+
+@pytest.mark.parametrize("atol", ["-1", "nan", "inf"])
+def test_a_tolerance_no_difference_can_be_within_is_refused(straight, atol):
+    """Equal within -1 would say `equal` of a file to itself, with no difference in range."""
+    assert_one_line_error(call_cli("diff", straight, straight, "--atol", atol), f"{atol} is not a tolerance")
 
 
 @pytest.mark.parametrize(

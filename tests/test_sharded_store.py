@@ -17,6 +17,7 @@ from exactresume.store.access import open_resume
 from exactresume.store.dcp_writer import HashingWriter
 from exactresume.store.seal_hash import UNKEYED, Sealing, keyed
 from exactresume.store.sealed import file_digest
+from exactresume.world import World
 
 
 def loop(seed: int) -> dict:
@@ -97,3 +98,41 @@ def test_each_file_dcp_writes_is_hashed_as_it_is_written(tmp_path, seals):
     with keyed(seals):
         on_disk = {path.name: file_digest(path) for path in tmp_path.iterdir()}
     assert set(on_disk) == {".metadata", "__0_0.distcp"} and writer.digests == on_disk
+
+
+@pytest.mark.parametrize("saved_sharded", [True, False], ids=["sharded saved, one-file opened", "the reverse"])
+def test_a_store_of_the_other_kind_refuses_the_folder_rather_than_start_fresh_beside_it(tmp_path, saved_sharded):
+    """A loop that forgot `sharded=True` on its resume (or gave it to one-file checkpoints) found nothing of its
+    own kind: its load returned None and its saves went on from step 1 beside the run's, a silent restart."""
+    parts = loop(0)
+    with CheckpointStore(tmp_path, sharded=saved_sharded) as store:
+        for step in (1, 2, 3):
+            train(parts, step)
+            store.save(step, parts)
+    saved = sorted(path.name for path in tmp_path.iterdir())
+    later = "step-00000003.dcp" if saved_sharded else "step-00000003.pth"
+    for attempt in (lambda store: store.load(loop(1)), lambda store: store.save(1, loop(1))):
+        with CheckpointStore(tmp_path, sharded=not saved_sharded) as store:
+            with pytest.raises(CheckpointError, match=f"holds {later}, a .* checkpoint later than any") as refused:
+                attempt(store)
+        assert ("sharded=True" in str(refused.value)) == saved_sharded
+        assert sorted(path.name for path in tmp_path.iterdir()) == saved  # nothing written, nothing removed
+    with CheckpointStore(tmp_path, sharded=not saved_sharded) as store:  # a save past that run's goes on
+        store.save(4, loop(4))
+    with CheckpointStore(tmp_path, sharded=not saved_sharded) as store:
+        assert store.load(loop(1)) == 4
+
+
+def test_a_checkpoint_passed_over_is_said_once_by_rank_0_not_by_every_rank(tmp_path):
+    """Every rank reads the one folder alike: each saying it printed the line once per process."""
+    parts = loop(0)
+    with CheckpointStore(tmp_path, sharded=True) as store:
+        for step in (1, 2):
+            store.save(step, parts)
+    shard = next((tmp_path / "step-00000002.dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    for rank, lines in ((0, 1), (1, 0)):
+        said: list[str] = []
+        with CheckpointStore(tmp_path, sharded=True, notify=said.append, world=World(rank, 2)) as store:
+            assert store.load(loop(1), clean=False) == 1
+        assert len(said) == lines and all("skipping damaged checkpoint" in line for line in said), said

@@ -11,13 +11,21 @@ from exactresume.commands.output import emit
 from exactresume.commands.places import add_s3_flags, any_location, check_endpoint_used, place
 
 
+def tolerance(text: str) -> float:
+    """--atol: a finite difference of 0 or more (no two values are within a negative one, nor NaN)."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a tolerance: 0 (the same bits) or a positive number")
+    return value
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", type=any_location, help="a weights or resume file, sharded folder, or s3:// of one")
     parser.add_argument("b", type=any_location)
     add_s3_flags(parser)
     parser.add_argument(
         "--atol",
-        type=float,
+        type=tolerance,
         default=0.0,
         help="largest difference of finite values still called equal (default 0: the same bits)",
     )

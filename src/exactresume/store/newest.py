@@ -63,8 +63,9 @@ class NewestSearch:
         if found is None and ours:
             self.gate.refuse(ours[0].checkpoint, damaged_saves(self.places[0].folder))
             raise none_loadable(" and ".join(str(place.folder) for place in self.places), ours)
-        for skipped in held:
-            self.notify(skipped.line())
+        if self.world.is_main or len(self.places) > 1:  # every rank reads one folder alike: rank 0 says it
+            for skipped in held:
+                self.notify(skipped.line())
         return self._agreed(found)
 
     def newest(self, places: list[Place] | None = None) -> Found:

@@ -58,6 +58,7 @@ from exactresume.store.refusals import (
     ANOTHER_RUN_WAY_OUT,
     another_run_saves,
     misfit_saves,
+    other_layout,
     sealed_otherwise_saves,
 )
 from exactresume.store.resume import capture, check_parts, check_step, for_one_file, per_rank, restore, started_fresh
@@ -304,6 +305,8 @@ class CheckpointStore:
     def check_save(self, step: Any) -> int:
         """The step to save at, or a one-line error when this store must not save (save_gate.py)."""
         step = check_step(step)
+        if self.gate.ours_up_to is None:  # neither loaded nor saved yet: once
+            self._refuse_the_other_layout(ahead_of=step - 1)
         try:
             self.gate.check(step, self.folder, self.checkpoints(), self._may_be_sound)
         except CheckpointError as refused:
@@ -497,6 +500,7 @@ class CheckpointStore:
         parts = per_rank(parts, self.world)
         if clean and self.world.is_main:
             self.remove_leftovers()
+        self._refuse_the_other_layout(ahead_of=max((c.step for c in self.checkpoints()), default=-1))
         found = self.newest_loadable()
         if found is None:
             return None
@@ -513,6 +517,15 @@ class CheckpointStore:
         for name in starting:
             self.notify(started_fresh(checkpoint.path, name))
         return checkpoint.step
+
+    def _refuse_the_other_layout(self, ahead_of: int) -> None:
+        """CheckpointError when the folder holds a checkpoint of the other layout past step `ahead_of`: a
+        store that forgot `sharded=True` (or gave it to one-file checkpoints) would start fresh beside them."""
+        other = ONE_FILE if self.layout.sharded else SHARDED
+        theirs = listed(self.places, other)
+        newest = max(theirs, key=lambda checkpoint: checkpoint.step, default=None)
+        if newest is not None and newest.step > ahead_of:
+            raise CheckpointError(other_layout(newest, self.layout.sharded))
 
     def _say_if_the_local_tier_was_lost(self, checkpoint: Checkpoint) -> None:
         """A local tier with no checkpoint beside a durable one that has: a new machine, or a wiped folder."""

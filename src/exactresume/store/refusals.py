@@ -91,5 +91,17 @@ def sealed_otherwise_saves(path: Location, reason: str) -> str:
     )
 
 
+def other_layout(ahead: Checkpoint, sharded_store: bool) -> str:
+    """The line for a checkpoint of the other layout ahead of this store's: a store of one layout never
+    reads the other's, so a load would find nothing newer, and a save would go on beside it."""
+    kind, way = ("one-file", "sharded=False (the default)") if sharded_store else ("sharded", "sharded=True")
+    mine = "sharded" if sharded_store else "one-file"
+    return (
+        f"{ahead.path.parent} holds {ahead.path.name}, a {kind} checkpoint later than any {mine} one of this "
+        f"store, which reads only its own kind: open the folder as the run that saved it did "
+        f"(CheckpointStore(..., {way}); exactresume train: the same --shard), or move that run's checkpoints out"
+    )
+
+
 def _name(path: Location, with_folder: bool) -> str:
     return f"{path.parent.name}/{path.name}" if with_folder else path.name

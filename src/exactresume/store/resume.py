@@ -159,9 +159,11 @@ def restore(
         _load_parts(state, parts, [name for name in loading if name not in loaded], loaded)
     except Exception as error:
         stuck = _put_back(parts, loaded)
+        failed = getattr(error, "part_name", "?")
+        if isinstance(error, CheckpointError) and not stuck and failed != "?":  # a part's own refusal: its way out
+            raise CheckpointError(f"{error} (skip={[failed]} loads the other parts, this one left as it is)") from error
         if isinstance(error, UserError) and not stuck:
             raise
-        failed = getattr(error, "part_name", "?")
         changed = f"{', '.join(stuck)} could not be put back" if stuck else "no part was changed"
         reason = f"the part {failed} could not load its saved state from {source}, and {changed}"
         raise CheckpointError(f"{reason}: {_one_line(error)}") from error
