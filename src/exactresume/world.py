@@ -78,4 +78,10 @@ def given_world(world: object, default: World) -> World:
         return default
     if not isinstance(world, World):
         raise FieldError(f"world must be an exactresume.World, got {a_kind_of(world)}", "world")
+    if not all(isinstance(number, int) for number in (world.rank, world.size)) or not 0 <= world.rank < world.size:
+        raise FieldError(
+            f"world is rank {world.rank!r} of {world.size!r}: a rank is 0 to size - 1 (World.from_env() reads "
+            "the ranks torchrun started)",
+            "world",
+        )
     return world
