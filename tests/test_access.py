@@ -63,7 +63,10 @@ def test_a_store_takes_its_options_once_and_only_rank_0_runs_a_writer_thread(tmp
         "world must be an exactresume.World": lambda: CheckpointStore(tmp_path, world=2),
         "world must be an exactresume.World, got an int": lambda: save_resume(tmp_path / "r.pth", {}, 1, world=2),
         "world must be an exactresume.World, got a str": lambda: load_resume(tmp_path / "r.pth", {}, world="x"),
-        r"world is rank 3 of 2: a rank is 0 to size - 1": lambda: CheckpointStore(tmp_path, world=World(3, 2)),
+        r"world is rank 3 of 2: a world is 1 process or more, each rank 0 to size - 1": lambda: CheckpointStore(
+            tmp_path, world=World(3, 2)
+        ),
+        r"world is rank 0 of 0": lambda: CheckpointStore(tmp_path, world=World(0, 0)),
         r"world is rank -1 of 2": lambda: save_resume(tmp_path / "r.pth", {}, 1, world=World(-1, 2)),
         "rank 1 of 2 processes, but torch.distributed has no process group": lambda: CheckpointStore(
             tmp_path, world=World(1, 2)

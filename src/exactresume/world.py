@@ -80,8 +80,8 @@ def given_world(world: object, default: World) -> World:
         raise FieldError(f"world must be an exactresume.World, got {a_kind_of(world)}", "world")
     if not all(isinstance(number, int) for number in (world.rank, world.size)) or not 0 <= world.rank < world.size:
         raise FieldError(
-            f"world is rank {world.rank!r} of {world.size!r}: a rank is 0 to size - 1 (World.from_env() reads "
-            "the ranks torchrun started)",
+            f"world is rank {world.rank!r} of {world.size!r}: a world is 1 process or more, each rank 0 to size - 1 "
+            "(World.from_env() reads the ranks torchrun started)",
             "world",
         )
     return world

@@ -161,7 +161,7 @@ def restore(
         stuck = _put_back(parts, loaded)
         failed = getattr(error, "part_name", "?")
         if isinstance(error, CheckpointError) and not stuck and failed != "?":  # a part's own refusal: its way out
-            raise CheckpointError(f"{error} (skip={[failed]} loads the other parts, this one left as it is)") from error
+            raise CheckpointError(f"{error} (skip={[failed]} loads the other parts, this one left as it is)") from None
         if isinstance(error, UserError) and not stuck:
             raise
         changed = f"{', '.join(stuck)} could not be put back" if stuck else "no part was changed"
