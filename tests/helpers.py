@@ -108,6 +108,10 @@ FRAMEWORK_MODULES = (
     "datasets",
 )
 
+# `torchrun --standalone --nproc-per-node N`, its ranks forked: `python FORKED_TORCHRUN N SCRIPT ARGS`, for the
+# runs a test checks by hand (test_distributed.py holds that forked ranks end as torchrun's cold ones do)
+FORKED_TORCHRUN = Path(__file__).with_name("forked_torchrun.py")
+
 
 def run_python(
     script: Path, *args: object, env: dict[str, str] | None = None, preload: tuple[str, ...] = ()

@@ -23,6 +23,7 @@ import torch
 
 from exactresume.cli import main
 from helpers import (
+    FORKED_TORCHRUN,
     FRAMEWORK_MODULES,
     OFFLINE,
     assert_one_line_error,
@@ -35,7 +36,7 @@ from helpers import (
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 # The truth by hand forks its ranks (as torchrun would start them, less the imports); the doctor runs torchrun
-FORKED_TORCHRUN = (sys.executable, str(Path(__file__).with_name("forked_torchrun.py")), "2")
+TWO_FORKED_RANKS = (sys.executable, str(FORKED_TORCHRUN), "2")
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def by_hand(case: Case, folder: Path) -> dict:
     the resumed steps drew the straight run's batch, which straight step each resumed batch matches,
     and whether the final weights are equal."""
     straight, resumed = folder / "straight", folder / "resumed"
-    hand = replace(case, launcher=FORKED_TORCHRUN) if case.launcher == tuple(TORCHRUN) else case
+    hand = replace(case, launcher=TWO_FORKED_RANKS) if case.launcher == tuple(TORCHRUN) else case
     run_script(hand.command(straight, "--record", str(folder / "a")), folder / "straight.log")
     resumed.mkdir(parents=True)
     copy = shutil.copytree if (straight / case.checkpoint).is_dir() else shutil.copy2

@@ -24,6 +24,7 @@ import torch
 from exactresume.core.steplog import read_samples
 from exactresume.store.faults import FAULT_ENV, STAGES
 from helpers import (
+    FORKED_TORCHRUN,
     assert_one_line_error,
     assert_weights_equal,
     call_cli,
@@ -99,8 +100,7 @@ def test_two_processes_compute_the_gradient_one_process_does(tmp_path):
     """The gradient itself, not only the weights: AdamW and clipping would hide one N times too large."""
     worker = Path(__file__).with_name("fsdp_gradient.py")
     one = run_python(worker, tmp_path / "one.pt", env={"OMP_NUM_THREADS": "1"})
-    forked_torchrun = Path(__file__).with_name("forked_torchrun.py")  # the ranks forked, as torchrun would start them
-    two = run_python(forked_torchrun, 2, worker, tmp_path / "two.pt", env={"OMP_NUM_THREADS": "1"})
+    two = run_python(FORKED_TORCHRUN, 2, worker, tmp_path / "two.pt", env={"OMP_NUM_THREADS": "1"})
     assert one.returncode == two.returncode == 0, one.stdout + two.stdout
     one, sharded = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one.keys() == sharded.keys()

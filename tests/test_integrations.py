@@ -22,13 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import FRAMEWORK_MODULES, OFFLINE, once_per_session, run_python
+from helpers import FORKED_TORCHRUN, FRAMEWORK_MODULES, OFFLINE, once_per_session, run_python
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 STEPS = 10
 SAMPLES, BATCH = 48, 8  # the scripts' Accelerate and Lightning data; the Trainer's: 24 samples of 4
-# torchrun --standalone --nproc-per-node 2, its ranks forked from the server that imported the frameworks
-TORCHRUN = (str(Path(__file__).with_name("forked_torchrun.py")), "2")
+TORCHRUN = (str(FORKED_TORCHRUN), "2")  # its ranks forked from the server that imported the frameworks
 
 
 @dataclass(frozen=True)

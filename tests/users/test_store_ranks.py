@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from exactresume import CheckpointStore, UserError
-from helpers import run_python
+from helpers import FORKED_TORCHRUN, run_python
 
 PROGRAM = Path(__file__).parent / "programs" / "ranks_loop.py"
-# torchrun --standalone --nproc-per-node 2, its ranks forked (test_distributed.py: as torchrun's cold ones end)
-TORCHRUN = (Path(__file__).parents[1] / "forked_torchrun.py", "2")
+TORCHRUN = (FORKED_TORCHRUN, "2")
 
 
 HOWS = ("store", "sharded-store", "file", "sharded", "tiers", "shared-tiers")

@@ -87,8 +87,8 @@ def given_path(text: str) -> Path:
         raise argparse.ArgumentTypeError("a path cannot be empty")
     from exactresume.store.locations import not_a_url
 
-    if not_a_url(text):
-        raise argparse.ArgumentTypeError(not_a_url(text))
+    if (why := not_a_url(text)) is not None:
+        raise argparse.ArgumentTypeError(why)
     return Path(text)
 
 

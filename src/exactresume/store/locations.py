@@ -136,8 +136,8 @@ def location(value: str | Path | S3Location, config: S3Config | None = None) -> 
     """`value` as a Path, or as an S3Location reached through `config` (UserError for a malformed one)."""
     if isinstance(value, S3Location):
         return value if config is None else replace(value, config=config)
-    if isinstance(value, str) and not_a_url(value):
-        raise UserError(not_a_url(value))
+    if isinstance(value, str) and (why := not_a_url(value)) is not None:
+        raise UserError(why)
     if not is_s3(value):
         return Path(value)
     bucket, _, key = str(value)[len(SCHEME) :].partition("/")
