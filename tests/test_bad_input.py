@@ -17,7 +17,7 @@ def stopped(tmp_path_factory, kjv_folder):
     """A small run stopped at step 3: a good resume file, and a weights file of the same run."""
     folder = tmp_path_factory.mktemp("stopped")
     train_cli(folder, "--data", kjv_folder, *SMALL, "--stop-at", 3, check=True)
-    train_cli(folder, "--data", kjv_folder, *SMALL, check=True)
+    train_cli(folder, "--data", kjv_folder, *SMALL, "--overwrite", check=True)  # its log.csv over the stopped run's
     return folder
 
 
@@ -139,6 +139,28 @@ def test_refusals_overwrite_nothing(tmp_path, kjv_folder, stopped):
     finished = resume_with(stopped, kjv_folder, stopped, stopped / "resume.pth", "--weights", stopped / "resume.pth")
     assert_one_line_error(finished, f"--weights would overwrite the resume file {stopped / 'resume.pth'}")
     assert fingerprint(stopped) == before
+
+
+def test_a_fresh_run_overwrites_no_earlier_runs_outputs_unless_told(tmp_path, kjv_folder, stopped):
+    before = fingerprint(stopped)
+    finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--seed", 8)
+    named = f"an earlier run's {stopped / 'final.pth'} and {stopped / 'log.csv'}: --resume continues that run"
+    assert_one_line_error(finished, named, "--overwrite replaces them")
+    finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--stop-at", 3, "--log", "x.csv")
+    assert_one_line_error(finished, f"an earlier run's {stopped / 'resume.pth'}:", "--overwrite replaces it")
+    assert fingerprint(stopped) == before
+    finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--resume", "auto", "--overwrite")
+    assert_one_line_error(finished, "--overwrite is for a run that starts fresh")
+    finished = call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--samples", tmp_path / "log.csv")
+    assert_one_line_error(finished, f"--log and --samples name the same file, {tmp_path / 'log.csv'}")
+    assert os.listdir(tmp_path) == [] and fingerprint(stopped) == before
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("final.pth", "log.csv"):
+        (copy / name).write_bytes((stopped / name).read_bytes())
+    replaced = train_cli(copy, "--data", kjv_folder, *SMALL, "--seed", 8, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert fingerprint(copy)["final.pth"] != before["final.pth"]  # another seed's weights, as asked
 
 
 def test_bad_flag_is_one_line(tmp_path):

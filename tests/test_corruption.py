@@ -32,7 +32,7 @@ PER_TARGET = 8  # two of each kind
 def stopped(tmp_path_factory, kjv_folder) -> Path:
     """A small run stopped at step 3: resume.pth, and the same state as a sharded folder, resume.dcp."""
     folder = tmp_path_factory.mktemp("stopped")
-    for flags in (["--stop-at", 3], ["--stop-at", 3, "--sharded"]):
+    for flags in (["--stop-at", 3], ["--stop-at", 3, "--sharded", "--overwrite"]):  # its log over the first's
         assert call_cli("train", "--out", folder, "--data", kjv_folder, *SMALL, "--quiet", *flags).returncode == 0
     return folder
 

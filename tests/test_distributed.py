@@ -185,7 +185,7 @@ def test_a_new_save_replaces_the_old_folder_and_clears_a_killed_one(tmp_path, kj
     out = tmp_path / "out"
     shutil.copytree(killed / "resume.dcp", out / "resume.dcp")  # the previous checkpoint, step 2
     shutil.copytree(killed / "resume.dcp.tmp", out / "resume.dcp.tmp")  # what the killed save left
-    finished = call_cli("train", "--out", out, "--data", kjv_folder, *SMALL, "--stop-at", 3, "--sharded")
+    finished = call_cli("train", "--out", out, "--data", kjv_folder, *SMALL, "--stop-at", 3, "--sharded", "--overwrite")
     assert finished.returncode == 0, finished.stderr
     assert load_sharded(out / "resume.dcp")["step"] == 3
     assert sorted(path.name for path in out.iterdir()) == ["log.csv", "resume.dcp"]

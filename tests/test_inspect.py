@@ -22,7 +22,8 @@ def small_run(tmp_path_factory, kjv_folder):
     """A small run stopped at step 3 (resume.pth, and resume.dcp sharded), its end (final.pth), and fp16
     exports of both."""
     folder = tmp_path_factory.mktemp("inspect")
-    for flags in (["--stop-at", 3, "--sharded"], ["--stop-at", 3], []):
+    for flags in (["--stop-at", 3, "--sharded"], ["--stop-at", 3], []):  # each log.csv over the one before
+        flags = ["--overwrite", *flags]
         assert call_cli("train", "--out", folder, "--data", kjv_folder, *SMALL, "--quiet", *flags).returncode == 0
     for source, out in (("final.pth", "final_fp16.pt"), ("resume.pth", "resume_fp16.safetensors")):
         assert call_cli("export", folder / source, "-o", folder / out, "--data", kjv_folder).returncode == 0

@@ -235,7 +235,7 @@ def test_the_trainer_with_a_key_resumes_bit_identical_and_refuses_what_another_k
         assert_one_line_error(refused, needle)
         assert newest.read_bytes() == kept  # nothing written over, nothing set aside
     log = (run / "log.csv").read_bytes()
-    started_over = train_cli(run, "--data", kjv_folder, *FLAGS, env={KEY_VARIABLE: OTHER_KEY})  # no --resume
+    started_over = train_cli(run, "--data", kjv_folder, *FLAGS, "--overwrite", env={KEY_VARIABLE: OTHER_KEY})  # fresh
     assert_one_line_error(started_over, f"holds {checkpoint_name(2)}, which this store cannot verify", "another key")
     assert newest.read_bytes() == kept and (run / "log.csv").read_bytes() == log  # refused before a row is cut
     train_cli(run, "--data", kjv_folder, *FLAGS, "--resume", "auto", check=True, env=key)
@@ -249,7 +249,8 @@ def test_the_trainer_with_a_key_resumes_bit_identical_and_refuses_what_another_k
     assert_one_line_error(refused, "sealed without a key, while a key is set")
     assert {path.name: path.read_bytes() for path in (plain / "checkpoints").iterdir()} == before
     log = (plain / "log.csv").read_bytes()
-    started_over = train_cli(plain, "--data", kjv_folder, *FLAGS)  # no key, no --resume: not the run's to write over
+    # no key, no --resume: the checkpoints are not a fresh run's to write over, even one told to --overwrite
+    started_over = train_cli(plain, "--data", kjv_folder, *FLAGS, "--overwrite")
     assert_one_line_error(started_over, f"already holds {checkpoint_name(2)}, a checkpoint this store has not loaded")
     assert (plain / "log.csv").read_bytes() == log
     shutil.rmtree(plain)

@@ -36,6 +36,7 @@ from exactresume.commands.places import (
     resume_source,
 )
 from exactresume.commands.writer import add_writer_flags, remove_made_folder
+from exactresume.errors import UserError
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +110,9 @@ def _add_outputs(outputs) -> None:
     outputs.add_argument("--log", type=given_path, help="loss log, step,train_loss (default OUT/log.csv)")
     outputs.add_argument("--samples", type=given_path, help="also log each step's window offsets, step,starts")
     outputs.add_argument(
+        "--overwrite", action="store_true", help="a fresh run replaces an earlier run's weights, log and resume file"
+    )
+    outputs.add_argument(
         "--divergence",
         type=given_path,
         help="with --resume: also step a fully restored twin and log the weight distance to it per step",
@@ -159,6 +163,7 @@ def _job_from(args: argparse.Namespace, world):
         durable_every=args.durable_every,
         processes=world.size if launched_by_torchrun() else args.nproc,
         force=args.force,
+        overwrite=args.overwrite,
         dry_run=args.dry_run,
     )
 
@@ -170,11 +175,25 @@ def run(args: argparse.Namespace) -> int:
     # The ranks of a torchrun launch share the folder its rank 0 (or the launching process) cleans up.
     made, code = not args.out.exists() and world.is_main, 1
     try:
-        code = train(args, _job_from(args, world), world)
+        job = _job_from(args, world)
+        if world.is_main:  # the other ranks of a torchrun launch write none of them
+            _refuse_earlier_outputs(job)
+        code = train(args, job, world)
     finally:
         if made and code != 0:
             remove_made_folder(args.out)
     return code
+
+
+def _refuse_earlier_outputs(job) -> None:
+    """A fresh run never overwrites what an earlier run left in its place: one line, nothing written."""
+    found = [str(path) for path in job.earlier_outputs()]
+    if found:
+        named = " and ".join(filter(None, [", ".join(found[:-1]), found[-1]]))
+        raise UserError(
+            f"this fresh run would overwrite an earlier run's {named}: --resume continues that run, "
+            f"--overwrite replaces {'it' if len(found) == 1 else 'them'}, or give another --out"
+        )
 
 
 def train(args: argparse.Namespace, job, world) -> int:

@@ -79,11 +79,13 @@ def _training_runs(config: LabConfig) -> list[tuple[str, list[str]]]:
             str(details / f"{name}_samples.csv"),
         ]
 
+    # The lab's folder is its own: a lab run again remakes every file, as it made them the first time.
     return [
-        ("straight", files("straight", out / "straight_log.csv")),
+        ("straight", ["--overwrite", *files("straight", out / "straight_log.csv")]),
         (
             "stop",
             [
+                "--overwrite",
                 "--stop-at",
                 str(config.stop_at),
                 "--log",

@@ -60,6 +60,7 @@ class TrainJob:
     durable_every: int | None = None  # with a local tier: the steps copied to `checkpoints`
     processes: int = 1  # the processes the run trains on: --nproc, or under torchrun its world size
     force: bool = False  # start even when the plan says the run will not fit its memory or disk
+    overwrite: bool = False  # a fresh run may replace an earlier run's outputs (earlier_outputs)
     dry_run: bool = False  # print the plan and train nothing
 
     def __post_init__(self) -> None:
@@ -87,6 +88,26 @@ class TrainJob:
             raise UserError("--divergence measures a resumed run against a full restore; it needs --resume")
         if self.divergence is not None and self.config.fsdp:  # the twin is one whole model on rank 0
             raise UserError("--divergence does not combine with --shard fsdp")
+        if self.overwrite and self.resume is not None:
+            raise UserError("--overwrite is for a run that starts fresh: a resumed run continues its own outputs")
+        self._check_outputs_apart()
+
+    def _check_outputs_apart(self) -> None:
+        seen: dict[str, str] = {}
+        for flag, path in self._outputs().items():
+            other = seen.setdefault(os.path.abspath(path), flag)
+            if other != flag:
+                raise UserError(f"{other} and {flag} name the same file, {path}: give each a file of its own")
+
+    def _outputs(self) -> dict[str, Path]:
+        """The local files the run writes, by the flag that names them."""
+        ending = (
+            ("--stop-at's resume file", self.resume_file)
+            if self.stop_at is not None
+            else ("--weights", self.weights_file)
+        )
+        named = dict([ending, ("--log", self.log_file), ("--samples", self.samples), ("--divergence", self.divergence)])
+        return {flag: path for flag, path in named.items() if isinstance(path, Path)}
 
     def _check_tiers(self) -> None:
         if (self.local_checkpoints is None) != (self.durable_every is None):
@@ -137,6 +158,13 @@ class TrainJob:
     @property
     def log_file(self) -> Path:
         return self.log or self.out / "log.csv"
+
+    def earlier_outputs(self) -> list[Path]:
+        """The files a fresh start would write that are already there: an earlier run's, which it would
+        overwrite (a resumed run continues its own)."""
+        if self.resume is not None or self.overwrite:
+            return []
+        return [path for path in self._outputs().values() if os.path.lexists(path)]
 
     @property
     def until(self) -> int:
