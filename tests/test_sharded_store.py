@@ -136,3 +136,20 @@ def test_a_checkpoint_passed_over_is_said_once_by_rank_0_not_by_every_rank(tmp_p
         with CheckpointStore(tmp_path, sharded=True, notify=said.append, world=World(rank, 2)) as store:
             assert store.load(loop(1), clean=False) == 1
         assert len(said) == lines and all("skipping damaged checkpoint" in line for line in said), said
+
+
+@pytest.mark.parametrize("cut", [1, -1], ids=["truncated", "appended_to"])
+def test_a_shard_cut_short_or_grown_is_named_with_its_size_and_the_commits(tmp_path, cut):
+    with CheckpointStore(tmp_path, sharded=True) as store:
+        store.save(1, loop(0))
+    folder = tmp_path / "step-00000001.dcp"
+    for name in (next(folder.glob("*.distcp")).name, ".metadata"):
+        path = folder / name
+        good = path.read_bytes()
+        path.write_bytes(good[:-cut] if cut > 0 else good + b"\0")
+        with pytest.raises(CheckpointError) as refused:
+            open_resume(folder)
+        how = "truncated" if cut > 0 else "appended to"
+        sizes = f"it holds {len(good) - cut:,} bytes, its commit marker says {len(good):,}"
+        assert str(refused.value) == f"{folder}: {name} is damaged, {how}: {sizes}"
+        path.write_bytes(good)

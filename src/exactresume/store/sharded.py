@@ -207,7 +207,9 @@ def write_commit(staging: Path, processes: int, step: int | None = None, files: 
     sealed; written last. It also holds the step, so that `inspect` can say it without reading DCP's objects."""
     if files is None:
         files = {p.name: file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    sizes = {name: (staging / name).stat().st_size for name in files}  # a cut or grown file is named so
     marker = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes, "files": files}
+    marker["bytes"] = sizes
     save_sealed(staging / COMMIT, marker | ({"step": step} if step is not None else {}))
     fsync_path(staging)
 
@@ -244,10 +246,21 @@ def verify_sharded(folder: Path) -> dict:
     files = marker.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
         raise CheckpointError(f"{commit}: lists no files, or not DCP's index (.metadata)")
+    sizes = marker.get("bytes", {})  # absent from a marker written before sizes were recorded
     for name, digest in files.items():
-        if not sealing().matches(file_digest(plain_file(folder, name)), digest):
+        path = plain_file(folder, name)
+        _check_size(folder, name, path.stat().st_size, sizes.get(name))
+        if not sealing().matches(file_digest(path), digest):
             raise CheckpointError(f"{folder}: {name} is damaged (checksum mismatch)")
     return marker
+
+
+def _check_size(folder: Path, name: str, size: int, recorded: object) -> None:
+    if isinstance(recorded, int) and size != recorded:
+        what = "truncated" if size < recorded else "appended to"
+        raise CheckpointError(
+            f"{folder}: {name} is damaged, {what}: it holds {size:,} bytes, its commit marker says {recorded:,}"
+        )
 
 
 def _commit_marker(commit: Path) -> dict:
