@@ -204,11 +204,14 @@ def test_torch_refusals_are_told_whole_naming_what_was_refused(tmp_path):
             return (os.system, ("true",))
 
     torch.save({"weights": torch.ones(2), "payload": Payload()}, tmp_path / "evil.pth")
-    (tmp_path / "noise.pth").write_bytes(random.Random(0).randbytes(4096))
+    (tmp_path / "noise.pth").write_bytes(b"\x80" + random.Random(0).randbytes(4096))  # begins as a pickle does
     for path, refused in ((tmp_path / "evil.pth", "system"), (tmp_path / "noise.pth", "Unsupported operand")):
         for finished in (call_cli("inspect", path), call_cli("diff", path, path)):
             assert_one_line_error(finished, f"{path}: not a loadable torch file (", refused)
             assert "PyTorch 2.6" not in finished.stderr  # torch's advice about its default, not about the file
+    (tmp_path / "notes.txt").write_text("step,loss\n1,2.5\n")  # not a torch file at all: said so, not torch's words
+    for finished in (call_cli("inspect", tmp_path / "notes.txt"), call_cli("diff", tmp_path / "notes.txt", path)):
+        assert_one_line_error(finished, "notes.txt: not a torch file: it begins b'step,los', not as torch.save's zip")
 
 
 def test_prepare_refusals_are_one_line_with_exit_2(tmp_path):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
+import subprocess
+import sys
 from dataclasses import fields, replace
 
 import pytest
@@ -165,3 +168,12 @@ def test_resume_auto_help_names_where_it_reads():
     finished = call_cli("help", "train")
     text = " ".join(finished.stdout.split())  # argparse wraps the help at any space
     assert "the newest valid checkpoint in --checkpoints (default OUT/checkpoints)" in text, text
+
+
+def test_a_reader_that_leaves_early_ends_it_quietly_as_sigpipe_would():
+    """`exactresume | head`: the pipe closed before the command wrote its list; no traceback, the shell's 141."""
+    command = [sys.executable, "-m", "exactresume"]
+    started = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    started.stdout.close()  # before it has written anything: its first write meets a closed pipe
+    stderr = started.stderr.read().decode()
+    assert started.wait() == 128 + signal.SIGPIPE and stderr == "", stderr

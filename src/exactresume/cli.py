@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from exactresume import __version__
@@ -99,7 +100,15 @@ def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """`exactresume ARGV`: its exit code."""
+    try:
+        return _run(sys.argv[1:] if argv is None else list(argv))
+    except BrokenPipeError:  # what read our stdout left (`| head`): end as SIGPIPE ends a program, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush goes nowhere
+        return 128 + signal.SIGPIPE
+
+
+def _run(argv: list[str]) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's own parser, whose name the user typed

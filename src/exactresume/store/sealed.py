@@ -44,6 +44,7 @@ SEAL_PREFIXES = (UNKEYED_PREFIX, KEYED_PREFIX)  # the same length: a seal is whe
 SEAL_LENGTH = len(UNKEYED_PREFIX) + 32  # prefix + 128-bit digest in hex
 END_OF_CENTRAL_DIRECTORY = b"PK\x05\x06"
 ZIP_START = b"PK\x03\x04"  # a zip archive's first record, as torch.save writes it
+PICKLE_START = b"\x80"  # a pickle's protocol opcode: how a legacy (pre-zip) torch.save file begins
 SEAL_DIGITS = re.compile(rb"[0-9a-f]*")  # what follows the prefix in a seal: the digest in hex
 EOCD_SIZE = 22  # the zip end record without its comment; its last two bytes are the comment length
 PIECE = 1 << 20  # the hash reads the written file back a megabyte at a time, into one buffer
@@ -342,4 +343,18 @@ def load_sealed(path: Path, require_seal: bool = True) -> Any:
     except UserError:  # a damaged file, or a key that cannot be (EXACTRESUME_KEY too short)
         raise
     except Exception as error:  # the unpickler's many refusals: bad zip, forbidden global, ...
+        head = _head(path)
+        if not head.startswith((ZIP_START[:2], PICKLE_START)):  # text, or bytes of another kind
+            raise CheckpointError(
+                f"{path}: not a torch file: it begins {head!r}, not as torch.save's zip archive does ({ZIP_START!r})"
+            ) from None
         raise CheckpointError(f"{path}: not a loadable torch file ({torch_refusal(error)})") from None
+
+
+def _head(path: Path) -> bytes:
+    """The first bytes of `path`, to say what it is when torch cannot read it."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(8)
+    except OSError:
+        return ZIP_START

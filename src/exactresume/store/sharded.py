@@ -208,8 +208,8 @@ def write_commit(staging: Path, processes: int, step: int | None = None, files: 
     if files is None:
         files = {p.name: file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
     sizes = {name: (staging / name).stat().st_size for name in files}  # a cut or grown file is named so
-    marker = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes, "files": files}
-    marker["bytes"] = sizes
+    marker = {"format": SHARDED_FORMAT, "version": SHARDED_VERSION, "processes": processes}
+    marker |= {"files": files, "bytes": sizes}
     save_sealed(staging / COMMIT, marker | ({"step": step} if step is not None else {}))
     fsync_path(staging)
 
