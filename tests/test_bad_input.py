@@ -85,6 +85,15 @@ def test_resuming_a_different_run_names_the_fields(tmp_path, kjv_folder, stopped
     ]
     finished = call_cli(*command)
     assert_one_line_error(finished, "different run", field)
+    assert "skip=" not in finished.stderr  # the library's way out, not the command line's
+    way_out = {
+        "batch": "(--allow-change batch lets the resume change it on purpose)",
+        "seq_len": "--allow-change seq-len",
+    }
+    if field in way_out:
+        assert way_out[field] in finished.stderr, finished.stderr
+    else:  # a model shape: no flag lets it change
+        assert "allow-change" not in finished.stderr, finished.stderr
 
 
 def test_resuming_on_different_data_is_refused(tmp_path, stopped):
@@ -144,16 +153,29 @@ def test_refusals_overwrite_nothing(tmp_path, kjv_folder, stopped):
 def test_a_fresh_run_overwrites_no_earlier_runs_outputs_unless_told(tmp_path, kjv_folder, stopped):
     before = fingerprint(stopped)
     finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--seed", 8)
-    named = f"an earlier run's {stopped / 'final.pth'} and {stopped / 'log.csv'}: --resume continues that run"
-    assert_one_line_error(finished, named, "--overwrite replaces them")
+    named = f"an earlier run's {stopped / 'final.pth'} and {stopped / 'log.csv'}: give another --out"
+    assert_one_line_error(finished, named, "--overwrite to replace them")
     finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--stop-at", 3, "--log", "x.csv")
-    assert_one_line_error(finished, f"an earlier run's {stopped / 'resume.pth'}:", "--overwrite replaces it")
+    assert_one_line_error(finished, f"an earlier run's {stopped / 'resume.pth'}:", "--overwrite to replace it")
+    finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--resume", "auto")  # none there
+    assert_one_line_error(finished, f"{stopped / 'final.pth'} holds a finished run's weights, which starting at step 0")
     assert fingerprint(stopped) == before
     finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--resume", "auto", "--overwrite")
     assert_one_line_error(finished, "--overwrite is for a run that starts fresh")
     finished = call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--samples", tmp_path / "log.csv")
     assert_one_line_error(finished, f"--log and --samples name the same file, {tmp_path / 'log.csv'}")
     assert os.listdir(tmp_path) == [] and fingerprint(stopped) == before
+    corpus = fingerprint(kjv_folder)
+    for told in (["--overwrite"], ["--resume", stopped / "resume.pth"]):  # a file of another kind, whatever the flags
+        finished = call_cli(
+            "train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--weights", kjv_folder / "val.npy", *told
+        )
+        assert_one_line_error(finished, f"--weights {kjv_folder / 'val.npy'} is not a torch file (it begins b")
+    (tmp_path / "link.csv").symlink_to(stopped / "log.csv")
+    finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--samples", tmp_path / "link.csv")
+    assert_one_line_error(finished, "--log and --samples name the same file")
+    (tmp_path / "link.csv").unlink()
+    assert fingerprint(kjv_folder) == corpus and fingerprint(stopped) == before
     copy = tmp_path / "copy"
     copy.mkdir()
     for name in ("final.pth", "log.csv"):

@@ -275,7 +275,7 @@ def victim(tmp_path) -> Path:
     folder = tmp_path / "victim"
     (folder / "checkpoints").mkdir(parents=True)
     (folder / "log.csv").write_text("step,train_loss\n1,1.000000\n")
-    (folder / "final.pth").write_bytes(b"precious weights")
+    torch.save({"weights": torch.ones(2)}, folder / "final.pth")  # an earlier run's, as a resume finds it
     return folder
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from exactresume.report.report import HEADINGS, render_report
 from exactresume.report.tables import render_table
 from exactresume.store.weights import read_weights
 from exactresume.summaries import lab_summary, render_lab
-from helpers import call_cli, one_torch_thread, run_cli
+from helpers import assert_one_line_error, call_cli, one_torch_thread, run_cli
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 LAB_FILES = [
@@ -232,3 +233,27 @@ def test_report_carries_the_ablation_table_when_the_lab_ran_one(default_lab, tmp
     report = render_report(tmp_path, "en")
     table = "\n".join(render_table(json.loads(ablation.read_text()), "en"))
     assert report.index(HEADINGS[1]) < report.index(table) < report.index(HEADINGS[2])
+
+
+def test_a_lab_run_again_into_its_folder_remakes_it_and_refuses_files_no_lab_made(tmp_path, kjv_folder):
+    earlier = tmp_path / "lab"
+    (earlier / "details").mkdir(parents=True)
+    (earlier / "details" / "run.json").write_text("{}")  # an earlier lab's record, and files it left:
+    (earlier / "resumed_log.csv").write_text("step,train_loss\n4,1.000000\n9,2.000000\n")  # rows of another run
+    (earlier / "ablation.json").write_text("{}")  # a lab run with --ablate; this one is not
+    (earlier / "notes.txt").write_text("the user's own")
+    flags = ["--data", kjv_folder, "--steps", 8, "--stop-at", 4, "--preset", "tiny", "--batch", 2, "--seq-len", 16]
+    with one_torch_thread():
+        finished = call_cli("lab", "--out", earlier, *flags, "--quiet")
+    assert finished.returncode == 0, finished.stderr
+    runs = json.loads((earlier / "compare.json").read_text())["runs"]
+    assert runs["resumed"]["bits_equal"] and runs["resumed"]["log_rows_equal"], runs["resumed"]
+    assert not (earlier / "ablation.json").exists() and (earlier / "notes.txt").read_text() == "the user's own"
+    trained = tmp_path / "trained"  # a training run's folder: its resume.pth is not the lab's to replace
+    trained.mkdir()
+    (trained / "resume.pth").write_bytes(b"a training run's")
+    refused = call_cli("lab", "--out", trained, *flags)
+    assert_one_line_error(refused, f"{trained} holds resume.pth, not an earlier lab's (no details/run.json)")
+    assert (
+        sorted(os.listdir(trained)) == ["resume.pth"] and (trained / "resume.pth").read_bytes() == b"a training run's"
+    )

@@ -37,6 +37,7 @@ from exactresume.commands.places import (
 )
 from exactresume.commands.writer import add_writer_flags, remove_made_folder
 from exactresume.errors import UserError
+from exactresume.training.outputs import refuse_other_kinds
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         job = _job_from(args, world)
         if world.is_main:  # the other ranks of a torchrun launch write none of them
+            refuse_other_kinds(job.outputs())
             _refuse_earlier_outputs(job)
         code = train(args, job, world)
     finally:
@@ -190,9 +192,10 @@ def _refuse_earlier_outputs(job) -> None:
     found = [str(path) for path in job.earlier_outputs()]
     if found:
         named = " and ".join(filter(None, [", ".join(found[:-1]), found[-1]]))
+        them = "it" if len(found) == 1 else "them"
         raise UserError(
-            f"this fresh run would overwrite an earlier run's {named}: --resume continues that run, "
-            f"--overwrite replaces {'it' if len(found) == 1 else 'them'}, or give another --out"
+            f"this fresh run would overwrite an earlier run's {named}: give another --out, or --overwrite to "
+            f"replace {them} (--resume continues a run from its resume file or checkpoints)"
         )
 
 

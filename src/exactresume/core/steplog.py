@@ -21,6 +21,7 @@ from exactresume.errors import UserError
 
 LOSS_HEADER = "step,train_loss"
 SAMPLES_HEADER = "step,starts"
+DIVERGENCE_HEADER = "step,max_abs_diff,rel_l2,loss,reference_loss"  # training/divergence.py writes it
 
 
 class StepLog:

@@ -9,6 +9,8 @@ fully restored twin alongside (`--divergence`), logging their drift from the uni
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,13 @@ from exactresume.training.inference import convert, max_logit_difference
 
 DETAILS = "details"  # logs the report needs beyond the files the lab text names
 DIVERGENCE_RUNS = ("noopt", "noskip")  # also step a fully restored twin and log the distance per step
+# What the lab writes at the top of its folder (besides its figures): an earlier lab's, cleared before a lab
+# runs there again, so that no row of a log a resumed run continues, and no ablation of before, outlives it.
+LAB_OUTPUTS = (
+    *(f"{run}.pth" for run in ("straight", "resume", "resumed", "noopt", "noskip", "straight_fp16")),
+    *("straight_log.csv", "resumed_log.csv", "fp16.json", "optim.json", "compare.json", "report.md"),
+    *("ablation", "ablation.json", "ablation.md", DETAILS),
+)
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,20 @@ def _run_training_process(
     return time.perf_counter() - started
 
 
+def _clear_an_earlier_lab(out: Path) -> None:
+    """A lab run again into its folder remakes it whole; files of the lab's names that no lab made (no run
+    record beside them: a training run's resume.pth, say) are refused, not written over."""
+    from exactresume.report.figures import FIGURES, figure_path
+
+    named = [*(out / name for name in LAB_OUTPUTS), *(figure_path(out, figure) for figure in FIGURES)]
+    present = [path for path in named if os.path.lexists(path)]
+    if present and not (out / DETAILS / RUN_RECORD).is_file():
+        names = ", ".join(path.name for path in present)
+        raise UserError(f"{out} holds {names}, not an earlier lab's (no {DETAILS}/{RUN_RECORD}): give another --out")
+    for path in present:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
 def _fp16_figures(config: LabConfig) -> dict:
     """Step 6: write straight_fp16.pth (export's fp16 conversion, a tied tensor stored once); the sizes
     and the max logit difference on val.npy's first 128 tokens."""
@@ -203,6 +226,7 @@ def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
     `progress_mode` (bar, lines or none) is passed to each training process; none also silences `log`.
     """
     log = log if progress_mode != "none" else (lambda message: None)
+    _clear_an_earlier_lab(config.out)
     ensure_writable_folder(config.out / DETAILS)
     write_json(config.out / DETAILS / RUN_RECORD, run_record(config))
     start_runs_server()

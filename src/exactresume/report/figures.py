@@ -36,7 +36,7 @@ STEP_LABEL = "optimizer step"
 LOSS_UNIT = "nats/token"
 
 
-def _figure_path(folder: Path, name: str) -> Path:
+def figure_path(folder: Path, name: str) -> Path:
     return Path(folder) / f"{name}.png"
 
 
@@ -212,4 +212,4 @@ def write_figures(folder: Path) -> list[Path]:
         "divergence": divergence(rows, k, steps, compare["runs"]["resumed"]["max_abs_diff"]),
         "sizes": sizes(resume, fp16["fp32_bytes"], fp16["fp16_bytes"]),
     }
-    return [_save(figures[name], _figure_path(folder, name)) for name in FIGURES]
+    return [_save(figures[name], figure_path(folder, name)) for name in FIGURES]

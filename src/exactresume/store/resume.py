@@ -160,7 +160,8 @@ def restore(
     except Exception as error:
         stuck = _put_back(parts, loaded)
         failed = getattr(error, "part_name", "?")
-        if isinstance(error, CheckpointError) and not stuck and failed != "?":  # a part's own refusal: its way out
+        told = getattr(error, "names_its_way_out", False)  # a refusal that names its own way out keeps it
+        if isinstance(error, CheckpointError) and not stuck and failed != "?" and not told:  # a part's: its way out
             raise CheckpointError(f"{error} (skip={[failed]} loads the other parts, this one left as it is)") from None
         if isinstance(error, UserError) and not stuck:
             raise

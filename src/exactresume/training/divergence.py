@@ -18,9 +18,8 @@ from pathlib import Path
 
 from exactresume.atomic import atomic_write_bytes
 from exactresume.core.compare import weight_distance
+from exactresume.core.steplog import DIVERGENCE_HEADER
 from exactresume.training.loop import Run, StepRecord, train_step
-
-HEADER = "step,max_abs_diff,rel_l2,loss,reference_loss\n"
 
 
 class DivergenceLog:
@@ -49,4 +48,4 @@ class DivergenceLog:
         )
 
     def write(self) -> None:
-        atomic_write_bytes(self.path, (HEADER + "".join(self.rows)).encode())
+        atomic_write_bytes(self.path, (DIVERGENCE_HEADER + "\n" + "".join(self.rows)).encode())

@@ -94,12 +94,12 @@ class TrainJob:
 
     def _check_outputs_apart(self) -> None:
         seen: dict[str, str] = {}
-        for flag, path in self._outputs().items():
-            other = seen.setdefault(os.path.abspath(path), flag)
+        for flag, path in self.outputs().items():
+            other = seen.setdefault(os.path.realpath(path), flag)  # a link to another output is that output
             if other != flag:
                 raise UserError(f"{other} and {flag} name the same file, {path}: give each a file of its own")
 
-    def _outputs(self) -> dict[str, Path]:
+    def outputs(self) -> dict[str, Path]:
         """The local files the run writes, by the flag that names them."""
         ending = (
             ("--stop-at's resume file", self.resume_file)
@@ -164,7 +164,7 @@ class TrainJob:
         overwrite (a resumed run continues its own)."""
         if self.resume is not None or self.overwrite:
             return []
-        return [path for path in self._outputs().values() if os.path.lexists(path)]
+        return [path for path in self.outputs().values() if os.path.lexists(path)]
 
     @property
     def until(self) -> int:

@@ -157,6 +157,7 @@ class JobRun:
         else:
             resumed = open_resume(job.resume, job.checkpoint_folder, needs, notify=self.notify, destination=into)
         if resumed is None:
+            self._refuse_starting_over_a_finished_run()
             if world.is_main:
                 stop_file = isinstance(job.resume_file, Path) and job.resume_file.exists()  # auto reads no such file
                 hint = f" (the --stop-at file {job.resume_file} is read by --resume FILE)" if stop_file else ""
@@ -169,6 +170,16 @@ class JobRun:
             note(f"resumed from {resumed.path} at step {resumed.step}")
         if world.is_main and change:
             print(change)
+
+    def _refuse_starting_over_a_finished_run(self) -> None:
+        """--resume auto that finds no checkpoint starts at step 0, over the log a crashed first attempt left;
+        never over a finished run's weights (each rank sees them: every rank stops, none waits for another)."""
+        weights = self.job.weights_file
+        if self.job.stop_at is None and weights.exists():
+            raise UserError(
+                f"no checkpoint in {self.job.checkpoint_folder} to resume from, and {weights} holds a finished "
+                "run's weights, which starting at step 0 would overwrite: give another --out, or move them out"
+            )
 
     def _check_saves_may_run(self, store: CheckpointStore) -> None:
         """The run's checkpoints up to the step it starts at are its own; a checkpoint past it that its saves

@@ -7,6 +7,7 @@ from typing import Any
 
 from exactresume.errors import CheckpointError
 from exactresume.store.identity import differing_fields
+from exactresume.training.job import ALLOWED_CHANGES
 
 
 class RunIdentity:
@@ -30,8 +31,21 @@ class RunIdentity:
         differences = differing_fields(_with_defaults(state, self.defaults), self.identity, missing=None)
         refused = [difference for difference in differences if difference[0] not in self.allowed]
         if refused:
-            raise CheckpointError(f"the resume file was made by a different run: {'; '.join(map(describe, refused))}")
+            error = CheckpointError(
+                f"the resume file was made by a different run: {'; '.join(map(describe, refused))}{_way_out(refused)}"
+            )
+            error.names_its_way_out = True  # the flag, not the library's skip= (store.resume.restore)
+            raise error
         self.accepted = differences
+
+
+def _way_out(refused: list[tuple[str, Any, Any]]) -> str:
+    """The --allow-change flags that would let these differences through, where there are any."""
+    fields = {difference[0] for difference in refused}
+    flags = [f"--allow-change {name}" for name, field in ALLOWED_CHANGES.items() if field in fields]
+    return (
+        f" ({' '.join(flags)} lets the resume change {'it' if len(flags) == 1 else 'them'} on purpose)" if flags else ""
+    )
 
 
 def _with_defaults(saved: dict, defaults: dict) -> dict:

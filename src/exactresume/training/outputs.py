@@ -1,0 +1,48 @@
+"""Whether what is already in the place of a run's output is of that output's kind.
+
+A run writes over an earlier run's weights, log or resume file only when told (`--resume`, which
+continues them, or `--overwrite`); over a file of another kind never: a `--weights` that names the
+corpus's token file, say, is refused whatever the flags, before anything is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from exactresume.core.steplog import DIVERGENCE_HEADER, LOSS_HEADER, SAMPLES_HEADER
+from exactresume.errors import UserError
+
+LOG_HEADERS = {"--log": LOSS_HEADER, "--samples": SAMPLES_HEADER, "--divergence": DIVERGENCE_HEADER}
+
+
+def refuse_other_kinds(outputs: dict[str, Path]) -> None:
+    """One line for the first output (by its flag) whose place holds a file of another kind."""
+    for flag, path in outputs.items():
+        header = LOG_HEADERS.get(flag)  # None: a torch file (weights, resume file)
+        if path.exists() and not _holds(path, header):
+            what = f"a log beginning {header}" if header else "a torch file"
+            raise UserError(
+                f"{flag} {path} is not {what} (it begins {_head(path)[:16]!r}): a run writes over an earlier "
+                "run's outputs, never over a file of another kind; give another path"
+            )
+
+
+def _holds(path: Path, header: str | None) -> bool:
+    from exactresume.store.sealed import ZIP_START
+    from exactresume.store.sharded import COMMIT
+
+    if path.is_dir():  # a sharded resume file, resume.dcp: a commit marker, or nothing yet
+        return header is None and ((path / COMMIT).is_file() or not any(path.iterdir()))
+    head = _head(path)
+    if head == b"":
+        return True
+    if header is None:
+        return head.startswith(ZIP_START)
+    return head.split(b"\n", 1)[0].rstrip(b"\r") == header.encode()
+
+
+def _head(path: Path) -> bytes:
+    if path.is_dir():
+        return b""
+    with open(path, "rb") as file:
+        return file.read(64)
