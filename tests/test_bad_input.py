@@ -158,7 +158,11 @@ def test_a_fresh_run_overwrites_no_earlier_runs_outputs_unless_told(tmp_path, kj
     finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--stop-at", 3, "--log", "x.csv")
     assert_one_line_error(finished, f"an earlier run's {stopped / 'resume.pth'}:", "--overwrite to replace it")
     finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--resume", "auto")  # none there
-    assert_one_line_error(finished, f"{stopped / 'final.pth'} holds a finished run's weights, which starting at step 0")
+    assert_one_line_error(finished, f"{stopped / 'final.pth'} and {stopped / 'log.csv'} are a finished run's, which")
+    finished = call_cli(
+        "train", "--out", stopped, "--data", kjv_folder, *SMALL, "--resume", "auto", "--weights", tmp_path / "w.pth"
+    )
+    assert_one_line_error(finished, f"and {stopped / 'log.csv'} is a finished run's, which starting at step 0")
     assert fingerprint(stopped) == before
     finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--resume", "auto", "--overwrite")
     assert_one_line_error(finished, "--overwrite is for a run that starts fresh")
@@ -175,6 +179,12 @@ def test_a_fresh_run_overwrites_no_earlier_runs_outputs_unless_told(tmp_path, kj
     finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--samples", tmp_path / "link.csv")
     assert_one_line_error(finished, "--log and --samples name the same file")
     (tmp_path / "link.csv").unlink()
+    os.link(stopped / "log.csv", tmp_path / "hard.csv")  # a hard link: one file under two names
+    finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--samples", tmp_path / "hard.csv")
+    assert_one_line_error(finished, "--log and --samples name the same file")
+    (tmp_path / "hard.csv").unlink()
+    finished = call_cli("train", "--out", tmp_path / "o", "--data", kjv_folder, *SMALL, "--weights", kjv_folder)
+    assert_one_line_error(finished, f"--weights {kjv_folder} is not a torch file (it is a folder)")
     assert fingerprint(kjv_folder) == corpus and fingerprint(stopped) == before
     copy = tmp_path / "copy"
     copy.mkdir()
@@ -183,6 +193,13 @@ def test_a_fresh_run_overwrites_no_earlier_runs_outputs_unless_told(tmp_path, kj
     replaced = train_cli(copy, "--data", kjv_folder, *SMALL, "--seed", 8, "--overwrite")
     assert replaced.returncode == 0, replaced.stderr
     assert fingerprint(copy)["final.pth"] != before["final.pth"]  # another seed's weights, as asked
+
+
+@pytest.mark.timeout(60)  # a reader that opened the pipe would wait for a writer for ever
+def test_a_pipe_given_as_a_checkpoint_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "pipe.pth")
+    for finished in (call_cli("inspect", tmp_path / "pipe.pth"), call_cli("diff", tmp_path / "pipe.pth", tmp_path)):
+        assert_one_line_error(finished, f"{tmp_path / 'pipe.pth'} is neither a file nor a folder (a pipe or a device)")
 
 
 def test_bad_flag_is_one_line(tmp_path):

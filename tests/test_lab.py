@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -238,7 +237,7 @@ def test_report_carries_the_ablation_table_when_the_lab_ran_one(default_lab, tmp
 def test_a_lab_run_again_into_its_folder_remakes_it_and_refuses_files_no_lab_made(tmp_path, kjv_folder):
     earlier = tmp_path / "lab"
     (earlier / "details").mkdir(parents=True)
-    (earlier / "details" / "run.json").write_text("{}")  # an earlier lab's record, and files it left:
+    (earlier / "details" / "run.json").write_text('{"config": {"stop_at": 5}}')  # an earlier lab's record, and:
     (earlier / "resumed_log.csv").write_text("step,train_loss\n4,1.000000\n9,2.000000\n")  # rows of another run
     (earlier / "ablation.json").write_text("{}")  # a lab run with --ablate; this one is not
     (earlier / "notes.txt").write_text("the user's own")
@@ -250,10 +249,11 @@ def test_a_lab_run_again_into_its_folder_remakes_it_and_refuses_files_no_lab_mad
     assert runs["resumed"]["bits_equal"] and runs["resumed"]["log_rows_equal"], runs["resumed"]
     assert not (earlier / "ablation.json").exists() and (earlier / "notes.txt").read_text() == "the user's own"
     trained = tmp_path / "trained"  # a training run's folder: its resume.pth is not the lab's to replace
-    trained.mkdir()
+    (trained / "details").mkdir(parents=True)
     (trained / "resume.pth").write_bytes(b"a training run's")
-    refused = call_cli("lab", "--out", trained, *flags)
-    assert_one_line_error(refused, f"{trained} holds resume.pth, not an earlier lab's (no details/run.json)")
-    assert (
-        sorted(os.listdir(trained)) == ["resume.pth"] and (trained / "resume.pth").read_bytes() == b"a training run's"
-    )
+    for record in (None, "{}"):  # no record, or a run.json that is not a lab's
+        if record is not None:
+            (trained / "details" / "run.json").write_text(record)
+        refused = call_cli("lab", "--out", trained, *flags)
+        assert_one_line_error(refused, f"{trained} holds resume.pth, details, not an earlier lab's")
+        assert (trained / "resume.pth").read_bytes() == b"a training run's"

@@ -9,6 +9,7 @@ fully restored twin alongside (`--divergence`), logging their drift from the uni
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -154,11 +155,20 @@ def _clear_an_earlier_lab(out: Path) -> None:
 
     named = [*(out / name for name in LAB_OUTPUTS), *(figure_path(out, figure) for figure in FIGURES)]
     present = [path for path in named if os.path.lexists(path)]
-    if present and not (out / DETAILS / RUN_RECORD).is_file():
+    if present and not _is_lab_record(out / DETAILS / RUN_RECORD):
         names = ", ".join(path.name for path in present)
         raise UserError(f"{out} holds {names}, not an earlier lab's (no {DETAILS}/{RUN_RECORD}): give another --out")
     for path in present:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def _is_lab_record(path: Path) -> bool:
+    """Whether `path` is the run record a lab writes (run_record): its config, with the lab's stop_at."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get("config"), dict) and "stop_at" in record["config"]
 
 
 def _fp16_figures(config: LabConfig) -> dict:

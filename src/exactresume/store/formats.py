@@ -45,6 +45,10 @@ def path_kind(path: Path) -> str:
         return "sharded" if is_sharded_folder(path) else "folder"
     if not path.exists():
         return "missing"
+    if not path.is_file():  # opening a pipe would wait for a writer
+        raise CheckpointError(
+            f"{path} is neither a file nor a folder (a pipe or a device): no checkpoint is read from it"
+        )
     return "safetensors" if is_safetensors(path) else "torch"
 
 

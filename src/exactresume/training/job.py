@@ -35,6 +35,15 @@ ALLOWED_CHANGES = {
 }
 
 
+def _identity(path: Path) -> object:
+    """What tells two names of one file apart from two files: its inode where it exists, else its real path."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return (found.st_dev, found.st_ino)
+
+
 @dataclass(frozen=True)
 class TrainJob:
     """Where a training run reads and writes, how it checkpoints, and which parts a resume leaves out."""
@@ -95,7 +104,7 @@ class TrainJob:
     def _check_outputs_apart(self) -> None:
         seen: dict[str, str] = {}
         for flag, path in self.outputs().items():
-            other = seen.setdefault(os.path.realpath(path), flag)  # a link to another output is that output
+            other = seen.setdefault(_identity(path), flag)  # a link to another output, soft or hard, is that output
             if other != flag:
                 raise UserError(f"{other} and {flag} name the same file, {path}: give each a file of its own")
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from exactresume.atomic import ensure_writable_folder, tmp_path
 from exactresume.core.data import load_tokens
+from exactresume.core.steplog import read_loss_log
 from exactresume.errors import UserError
 from exactresume.parallel.fsdp import shard_destinations
 from exactresume.parallel.replicas import process_group
@@ -173,12 +174,17 @@ class JobRun:
 
     def _refuse_starting_over_a_finished_run(self) -> None:
         """--resume auto that finds no checkpoint starts at step 0, over the log a crashed first attempt left;
-        never over a finished run's weights (each rank sees them: every rank stops, none waits for another)."""
-        weights = self.job.weights_file
-        if self.job.stop_at is None and weights.exists():
+        never over a finished run's weights or its whole log (each rank sees them: every rank stops, none
+        waits for another)."""
+        job = self.job
+        finished = [job.weights_file] if job.stop_at is None and job.weights_file.exists() else []
+        finished += [job.log_file] if _logs_a_finished_run(job.log_file, job.config.steps) else []
+        if finished:
+            are = "is" if len(finished) == 1 else "are"
             raise UserError(
-                f"no checkpoint in {self.job.checkpoint_folder} to resume from, and {weights} holds a finished "
-                "run's weights, which starting at step 0 would overwrite: give another --out, or move them out"
+                f"no checkpoint in {job.checkpoint_folder} to resume from, and {' and '.join(map(str, finished))} "
+                f"{are} a finished run's, which starting at step 0 would overwrite: give another --out, or move "
+                f"{'it' if len(finished) == 1 else 'them'} out"
             )
 
     def _check_saves_may_run(self, store: CheckpointStore) -> None:
@@ -299,3 +305,11 @@ def _world_change(saved: int, now: int, exact_mode: bool) -> str | None:
         f"resuming a {saved}-process run on {now}: the same samples; "
         "weights equal up to the order of floating-point reduction"
     )
+
+
+def _logs_a_finished_run(log: Path, steps: int) -> bool:
+    """Whether `log` holds a row for the run's last step: the log of a run that ended, not of a crashed attempt."""
+    try:
+        return max(read_loss_log(log), default=0) >= steps
+    except (OSError, ValueError, KeyError):  # no log, or not a loss log (refused before, where it is another kind)
+        return False

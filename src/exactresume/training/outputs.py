@@ -21,9 +21,10 @@ def refuse_other_kinds(outputs: dict[str, Path]) -> None:
         header = LOG_HEADERS.get(flag)  # None: a torch file (weights, resume file)
         if path.exists() and not _holds(path, header):
             what = f"a log beginning {header}" if header else "a torch file"
+            found = "it is a folder" if path.is_dir() else f"it begins {_head(path)[:16]!r}"
             raise UserError(
-                f"{flag} {path} is not {what} (it begins {_head(path)[:16]!r}): a run writes over an earlier "
-                "run's outputs, never over a file of another kind; give another path"
+                f"{flag} {path} is not {what} ({found}): a run writes over an earlier run's outputs, never over "
+                "a file of another kind; give another path"
             )
 
 
