@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from exactresume.forkserver import client as forkserver
 from exactresume.lab import runs
 from exactresume.store.weights import read_weights
 from helpers import SMALL, assert_one_line_error
@@ -58,3 +59,13 @@ def test_spawned_runs_run_side_by_side_and_signals_reach_each(tmp_path, kjv_fold
     stdout, stderr = asked.communicate(timeout=60)
     assert asked.returncode == 0 and "usage: exactresume" in stdout, stderr
     assert not (tmp_path / "killed" / "final.pth").exists()
+
+
+def test_a_server_that_ends_as_asked_leaves_no_folder_in_the_temp_folder():
+    kind = forkserver.ServerKind(preload=("json",))  # a server of this test's own
+    assert forkserver.spawn([sys.executable, "-m", "json.tool", "--help"], kind=kind).wait() == 0
+    key = next(key for key in forkserver._servers if key[1] == kind)
+    folder = forkserver._servers[key].log.parent
+    assert folder.is_dir() and folder.name.startswith("exactresume-fork-server-")
+    forkserver._servers.pop(key).close()
+    assert not folder.exists()

@@ -120,8 +120,8 @@ class Run:
 class ForkServer:
     """A running serve.py, seen from here: runs started side by side, each answer routed to the run it names."""
 
-    def __init__(self, python: str, kind: ServerKind, env: dict[str, str], log: Path):
-        self.log = log
+    def __init__(self, python: str, kind: ServerKind, env: dict[str, str], log: Path, own_folder: bool = False):
+        self.log, self.own_folder = log, own_folder  # own_folder: the log's folder was made for it alone
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as sink:
             self.process = subprocess.Popen(
@@ -168,7 +168,8 @@ class ForkServer:
 
     def close(self) -> None:
         self.process.stdin.close()
-        self.process.wait()
+        if self.process.wait() == 0 and self.own_folder:  # a server that failed keeps its log to be read
+            shutil.rmtree(self.log.parent, ignore_errors=True)
 
 
 _servers: dict[tuple, ForkServer] = {}
@@ -193,8 +194,10 @@ def _server_for(python: str, kind: ServerKind, server_env: dict[str, str] | None
     key = (resolved, kind, None if server_env is None else tuple(sorted(server_env.items())))
     server = _servers.get(key)
     if server is None or not server.alive:
+        own_folder = log is None
         log = log or Path(tempfile.mkdtemp(prefix="exactresume-fork-server-")) / "server.log"
-        server = _servers[key] = ForkServer(python, kind, dict(os.environ if server_env is None else server_env), log)
+        env = dict(os.environ if server_env is None else server_env)
+        server = _servers[key] = ForkServer(python, kind, env, log, own_folder)
         idle = [k for k, other in _servers.items() if other.running == 0 and k != key]
         for old in idle[: max(0, len(_servers) - MAX_SERVERS)]:
             _servers.pop(old).close()
