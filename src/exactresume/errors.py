@@ -36,6 +36,11 @@ def tell_unraised(failure: BaseException) -> None:
         traceback.print_exception(failure)
 
 
+def listed(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c': names in a one-line message."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 2 else items)
+
+
 def a_kind_of(value: object) -> str:
     """What `value` is, for a one-line error: 'an int', 'a list', 'None'."""
     if value is None:

@@ -36,7 +36,7 @@ from exactresume.commands.places import (
     resume_source,
 )
 from exactresume.commands.writer import add_writer_flags, remove_made_folder
-from exactresume.errors import UserError
+from exactresume.errors import UserError, listed
 from exactresume.training.outputs import refuse_other_kinds
 
 
@@ -191,10 +191,9 @@ def _refuse_earlier_outputs(job) -> None:
     """A fresh run never overwrites what an earlier run left in its place: one line, nothing written."""
     found = [str(path) for path in job.earlier_outputs()]
     if found:
-        named = " and ".join(filter(None, [", ".join(found[:-1]), found[-1]]))
         them = "it" if len(found) == 1 else "them"
         raise UserError(
-            f"this fresh run would overwrite an earlier run's {named}: give another --out, or --overwrite to "
+            f"this fresh run would overwrite an earlier run's {listed(found)}: give another --out, or --overwrite to "
             f"replace {them} (--resume continues a run from its resume file or checkpoints)"
         )
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exactresume.doctor.context import Context, later, listed, position_evidence
+from exactresume.doctor.context import Context, later, position_evidence
 from exactresume.doctor.forward import buffers_only, forward_state, optimizer_order
 from exactresume.doctor.random_sources import describe, parted
 from exactresume.doctor.streaming import stream
+from exactresume.errors import listed
 
 HALF = ("torch.float16", "torch.bfloat16")
 

@@ -64,11 +64,6 @@ def later(c: Context) -> str:
     return f"equal through step {c.step - 1}, then at step {c.step}{boundary}: "
 
 
-def listed(items: list[str]) -> str:
-    """'a', 'a and b', 'a, b and c'."""
-    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 2 else items)
-
-
 def steps(count: int, where: str) -> str:
     return f"{count} step{'s' if count != 1 else ''} {where}"
 

@@ -8,7 +8,8 @@ with the same batch, weights and lr, the optimizer state cannot be the cause, wh
 
 from __future__ import annotations
 
-from exactresume.doctor.context import Context, later, listed
+from exactresume.doctor.context import Context, later
+from exactresume.errors import listed
 
 EARLIER = ("batch", "params", "lr", "hparams", "layout")
 

@@ -17,8 +17,8 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from exactresume.atomic import atomic_write_bytes
-from exactresume.doctor.context import listed
 from exactresume.doctor.diagnose import name_of
+from exactresume.errors import listed
 
 FLOOR = 1e-12
 

@@ -29,8 +29,8 @@ def refuse_other_kinds(outputs: dict[str, Path]) -> None:
 
 
 def _holds(path: Path, header: str | None) -> bool:
+    from exactresume.store.layout import COMMIT
     from exactresume.store.sealed import ZIP_START
-    from exactresume.store.sharded import COMMIT
 
     if path.is_dir():  # a sharded resume file, resume.dcp: a commit marker, or nothing yet
         return header is None and ((path / COMMIT).is_file() or not any(path.iterdir()))
