@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -172,11 +173,22 @@ def one_torch_thread():
         torch.set_num_threads(threads)
 
 
+# Ports a test listens on: below Linux's range for outgoing connections (32768 and up), one of which another
+# process's client may hold by the time the test listens; above SeaweedFS's (bench/seaweed.py: 10000-29999).
+TEST_PORTS = range(30000, 32768)
+_PORT_DRAWS = random.SystemRandom()  # not the global RNG, which tests seed
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on now, drawn from TEST_PORTS."""
+    while True:
+        port = _PORT_DRAWS.choice(TEST_PORTS)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def assert_one_line_error(finished: subprocess.CompletedProcess, *needles: str) -> None:
