@@ -65,6 +65,10 @@ def agent_config(nproc: int):
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
+        # The ranks reach the agent's store at a numeric address: a rank forked while one of the agent's
+        # threads resolved a name inherits glibc's resolver lock held, and its own lookup waits for ever
+        # (seen: a rank in getaddrinfo's __resolv_context_get, 2 suite runs in 11).
+        local_addr="127.0.0.1",
         max_restarts=0,
         start_method="spawn" if os.environ.get(TRACED) else "fork",
     )
