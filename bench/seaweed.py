@@ -76,7 +76,9 @@ class SeaweedServer:
         return f"http://127.0.0.1:{self.s3}"
 
     def command(self) -> list[str]:
-        command = [weed_binary(), "server", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+        # Its logs in its folder (else weed.* files in the temp folder, a set for every start)
+        command = [weed_binary(), f"-logdir={self.folder}", "server", f"-dir={self.folder}"]
+        command += ["-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
         command += [f"-master.port={self.master}", f"-volume.port={self.volume}", f"-filer.port={self.filer}"]
         # Each bucket is a collection of its own volumes: the tests share one bucket, a prefix each.
         # Room for a few hundred GB of writes (space a delete frees is reclaimed only by a vacuum).
@@ -147,3 +149,12 @@ class SeaweedServer:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
         self.process = None
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """The local sockets it left in /tmp (their place is fixed, their name ends with the port they
+        stand for, or its gRPC port, 10000 above it)."""
+        for port in (self.s3, self.master, self.volume, self.filer):
+            for number in (port, port + 10000):
+                for socket_file in Path("/tmp").glob(f"seaweedfs-*-{number}.sock"):
+                    socket_file.unlink(missing_ok=True)

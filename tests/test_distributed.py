@@ -274,13 +274,14 @@ def test_sharded_needs_stop_at(tmp_path, kjv_folder):
     assert_one_line_error(call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--sharded"), "--sharded")
 
 
-def test_the_agent_is_torchruns_standalone_forking_its_ranks_except_under_the_doctor(monkeypatch):
+def test_the_agent_is_torchruns_standalone_forking_its_ranks_except_under_the_doctor(monkeypatch, tmp_path):
     monkeypatch.delenv("EXACTRESUME_DOCTOR_TRACE", raising=False)
-    config = agent_config(3)
+    config = agent_config(3, tmp_path)
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.max_restarts) == (1, 1, 3, 0)
     assert (config.rdzv_backend, config.rdzv_endpoint, config.start_method) == ("c10d", "localhost:0", "fork")
+    assert config.logs_specs.root_log_dir == str(tmp_path)
     monkeypatch.setenv("EXACTRESUME_DOCTOR_TRACE", "1")
-    assert agent_config(3).start_method == "spawn"
+    assert agent_config(3, tmp_path).start_method == "spawn"
 
 
 def test_without_fork_nproc_is_refused_in_one_line(monkeypatch):

@@ -14,7 +14,7 @@ import torch
 from exactresume.forkserver import client as forkserver
 from exactresume.lab import runs
 from exactresume.store.weights import read_weights
-from helpers import SMALL, assert_one_line_error
+from helpers import SMALL, assert_one_line_error, run_python
 
 
 def test_forked_run_equals_cold_process_run(tmp_path, kjv_folder):
@@ -59,6 +59,13 @@ def test_spawned_runs_run_side_by_side_and_signals_reach_each(tmp_path, kjv_fold
     stdout, stderr = asked.communicate(timeout=60)
     assert asked.returncode == 0 and "usage: exactresume" in stdout, stderr
     assert not (tmp_path / "killed" / "final.pth").exists()
+
+
+def test_a_forked_run_finds_its_temp_folder_from_its_own_environment(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text("import tempfile\nprint(tempfile.gettempdir())\n")
+    found = run_python(script, env={"TMPDIR": str(tmp_path)})  # its server had found its own (torch asks)
+    assert found.returncode == 0 and found.stdout.strip() == str(tmp_path), found.stdout
 
 
 def test_a_server_that_ends_as_asked_leaves_no_folder_in_the_temp_folder():

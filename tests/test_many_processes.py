@@ -42,9 +42,20 @@ def flags(folder: Path, data: Path, *extra: object) -> list[str]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tiny_folder) -> Path:
+    """The run straight on 2 processes; the temp folder it was given (TMPDIR) beside it (temp_of)."""
     folder = tmp_path_factory.mktemp("straight2")
-    run_cli(*flags(folder, tiny_folder), check=True)
+    temp_of(folder).mkdir()
+    run_cli(*flags(folder, tiny_folder), check=True, env={"TMPDIR": str(temp_of(folder))})
     return folder
+
+
+def temp_of(folder: Path) -> Path:
+    return folder.with_name(f"{folder.name}-temp")
+
+
+def test_a_run_on_two_processes_leaves_nothing_in_the_temp_folder(straight):
+    assert (straight / "final.pth").is_file()
+    assert list(temp_of(straight).iterdir()) == []  # torch's agent alone leaves a torchelastic_* folder
 
 
 def logged_steps(folder: Path) -> int:

@@ -30,6 +30,7 @@ import runpy
 import select
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 
@@ -95,6 +96,7 @@ def _become_run(request: dict, tracer) -> None:
         atexit._clear()  # the server's handlers are not the run's
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # found again from the run's own TMPDIR, as a new process finds it
         os.chdir(request.get("cwd") or os.getcwd())
         _redirect(request["stdout"], request.get("stderr"))
         sys.argv = list(request["argv"])

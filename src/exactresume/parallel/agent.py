@@ -22,8 +22,10 @@ import importlib
 import os
 import signal
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 # What every rank needs of torch before its first step; imported by the launcher, so that each fork has it.
 PRELOAD = ("torch._dynamo", "torch.distributed.launcher.api")
@@ -44,18 +46,22 @@ def run_agent(main: Callable[[list[str]], int], argv: Sequence[str], nproc: int)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    try:
-        elastic_launch(agent_config(nproc), _run_rank)(main, list(argv))
-    except ChildFailedError as failed:
-        code = failed.get_first_failure()[1].exitcode
-        return code if code >= 0 else 128 - code
-    except SignalException as signalled:
-        return 128 + signalled.sigval
+    # The agent's folder for its ranks' error files, removed with the run: left to itself, it makes one in
+    # the temp folder on every launch and leaves it there.
+    with tempfile.TemporaryDirectory(prefix="exactresume-ranks-") as logs:
+        try:
+            elastic_launch(agent_config(nproc, Path(logs)), _run_rank)(main, list(argv))
+        except ChildFailedError as failed:
+            code = failed.get_first_failure()[1].exitcode
+            return code if code >= 0 else 128 - code
+        except SignalException as signalled:
+            return 128 + signalled.sigval
     return 0
 
 
-def agent_config(nproc: int):
-    """torchrun's `--standalone --nproc-per-node N` as the agent's config, its ranks forked."""
+def agent_config(nproc: int, logs: Path):
+    """torchrun's `--standalone --nproc-per-node N` as the agent's config, its ranks forked, its files in `logs`."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     return LaunchConfig(
@@ -70,6 +76,7 @@ def agent_config(nproc: int):
         # (seen: a rank in getaddrinfo's __resolv_context_get, 2 suite runs in 11).
         local_addr="127.0.0.1",
         max_restarts=0,
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
         start_method="spawn" if os.environ.get(TRACED) else "fork",
     )
 
