@@ -10,20 +10,23 @@ DATA := data/kjv
 setup: $(STAMP)
 
 # Reinstall only when the project's dependencies change. The machine's pip puts uv in a venv made
-# without pip of its own; uv then installs everything, this torch included, unpacking and compiling on
-# every core (a set-up from nothing 63 s with pip installing torch, 40 s so). uv reads no pip
-# configuration: it is handed the folder of wheels pip's configuration names (this machine keeps the CPU
-# build of torch there; without it, torch comes from the package index, a CUDA build of GBs). The library
-# itself takes any torch in pyproject.toml's range; constraints.txt holds the exact versions of everything
-# else the tests ran on. uv compiles what it installs to bytecode: where PYTHONDONTWRITEBYTECODE is set, as
-# on our machines, each new process would otherwise compile torch, transformers and Lightning from source
-# again (a cold `import transformers.trainer` 9.4 s, compiled 6.5 s).
+# without pip of its own; uv then installs everything, this torch included, unpacking on every core (a
+# set-up from nothing 63 s with pip installing torch, 8 s so). uv reads no pip configuration: it is
+# handed the folder of wheels pip's configuration names (this machine keeps the CPU build of torch there;
+# without it, torch comes from the package index, a CUDA build of GBs). The library itself takes any torch
+# in pyproject.toml's range; constraints.txt holds the exact versions of everything else the tests ran on.
+# The venv's bytecode is written by the first process that imports a module, even where
+# PYTHONDONTWRITEBYTECODE is set (as on our machines), not compiled whole at set-up: 1.4 GB of packages
+# take 21 s to compile on two cores, the modules a run and the tests import 8 CPU-s once. Without it, every
+# new process would compile torch, transformers and Lightning from source again (a cold
+# `import transformers.trainer` 9.4 s, compiled 6.5 s), and every pytest worker its rewritten test modules.
+unexport PYTHONDONTWRITEBYTECODE
 TORCH := torch==2.13.0
 FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv --without-pip $(VENV)
 	$(PYTHON) -m pip --python $(BIN)/python install --quiet --disable-pip-version-check --constraint constraints.txt uv
-	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
+	$(BIN)/uv pip install --quiet --python $(BIN)/python $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
 		--constraint constraints.txt "$(TORCH)" -e '.[test]'
 	touch $(STAMP)
 
@@ -50,11 +53,9 @@ ablation: data
 
 # All tests, then the habits: lint, format and the import layers (pyproject.toml holds their rules).
 # Two workers, one a core: a third took 3 % off the time (313 s against 322 s) but adds to the load the
-# --nproc runs' ranks already put on two cores. Bytecode is written for this run even where
-# PYTHONDONTWRITEBYTECODE is set, so that pytest's rewritten test modules are compiled once, not by every
-# worker (2 s each).
+# --nproc runs' ranks already put on two cores.
 test: $(STAMP)
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
