@@ -9,12 +9,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from torch._inductor.runtime import cache_dir_utils
 
 from exactresume.core.data import PrepareConfig, prepare
 from exactresume.forkserver import client as forkserver
-from helpers import MOTO_SECRET, OFFLINE, TINY_TEXT
+from helpers import MOTO_SECRET, OFFLINE, TINY_TEXT, once_per_session
 
 os.environ.update(OFFLINE)  # before any test starts a process or a fork server (helpers.OFFLINE)
+# torch._dynamo sets this in os.environ the first time it is imported (by a test, at any point): set from
+# the start, so that the environment the doctor's fork servers are kept apart by stays one for the session.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir_utils.default_cache_dir())
 # A test process starts runs of more kinds than a user's does (the doctor's, with and without its tracer on
 # the path, the frameworks', the trainer's): kept, not closed and started again for each turn of kinds.
 forkserver.MAX_SERVERS = 10
@@ -30,10 +34,13 @@ def ctrl_c_as_in_a_terminal():
 
 @pytest.fixture(scope="session")
 def kjv_folder(tmp_path_factory) -> Path:
-    """The default corpus (KJV), prepared once for the whole session."""
-    folder = tmp_path_factory.mktemp("kjv")
-    prepare(PrepareConfig(), folder, log=lambda message: None)
-    return folder
+    """The default corpus (KJV), prepared once for the whole session (every worker reads it, none writes)."""
+
+    def prepared(folder: Path) -> dict:
+        prepare(PrepareConfig(), folder, log=lambda message: None)
+        return {"folder": str(folder)}
+
+    return Path(once_per_session(tmp_path_factory, "kjv", prepared)["folder"])
 
 
 @pytest.fixture(scope="session")

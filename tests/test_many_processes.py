@@ -188,7 +188,8 @@ def test_a_ddp_model_freed_after_its_group_ended_does_not_hang_the_rank():
 def test_a_rank_killed_alone_ends_the_run_in_one_line_and_auto_resume_continues(tmp_path, tiny_folder, straight):
     folder = tmp_path / "run"
     command = flags(folder, tiny_folder, "--save-every", 2, "--progress", "none")
-    child = spawn_cli(*command, env={"OMP_NUM_THREADS": "1"})
+    (tmp_path / "temp").mkdir()
+    child = spawn_cli(*command, env={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "temp")})
     while logged_steps(folder) < 3 and child.poll() is None:
         time.sleep(0.01)
     ranks = ranks_of(child)
@@ -204,6 +205,7 @@ def test_a_rank_killed_alone_ends_the_run_in_one_line_and_auto_resume_continues(
     assert (named and child.returncode == 128 + signal.SIGKILL) or (
         "a rank was ended from outside" in stderr and child.returncode == 1
     ), (child.returncode, stderr)
+    assert list((tmp_path / "temp").iterdir()) == []  # torch's file of the traceback of the rank whose peer died
     run_cli(*command, "--resume", "auto", check=True)
     for name, tensor in read_weights(straight / "final.pth")[0].items():
         assert torch.equal(read_weights(folder / "final.pth")[0][name], tensor), name

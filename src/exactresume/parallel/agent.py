@@ -46,9 +46,10 @@ def run_agent(main: Callable[[list[str]], int], argv: Sequence[str], nproc: int)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    # The agent's folder for its ranks' error files, removed with the run: left to itself, it makes one in
-    # the temp folder on every launch and leaves it there.
+    # The agent's files for its ranks, removed with the run: left to itself, it makes a folder in the temp
+    # folder on every launch, and a file for each rank that raised (one whose peer died), and leaves them.
     with tempfile.TemporaryDirectory(prefix="exactresume-ranks-") as logs:
+        tempfile.tempdir = logs  # this process is the agent alone; each rank finds its own again (_run_rank)
         try:
             elastic_launch(agent_config(nproc, Path(logs)), _run_rank)(main, list(argv))
         except ChildFailedError as failed:
@@ -56,6 +57,8 @@ def run_agent(main: Callable[[list[str]], int], argv: Sequence[str], nproc: int)
             return code if code >= 0 else 128 - code
         except SignalException as signalled:
             return 128 + signalled.sigval
+        finally:
+            tempfile.tempdir = None
     return 0
 
 
@@ -87,6 +90,7 @@ def _run_rank(main: Callable[[list[str]], int], argv: list[str]) -> None:
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    tempfile.tempdir = None  # the agent's is its own folder for its files
     code = main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
