@@ -24,6 +24,17 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir_utils.default_cache_d
 forkserver.MAX_SERVERS = 10
 
 
+# The files that take longest (seconds of one worker), handed out first: xdist gives each worker whole files
+# in the order collected, and a long file handed out last left the other worker idle at the end (17 s of 280).
+LONGEST_FIRST = ("test_doctor_frameworks.py", "test_s3_faults.py", "test_lab.py", "test_fsdp.py")
+LONGEST_FIRST += ("test_integrations.py", "test_s3_processes.py", "test_loaders.py", "test_doctor.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the others keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def ctrl_c_as_in_a_terminal():
     """Ctrl-C as a terminal delivers it: a launcher that started the tests in the background (a shell's
