@@ -24,6 +24,7 @@ from exactresume.parallel.launch import first_error
 from exactresume.store.resume import PerRank, read_resume_file
 from exactresume.world import World
 from helpers import (
+    FORKED_TORCHRUN,
     SMALL,
     assert_lab_dict,
     assert_one_line_error,
@@ -31,6 +32,7 @@ from helpers import (
     assert_weights_equal,
     call_cli,
     max_abs_difference,
+    run_python,
     train_cli,
 )
 
@@ -80,6 +82,18 @@ def test_forked_ranks_end_as_the_ranks_torchrun_starts_cold(tmp_path, kjv_folder
     command = [*TORCHRUN, "-m", "exactresume", "--", "train", *flags]
     subprocess.run(list(map(str, command)), check=True, capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert_same_run(tmp_path, runs / "straight2")
+
+
+def test_forked_ranks_meet_at_a_store_of_their_own_not_at_the_agents(tmp_path):
+    """No rank connects to the agent's store while it forks the others (agent.OWN_STORE says why)."""
+    script = tmp_path / "store.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], os.environ['TORCHELASTIC_USE_AGENT_STORE'])\n")
+    finished = run_python(FORKED_TORCHRUN, 2, script)
+    assert finished.returncode == 0, finished.stdout
+    assert sorted(line for line in finished.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 False",
+        "rank 1 False",
+    ]
 
 
 @pytest.mark.parametrize("stopped", ["resume file at step 3", "sharded folder at step 2"])

@@ -30,6 +30,12 @@ from pathlib import Path
 # What every rank needs of torch before its first step; imported by the launcher, so that each fork has it.
 PRELOAD = ("torch._dynamo", "torch.distributed.launcher.api")
 TRACED = "EXACTRESUME_DOCTOR_TRACE"  # set where the doctor's tracer runs (doctor/tracer/shim)
+# The ranks meet at a store of their own, hosted by rank 0, not at the agent's: a rank forked while one of
+# the agent's store threads looked up the address of a rank connecting to it (torch formats each peer's
+# address with getnameinfo) inherits glibc's resolver lock held, and its own first connect waits for ever
+# (seen: a rank in __resolv_context_get under TCPStore's connect, 3 suite runs in 16, the agent's address
+# numeric). With no rank connecting to the agent, its threads look nothing up while it forks.
+OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def preload() -> None:
@@ -50,6 +56,7 @@ def run_agent(main: Callable[[list[str]], int], argv: Sequence[str], nproc: int)
     # folder on every launch, and a file for each rank that raised (one whose peer died), and leaves them.
     with tempfile.TemporaryDirectory(prefix="exactresume-ranks-") as logs:
         tempfile.tempdir = logs  # this process is the agent alone; each rank finds its own again (_run_rank)
+        os.environ[OWN_STORE] = "1"
         try:
             elastic_launch(agent_config(nproc, Path(logs)), _run_rank)(main, list(argv))
         except ChildFailedError as failed:
@@ -74,10 +81,7 @@ def agent_config(nproc: int, logs: Path):
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        # The ranks reach the agent's store at a numeric address: a rank forked while one of the agent's
-        # threads resolved a name inherits glibc's resolver lock held, and its own lookup waits for ever
-        # (seen: a rank in getaddrinfo's __resolv_context_get, 2 suite runs in 11).
-        local_addr="127.0.0.1",
+        local_addr="127.0.0.1",  # rank 0's store at an address no rank has to look up
         max_restarts=0,
         logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
         start_method="spawn" if os.environ.get(TRACED) else "fork",
