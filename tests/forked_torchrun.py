@@ -16,6 +16,7 @@ import os
 import random
 import runpy
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -52,4 +53,6 @@ def _leave(code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_agent(run_script, sys.argv[2:], int(sys.argv[1])))
+    with tempfile.TemporaryDirectory(prefix="exactresume-ranks-") as files:
+        code = run_agent(run_script, sys.argv[2:], int(sys.argv[1]), Path(files))
+    sys.exit(code)

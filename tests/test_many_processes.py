@@ -29,7 +29,16 @@ from exactresume.parallel.replicate import replicate
 from exactresume.store.numbered import CheckpointStore
 from exactresume.store.weights import read_weights
 from exactresume.world import World
-from helpers import assert_one_line_error, call_cli, free_port, process_state, ranks_of, run_cli, spawn_cli
+from helpers import (
+    assert_one_line_error,
+    call_cli,
+    children,
+    free_port,
+    process_state,
+    ranks_of,
+    run_cli,
+    spawn_cli,
+)
 
 # 30 windows of 8 tokens: an epoch of batches 8, 8, 8 and 6; 12 steps are three epochs.
 FEATURES = ["--loader", "epoch", "--seq-len", "8", "--batch", "8", "--grad-accum", "2", "--dropout", "0.1"]
@@ -133,7 +142,9 @@ def test_an_epoch_whose_last_batch_does_not_split_over_the_processes_is_refused(
     finished = call_cli("train", "--out", tmp_path, "--data", tiny_folder, "--loader", "epoch", "--batch", 4,
                         "--seq-len", 16, "--steps", 4, "--nproc", 2)  # fmt: skip
     assert_one_line_error(
-        finished, "--loader epoch: each epoch ends with a batch of 3 sequences, not divisible by 2 processes"
+        finished,
+        "--loader epoch: each epoch ends with a batch of 3 sequences, not divisible by 2 processes, whatever the "
+        "--batch: the epoch holds 15 sequences; choose a --seq-len",
     )
     assert not (tmp_path / "log.csv").exists()
 
@@ -183,6 +194,21 @@ def test_a_ddp_model_freed_after_its_group_ended_does_not_hang_the_rank():
             for process in ranks.processes:
                 process.kill()
             pytest.fail("a rank hung after its process group ended")
+
+
+def test_an_agent_killed_with_kill_9_leaves_nothing_in_the_temp_folder(tmp_path, tiny_folder):
+    """The agent's files for its ranks are the launcher's to remove: the agent cannot, once killed."""
+    folder, temp = tmp_path / "run", tmp_path / "temp"
+    temp.mkdir()
+    command = flags(folder, tiny_folder, "--steps", 400, "--save-every", 50, "--progress", "none")
+    child = spawn_cli(*command, env={"OMP_NUM_THREADS": "1", "TMPDIR": str(temp)})
+    while logged_steps(folder) < 1 and child.poll() is None:
+        time.sleep(0.01)
+    assert [path.name.split("-")[1] for path in temp.iterdir()] == ["ranks"]  # exactresume-ranks-*, while it runs
+    os.kill(children()[child.pid][0], signal.SIGKILL)
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode != 0 and "Traceback" not in stderr, stderr
+    assert list(temp.iterdir()) == []
 
 
 def test_a_rank_killed_alone_ends_the_run_in_one_line_and_auto_resume_continues(tmp_path, tiny_folder, straight):

@@ -44,28 +44,27 @@ def preload() -> None:
         importlib.import_module(module)
 
 
-def run_agent(main: Callable[[list[str]], int], argv: Sequence[str], nproc: int) -> int:
+def run_agent(main: Callable[[list[str]], int], argv: Sequence[str], nproc: int, files: Path) -> int:
     """Run `main(ARGV)` on N ranks of this machine under the elastic agent; the first failed rank's
     exit code (128 + N for a signal), 0 when every rank succeeded. `main` is a module's function
-    (spawned ranks unpickle it by name)."""
+    (spawned ranks unpickle it by name). `files`: an empty folder for the agent's files for its ranks,
+    which its caller removes (left to itself, the agent makes a folder in the temp folder on every
+    launch, and a file for each rank that raised, one whose peer died, and leaves them)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    # The agent's files for its ranks, removed with the run: left to itself, it makes a folder in the temp
-    # folder on every launch, and a file for each rank that raised (one whose peer died), and leaves them.
-    with tempfile.TemporaryDirectory(prefix="exactresume-ranks-") as logs:
-        tempfile.tempdir = logs  # this process is the agent alone; each rank finds its own again (_run_rank)
-        os.environ[OWN_STORE] = "1"
-        try:
-            elastic_launch(agent_config(nproc, Path(logs)), _run_rank)(main, list(argv))
-        except ChildFailedError as failed:
-            code = failed.get_first_failure()[1].exitcode
-            return code if code >= 0 else 128 - code
-        except SignalException as signalled:
-            return 128 + signalled.sigval
-        finally:
-            tempfile.tempdir = None
+    tempfile.tempdir = str(files)  # this process is the agent alone; each rank finds its own again (_run_rank)
+    os.environ[OWN_STORE] = "1"
+    try:
+        elastic_launch(agent_config(nproc, files), _run_rank)(main, list(argv))
+    except ChildFailedError as failed:
+        code = failed.get_first_failure()[1].exitcode
+        return code if code >= 0 else 128 - code
+    except SignalException as signalled:
+        return 128 + signalled.sigval
+    finally:
+        tempfile.tempdir = None
     return 0
 
 

@@ -27,8 +27,10 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
 
 from exactresume.errors import UserError
 from exactresume.parallel.agent import preload, run_agent
@@ -76,14 +78,16 @@ def launch(main: Callable[[list[str]], int], argv: Collection[str], nproc: int) 
     sys.stdout.flush()  # else the agent and every rank would print what is still buffered here
     sys.stderr.flush()
     launcher, (read_end, write_end) = os.getpid(), os.pipe()
-    agent = os.fork()
-    if agent == 0:
-        os.close(read_end)
-        _be_the_agent(main, argv, nproc, write_end, launcher)
-    os.close(write_end)
-    with _passing_signals_to(agent), os.fdopen(read_end, errors="replace") as agent_stderr:
-        stderr = agent_stderr.read()  # the agent's and the ranks' stderr, until the last of them ends
-        code = os.waitstatus_to_exitcode(os.waitpid(agent, 0)[1])
+    # The agent's files for its ranks, removed here once it and the ranks have ended, however they ended
+    with tempfile.TemporaryDirectory(prefix="exactresume-ranks-") as files:
+        agent = os.fork()
+        if agent == 0:
+            os.close(read_end)
+            _be_the_agent(main, argv, nproc, write_end, launcher, Path(files))
+        os.close(write_end)
+        with _passing_signals_to(agent), os.fdopen(read_end, errors="replace") as agent_stderr:
+            stderr = agent_stderr.read()  # the agent's and the ranks' stderr, until the last of them ends
+            code = os.waitstatus_to_exitcode(os.waitpid(agent, 0)[1])
     error = first_error(stderr) if code else None
     killed = _killed_rank(stderr, next(iter(argv), ""), code) if code and error is None else None
     if killed is not None:  # the agent's log of it is torch's report, not the user's: one line instead
@@ -96,7 +100,9 @@ def launch(main: Callable[[list[str]], int], argv: Collection[str], nproc: int) 
     return exit_code(error, code)
 
 
-def _be_the_agent(main: Callable, argv: Collection[str], nproc: int, stderr_fd: int, launcher: int) -> None:
+def _be_the_agent(
+    main: Callable, argv: Collection[str], nproc: int, stderr_fd: int, launcher: int, files: Path
+) -> None:
     """In the forked agent: its own session (a terminal's Ctrl-C reaches the ranks once, through the
     agent, not twice), SIGTERM when the launcher dies (kill -9 included: the ranks save and stop, none
     is left behind), stderr to the launcher's pipe; run the ranks, exit with the code. Never returns."""
@@ -111,7 +117,7 @@ def _be_the_agent(main: Callable, argv: Collection[str], nproc: int, stderr_fd: 
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # the descriptors, where a caller redirected them
         # torchrun would set 1 and warn; split this machine's cores between the processes instead.
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        code = run_agent(main, argv, nproc)
+        code = run_agent(main, argv, nproc, files)
     except BaseException:
         traceback.print_exc()
     finally:

@@ -31,16 +31,25 @@ def replicate(run, world: World) -> None:
         return
     remainder = _epoch_remainder(run)
     if remainder % world.size:
-        raise UserError(
-            f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not divisible by "
-            f"{world.size} processes; choose another --batch"
-        )
+        raise UserError(_uneven_epoch_end(remainder, len(run.batches.dataset), world.size))
     if config.fsdp:
         from exactresume.parallel.fsdp import ShardedReplicas  # FSDP2 costs half a second to import
 
         run.replicas = ShardedReplicas(run.model, run.optimizer, world)
     else:
         run.replicas = Replicas(run.model, world)
+
+
+def _uneven_epoch_end(remainder: int, sequences: int, nproc: int) -> str:
+    """The refusal of an epoch whose last batch N processes cannot share, with what would let them."""
+    said = f"--loader epoch: each epoch ends with a batch of {remainder} sequences, not divisible by {nproc} processes"
+    if sequences % nproc == 0:
+        return f"{said}; choose another --batch"
+    # A batch divisible by N leaves as many over as the epoch's sequences do, modulo N: no --batch helps
+    return (
+        f"{said}, whatever the --batch: the epoch holds {sequences} sequences; choose a --seq-len that makes "
+        f"their number divisible by {nproc}, or another --loader"
+    )
 
 
 def _epoch_remainder(run) -> int:
