@@ -53,6 +53,6 @@ def _leave(code: int) -> None:
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory(prefix="exactresume-ranks-") as files:
+    with tempfile.TemporaryDirectory(prefix="exactresume-ranks-", ignore_cleanup_errors=True) as files:
         code = run_agent(run_script, sys.argv[2:], int(sys.argv[1]), Path(files))
     sys.exit(code)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -48,8 +49,9 @@ def run_agent(main: Callable[[list[str]], int], argv: Sequence[str], nproc: int,
     """Run `main(ARGV)` on N ranks of this machine under the elastic agent; the first failed rank's
     exit code (128 + N for a signal), 0 when every rank succeeded. `main` is a module's function
     (spawned ranks unpickle it by name). `files`: an empty folder for the agent's files for its ranks,
-    which its caller removes (left to itself, the agent makes a folder in the temp folder on every
-    launch, and a file for each rank that raised, one whose peer died, and leaves them)."""
+    removed here once they have ended and by its caller, whichever outlives the other (left to itself,
+    the agent makes a folder in the temp folder on every launch, and a file for each rank that raised,
+    one whose peer died, and leaves them)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -65,6 +67,7 @@ def run_agent(main: Callable[[list[str]], int], argv: Sequence[str], nproc: int,
         return 128 + signalled.sigval
     finally:
         tempfile.tempdir = None
+        shutil.rmtree(files, ignore_errors=True)
     return 0
 
 

@@ -78,8 +78,8 @@ def launch(main: Callable[[list[str]], int], argv: Collection[str], nproc: int) 
     sys.stdout.flush()  # else the agent and every rank would print what is still buffered here
     sys.stderr.flush()
     launcher, (read_end, write_end) = os.getpid(), os.pipe()
-    # The agent's files for its ranks, removed here once it and the ranks have ended, however they ended
-    with tempfile.TemporaryDirectory(prefix="exactresume-ranks-") as files:
+    # The agent's files for its ranks: the agent removes them, and this process once it has ended, killed too
+    with tempfile.TemporaryDirectory(prefix="exactresume-ranks-", ignore_cleanup_errors=True) as files:
         agent = os.fork()
         if agent == 0:
             os.close(read_end)
