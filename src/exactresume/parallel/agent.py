@@ -71,8 +71,8 @@ def run_agent(main: Callable[[list[str]], int], argv: Sequence[str], nproc: int,
     return 0
 
 
-def agent_config(nproc: int, logs: Path):
-    """torchrun's `--standalone --nproc-per-node N` as the agent's config, its ranks forked, its files in `logs`."""
+def agent_config(nproc: int, files: Path):
+    """torchrun's `--standalone --nproc-per-node N` as the agent's config, its ranks forked, its files in `files`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -85,7 +85,7 @@ def agent_config(nproc: int, logs: Path):
         rdzv_endpoint="localhost:0",
         local_addr="127.0.0.1",  # rank 0's store at an address no rank has to look up
         max_restarts=0,
-        logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
+        logs_specs=DefaultLogsSpecs(log_dir=str(files)),
         start_method="spawn" if os.environ.get(TRACED) else "fork",
     )
 

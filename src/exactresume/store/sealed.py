@@ -343,7 +343,10 @@ def load_sealed(path: Path, require_seal: bool = True) -> Any:
     except UserError:  # a damaged file, or a key that cannot be (EXACTRESUME_KEY too short)
         raise
     except Exception as error:  # the unpickler's many refusals: bad zip, forbidden global, ...
-        head = _head(path)
+        try:
+            head = first_bytes(path, 8)
+        except OSError:
+            head = ZIP_START  # unreadable now: torch's own refusal says the rest
         if not head.startswith((ZIP_START[:2], PICKLE_START)):  # text, or bytes of another kind
             raise CheckpointError(
                 f"{path}: not a torch file: it begins {head!r}, not as torch.save's zip archive does ({ZIP_START!r})"
@@ -351,10 +354,7 @@ def load_sealed(path: Path, require_seal: bool = True) -> Any:
         raise CheckpointError(f"{path}: not a loadable torch file ({torch_refusal(error)})") from None
 
 
-def _head(path: Path) -> bytes:
-    """The first bytes of `path`, to say what it is when torch cannot read it."""
-    try:
-        with open(path, "rb") as file:
-            return file.read(8)
-    except OSError:
-        return ZIP_START
+def first_bytes(path: Path, count: int) -> bytes:
+    """The first `count` bytes of the file `path`, to say what it is when it is not what it should be."""
+    with open(path, "rb") as file:
+        return file.read(count)

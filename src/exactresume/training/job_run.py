@@ -27,7 +27,7 @@ from pathlib import Path
 from exactresume.atomic import ensure_writable_folder, tmp_path
 from exactresume.core.data import load_tokens
 from exactresume.core.steplog import read_loss_log
-from exactresume.errors import UserError
+from exactresume.errors import UserError, listed
 from exactresume.parallel.fsdp import shard_destinations
 from exactresume.parallel.replicas import process_group
 from exactresume.parallel.replicate import replicate
@@ -182,7 +182,7 @@ class JobRun:
         if finished:
             are = "is" if len(finished) == 1 else "are"
             raise UserError(
-                f"no checkpoint in {job.checkpoint_folder} to resume from, and {' and '.join(map(str, finished))} "
+                f"no checkpoint in {job.checkpoint_folder} to resume from, and {listed(list(map(str, finished)))} "
                 f"{are} a finished run's, which starting at step 0 would overwrite: give another --out, or move "
                 f"{'it' if len(finished) == 1 else 'them'} out"
             )

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from exactresume.core.steplog import DIVERGENCE_HEADER, LOSS_HEADER, SAMPLES_HEADER
 from exactresume.errors import UserError
+from exactresume.store.layout import COMMIT
+from exactresume.store.sealed import ZIP_START, first_bytes
 
 LOG_HEADERS = {"--log": LOSS_HEADER, "--samples": SAMPLES_HEADER, "--divergence": DIVERGENCE_HEADER}
 
@@ -21,7 +23,7 @@ def refuse_other_kinds(outputs: dict[str, Path]) -> None:
         header = LOG_HEADERS.get(flag)  # None: a torch file (weights, resume file)
         if path.exists() and not _holds(path, header):
             what = f"a log beginning {header}" if header else "a torch file"
-            found = "it is a folder" if path.is_dir() else f"it begins {_head(path)[:16]!r}"
+            found = "it is a folder" if path.is_dir() else f"it begins {first_bytes(path, 16)!r}"
             raise UserError(
                 f"{flag} {path} is not {what} ({found}): a run writes over an earlier run's outputs, never over "
                 "a file of another kind; give another path"
@@ -29,21 +31,11 @@ def refuse_other_kinds(outputs: dict[str, Path]) -> None:
 
 
 def _holds(path: Path, header: str | None) -> bool:
-    from exactresume.store.layout import COMMIT
-    from exactresume.store.sealed import ZIP_START
-
     if path.is_dir():  # a sharded resume file, resume.dcp: a commit marker, or nothing yet
         return header is None and ((path / COMMIT).is_file() or not any(path.iterdir()))
-    head = _head(path)
+    head = first_bytes(path, 64)
     if head == b"":
         return True
     if header is None:
         return head.startswith(ZIP_START)
     return head.split(b"\n", 1)[0].rstrip(b"\r") == header.encode()
-
-
-def _head(path: Path) -> bytes:
-    if path.is_dir():
-        return b""
-    with open(path, "rb") as file:
-        return file.read(64)
