@@ -11,8 +11,6 @@ from pathlib import Path
 
 from exactresume.core.steplog import DIVERGENCE_HEADER, LOSS_HEADER, SAMPLES_HEADER
 from exactresume.errors import UserError
-from exactresume.store.layout import COMMIT
-from exactresume.store.sealed import ZIP_START, first_bytes
 
 LOG_HEADERS = {"--log": LOSS_HEADER, "--samples": SAMPLES_HEADER, "--divergence": DIVERGENCE_HEADER}
 
@@ -22,6 +20,8 @@ def refuse_other_kinds(outputs: dict[str, Path]) -> None:
     for flag, path in outputs.items():
         header = LOG_HEADERS.get(flag)  # None: a torch file (weights, resume file)
         if path.exists() and not _holds(path, header):
+            from exactresume.store.sealed import first_bytes  # with torch: only where an output exists
+
             what = f"a log beginning {header}" if header else "a torch file"
             found = "it is a folder" if path.is_dir() else f"it begins {first_bytes(path, 16)!r}"
             raise UserError(
@@ -31,6 +31,10 @@ def refuse_other_kinds(outputs: dict[str, Path]) -> None:
 
 
 def _holds(path: Path, header: str | None) -> bool:
+    # imported here, with torch, only where an output exists: a command refused before may not import it
+    from exactresume.store.layout import COMMIT
+    from exactresume.store.sealed import ZIP_START, first_bytes
+
     if path.is_dir():  # a sharded resume file, resume.dcp: a commit marker, or nothing yet
         return header is None and ((path / COMMIT).is_file() or not any(path.iterdir()))
     head = first_bytes(path, 64)
