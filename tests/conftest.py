@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from bench.seaweed import CREDENTIALS
 from torch._inductor.runtime import cache_dir_utils
 
 from exactresume.core.data import PrepareConfig, prepare
@@ -16,18 +17,25 @@ from exactresume.forkserver import client as forkserver
 from helpers import MOTO_SECRET, OFFLINE, TINY_TEXT, once_per_session
 
 os.environ.update(OFFLINE)  # before any test starts a process or a fork server (helpers.OFFLINE)
-# torch._dynamo sets this in os.environ the first time it is imported (by a test, at any point): set from
-# the start, so that the environment the doctor's fork servers are kept apart by stays one for the session.
+# torch._dynamo sets this in os.environ the first time it is imported (by a test, at any point), and
+# lightning_fabric the next: set from the start, so that the environment the fork servers are kept apart
+# by stays one for the session. The test S3 server's credentials likewise, before any server starts.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir_utils.default_cache_dir())
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+os.environ.update(CREDENTIALS)
 # A test process starts runs of more kinds than a user's does (the doctor's, with and without its tracer on
 # the path, the frameworks', the trainer's): kept, not closed and started again for each turn of kinds.
 forkserver.MAX_SERVERS = 10
 
 
 # The files that take longest (seconds of one worker), handed out first: xdist gives each worker whole files
-# in the order collected, and a long file handed out last left the other worker idle at the end (17 s of 280).
+# in the order collected (pyproject's --no-loadscope-reorder: else it orders them by their number of tests),
+# and a long file handed out last leaves the other worker idle at the end. The S3 files, which wait on
+# servers and timeouts, go early, beside files that keep both cores busy (the frameworks' three cases at once).
 LONGEST_FIRST = ("test_doctor_frameworks.py", "test_s3_faults.py", "test_lab.py", "test_fsdp.py")
-LONGEST_FIRST += ("test_integrations.py", "test_s3_processes.py", "test_loaders.py", "test_doctor.py")
+LONGEST_FIRST += ("test_integrations.py", "test_s3_processes.py", "test_doctor_any_python.py", "test_loaders.py")
+LONGEST_FIRST += ("test_distributed.py", "test_doctor.py", "test_fault_tolerance.py", "test_s3_lease.py")
+LONGEST_FIRST += ("test_s3_protocol.py", "test_s3_takeover.py", "test_s3_train.py", "test_s3_endpoints.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -84,9 +92,8 @@ def small_disk(tmp_path):
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3 server on this machine (bench/seaweed.py), with test credentials in the environment."""
-    from bench.seaweed import CREDENTIALS, PORTS, SeaweedServer
+    from bench.seaweed import PORTS, SeaweedServer
 
-    os.environ.update(CREDENTIALS)
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     server = SeaweedServer(tmp_path_factory.mktemp("seaweed"), PORTS[worker::workers]).start()

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from exactresume.cli import main
+from exactresume.doctor.run import SHIM_DIR
 from exactresume.doctor.warm import TRACED_KIND
 from exactresume.forkserver import client as forkserver
 from exactresume.lab import runs
@@ -137,7 +138,11 @@ def spawn_python(
     output appended to `log`, not waited for."""
     with stable_environ():
         kind = replace(TRACED_KIND, optional=TRACED_KIND.optional + preload)
-        return forkserver.spawn(command, os.environ | (env or {}), log, kind)
+        # The server the doctor's runs fork from (the tracer's shim first on its path, which starts nothing
+        # without the doctor's variables): one server of each kind, not two.
+        shim_first = os.pathsep.join(p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p)
+        server_env = os.environ | {"PYTHONPATH": shim_first}
+        return forkserver.spawn(command, os.environ | (env or {}), log, kind, server_env)
 
 
 @contextlib.contextmanager

@@ -104,14 +104,14 @@ class FolderLock:
 
     def share_with_children(self) -> None:
         """Let the processes we start from now on write the folder under this lock (until `release`)."""
-        os.environ[HELD_ENV] = ",".join(sorted(_inherited_tokens() | {self.token}))
+        _hand_down(_inherited_tokens() | {self.token})
         self.shared = True
 
     def release(self) -> None:
         """Delete the lock file and unlock; a lock handed down from a parent is left to the parent."""
         if self.shared:
             self.shared = False
-            os.environ[HELD_ENV] = ",".join(sorted(_inherited_tokens() - {self.token}))
+            _hand_down(_inherited_tokens() - {self.token})
         if self.fd is None:
             return
         fd, self.fd = self.fd, None
@@ -138,6 +138,14 @@ def held_lock_env() -> dict[str, str]:
 
 def _inherited_tokens() -> set[str]:
     return {token for token in os.environ.get(HELD_ENV, "").split(",") if token}
+
+
+def _hand_down(tokens: set[str]) -> None:
+    """The tokens the processes we start inherit; none: the variable gone, the environment as it was."""
+    if tokens:
+        os.environ[HELD_ENV] = ",".join(sorted(tokens))
+    else:
+        os.environ.pop(HELD_ENV, None)
 
 
 def wait_for_turn(
