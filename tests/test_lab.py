@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -193,6 +194,15 @@ def test_lab_progress_is_plain_lines_in_a_pipe(default_lab):
     assert "\r" not in output
     assert re.search(r"^\[3/8\] resumed: step 60/60 loss \d+\.\d{4} [\d.]+ steps/s$", output, re.MULTILINE)
     assert re.search(r"^\[8/8\] report\.md", output, re.MULTILINE)
+    steps = [int(number) for number in re.findall(r"^\[(\d)/8\]", output, re.MULTILINE)]
+    assert steps == sorted(steps)  # each run's lines one block, in order, though runs go side by side
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: the lab's runs go one at a time")
+def test_the_lab_runs_the_runs_of_a_group_side_by_side(default_lab):
+    """Runs 1-2 and 3-5 need nothing of each other: together they took less time than one after another."""
+    timings = json.loads((default_lab / "details" / "timings.json").read_text())
+    assert timings["total"] < sum(timings[name] for name in ("straight", "stop", "resumed", "noopt", "noskip"))
 
 
 def test_lab_ends_with_its_summary_read_from_its_files(default_lab):

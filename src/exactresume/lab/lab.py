@@ -3,6 +3,9 @@
 1 straight run, 2 stop at K with a resume file, 3 resume in a new process, 4 resume without the
 optimizer (noopt), 5 resume with the batch generator reseeded (noskip) — each training run in its
 own process — then 6 half precision, 7 optimizer vs weight elements, 8 the report and its figures.
+Runs 1 and 2 start from nothing and 3-5 from 2's resume file: each group's runs go side by side, as
+many at once as there are cores for them (a run's thread count is part of its result, so running
+together changes no bit), and their progress is printed in order, each run's lines once it ends.
 Numbers in the report come only from the files these steps write. noopt and noskip also step a
 fully restored twin alongside (`--divergence`), logging their drift from the uninterrupted run.
 """
@@ -13,6 +16,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +40,7 @@ from exactresume.training.inference import convert, max_logit_difference
 
 DETAILS = "details"  # logs the report needs beyond the files the lab text names
 DIVERGENCE_RUNS = ("noopt", "noskip")  # also step a fully restored twin and log the distance per step
+RUN_GROUPS = (("straight", "stop"), ("resumed", "noopt", "noskip"))  # a group's runs need nothing of each other
 # What the lab writes at the top of its folder (besides its figures): an earlier lab's, cleared before a lab
 # runs there again, so that no row of a log a resumed run continues, and no ablation of before, outlives it.
 LAB_OUTPUTS = (
@@ -115,13 +120,18 @@ def _divergence_flags(name: str, config: LabConfig) -> list[str]:
     return ["--divergence", str(config.out / DETAILS / f"{name}_divergence.csv")] if name in DIVERGENCE_RUNS else []
 
 
+def _side_by_side(config: LabConfig) -> int:
+    """How many of the lab's runs go at once: as many as the cores this process may use hold (a run
+    takes `threads` of them on each of its `nproc` processes)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // (config.train.threads * config.nproc))
+
+
 def _run_training_process(
     name: str, flags: list[str], config: LabConfig, progress_mode: str = "none", label: str = "train"
-) -> float:
-    """Run one `exactresume train` in a new process (forked from a warm server); its wall time in seconds.
-
-    The child's progress lines are passed on to our stdout when it ends; its stderr keeps the error line.
-    """
+) -> tuple[float, str]:
+    """Run one `exactresume train` in a new process (forked from a warm server): its wall time in seconds
+    and its progress lines, for the caller to pass on. Its stderr keeps the error line."""
     started = time.perf_counter()
     finished = run_cli(
         [
@@ -138,14 +148,31 @@ def _run_training_process(
         ],
         env=held_lock_env(),  # the lab holds the lock on --out for its training processes (commands/lab.py)
     )
-    if progress_mode != "none" and finished.stdout:
-        print(finished.stdout, end="", flush=True)
     if finished.returncode != 0:
         lines = finished.stderr.strip().splitlines() or [f"exit code {finished.returncode}"]
         if finished.returncode == 2:
             raise UserError(f"lab step {name}: {lines[-1]}")
         raise RuntimeError(f"lab step {name} failed:\n{finished.stderr}")
-    return time.perf_counter() - started
+    return time.perf_counter() - started, finished.stdout if progress_mode != "none" else ""
+
+
+def _run_training(config: LabConfig, progress_mode: str, log) -> dict[str, float]:
+    """Steps 1-5, each group's runs side by side; each run's wall time in seconds."""
+    runs = _training_runs(config)
+    labels = {name: f"[{number}/8] {name}" for number, (name, _) in enumerate(runs, start=1)}
+    flags = {name: run_flags + _divergence_flags(name, config) for name, run_flags in runs}
+    timings = {}
+    with ThreadPoolExecutor(_side_by_side(config)) as pool:
+        for group in RUN_GROUPS:
+            going = {
+                name: pool.submit(_run_training_process, name, flags[name], config, progress_mode, labels[name])
+                for name in group
+            }
+            for name in group:  # in order, whichever ends first
+                timings[name], lines = going[name].result()
+                print(lines, end="", flush=True)
+                log(f"{labels[name]}: {timings[name]:.1f} s")
+    return timings
 
 
 def _clear_an_earlier_lab(out: Path) -> None:
@@ -243,13 +270,7 @@ def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
     torch.set_num_threads(config.train.threads)  # for the lab's own figures (fp16 logits) as for its runs
     started = time.perf_counter()
     ensure_data(config.data, log, ByteProgress("prepare: encode", progress_mode))
-    timings = {"prepare": time.perf_counter() - started}
-    for number, (name, flags) in enumerate(_training_runs(config), start=1):
-        label = f"[{number}/8] {name}"
-        timings[name] = _run_training_process(
-            name, flags + _divergence_flags(name, config), config, progress_mode, label
-        )
-        log(f"{label}: {timings[name]:.1f} s")
+    timings = {"prepare": time.perf_counter() - started} | _run_training(config, progress_mode, log)
     write_json(config.out / "fp16.json", _fp16_figures(config))
     log("[6/8] fp16.json")
     write_json(config.out / "optim.json", _optimizer_figures(config.out / "resume.pth"))
