@@ -164,6 +164,16 @@ def test_a_bad_config_value_is_one_line():
     assert finished.returncode == 2 and len(finished.stderr.splitlines()) == 1 and "--grad-clip" in finished.stderr
 
 
+def test_a_flag_is_typed_whole_and_an_abbreviation_is_refused_in_one_line(tmp_path):
+    """`--stop 4` would be --stop-at today and ambiguous once another --stop... flag exists: no command takes it."""
+    for command in (
+        ["train", "--out", tmp_path / "run", "--stop", "4"],
+        ["lab", "--out", tmp_path / "lab", "--ste", "8"],
+    ):
+        assert_one_line_error(call_cli(*command), "unrecognized arguments", command[-2])
+    assert not list(tmp_path.iterdir())
+
+
 def test_resume_auto_help_names_where_it_reads():
     finished = call_cli("help", "train")
     text = " ".join(finished.stdout.split())  # argparse wraps the help at any space

@@ -106,7 +106,7 @@ def test_layout_aligns_labels_and_columns():
 
 
 def test_the_continue_command_drops_the_stop_however_it_was_spelled():
-    typed = ["train", "--out", "a b", "--stop=4", "--resum", "auto", "--sharded", "--steps", "8", "--sto", "3"]
+    typed = ["train", "--out", "a b", "--stop-at=4", "--resume", "auto", "--sharded", "--steps", "8", "--stop-at", "3"]
     assert (
         continue_command(typed, Path("a b/resume.dcp"))
         == "exactresume train --out 'a b' --steps 8 --resume 'a b/resume.dcp'"

@@ -40,7 +40,11 @@ COMMANDS = {
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on stderr (no usage dump) and exit code 2."""
+    """argparse, but a bad flag is one line on stderr (no usage dump) and exit code 2, and a flag is typed
+    whole: an abbreviation that names one flag today would name another, or none, once a flag is added."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False} | kwargs)
 
     def error(self, message: str) -> None:
         print(f"{self.prog}: error: {message}", file=sys.stderr)

@@ -77,10 +77,9 @@ def _read_json(path: Path) -> dict | None:
 # --- train --------------------------------------------------------------------------------------
 
 
-def names(token: str, flag: str) -> bool:
-    """Whether a command-line token is `flag`, as argparse reads it: whole, with `=VALUE`, or abbreviated."""
-    name = token.split("=", 1)[0]
-    return len(name) > 2 and flag.startswith(name)
+def _is_flag(token: str, flag: str) -> bool:
+    """Whether a command-line token is `flag`, whole or with `=VALUE` (the CLI takes no abbreviation)."""
+    return token.split("=", 1)[0] == flag
 
 
 def launcher() -> list[str]:
@@ -102,9 +101,9 @@ def continue_command(argv: list[str], resume: Path) -> str:
     for token in argv:
         if skip_value:
             skip_value = False
-        elif names(token, "--stop-at") or names(token, "--resume"):
+        elif _is_flag(token, "--stop-at") or _is_flag(token, "--resume"):
             skip_value = "=" not in token
-        elif not names(token, "--sharded") or token.split("=", 1)[0] == "--shard":  # argparse: an exact name wins
+        elif token != "--sharded":
             kept.append(token)
     return shlex.join([*launcher(), *kept, "--resume", str(resume)])
 

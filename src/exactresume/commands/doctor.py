@@ -55,8 +55,8 @@ def add_flags(doctor: argparse.ArgumentParser) -> None:
 
 
 def _joined_resume_args(args: list[str] | None) -> list[str] | None:
-    """`--resume-args --resume` as typed: argparse would take `--resume` for a flag of ours (or an
-    abbreviation of --resume-args itself) and refuse, so a value that starts with '-' is joined to it."""
+    """`--resume-args --resume` as typed: argparse would take `--resume` for a flag and refuse, so a value
+    that starts with '-' is joined to it."""
     if args is None:
         return None
     args = list(args)
