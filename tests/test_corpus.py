@@ -6,12 +6,14 @@ from __future__ import annotations
 import gc
 import io
 import json
+import time
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from exactresume.core import data as data_module
 from exactresume.core import tokenizer as tokenizer_module
 from exactresume.core.data import (
     MANIFEST_FILE,
@@ -178,6 +180,25 @@ def test_the_cli_progress_object_shows_corpus_megabytes(tmp_path):
     corpus = edge_txt(tmp_path / "corpus.txt")
     prepare(PrepareConfig(corpus=corpus, vocab_size=VOCAB), tmp_path / "out", log=quiet, progress=progress)
     assert stream.getvalue().splitlines()[-1].startswith("prepare: encode: MB 1/1")
+
+
+def test_the_rate_of_a_corpus_encoded_at_once_is_over_the_encoding_time(tmp_path, monkeypatch):
+    """One batch holds the whole corpus, so the first report comes at its end: the rate still counts the
+    encoding's seconds, not the instant between that report and the line."""
+    encode = data_module.encode_stream
+
+    def slow_encode(*args, **kwargs):
+        time.sleep(0.5)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(data_module, "encode_stream", slow_encode)
+    stream = io.StringIO()
+    corpus = edge_txt(tmp_path / "corpus.txt")
+    config = PrepareConfig(corpus=corpus, vocab_size=VOCAB)
+    prepare(config, tmp_path / "out", log=quiet, progress=ByteProgress("prepare: encode", "lines", stream=stream))
+    words = stream.getvalue().splitlines()[-1].split()  # prepare: encode: MB 1/1 R MB/s
+    megabytes, rate = int(words[3].split("/")[0]), float(words[-2])
+    assert rate <= megabytes / 0.5, stream.getvalue()
 
 
 def test_a_large_corpus_learns_its_tokenizer_from_a_fixed_sample(tmp_path, monkeypatch):

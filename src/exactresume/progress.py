@@ -102,7 +102,9 @@ class Progress:
 
 
 class ByteProgress:
-    """A `(bytes done, bytes in all)` progress callback shown in MB; the bar starts at the first call."""
+    """A `(bytes done, bytes in all)` progress callback shown in MB. Its clock starts at the first call: a
+    call at 0 bytes, as the work begins, only starts it (else a first call at the end would show the work's
+    rate over no time at all)."""
 
     def __init__(self, label: str, mode: str, stream: TextIO | None = None):
         self.label, self.mode, self.stream = label, mode, stream
@@ -111,6 +113,8 @@ class ByteProgress:
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             self.bar = Progress(max(1, round(total / 1e6)), self.label, self.mode, unit="MB", stream=self.stream)
+            if done == 0:
+                return
         self.bar.update(self.bar.total if done >= total else min(round(done / 1e6), self.bar.total))
         if done >= total:
             self.bar.close()

@@ -190,6 +190,8 @@ def prepare(
     try:
         documents = corpus_io.documents(corpus_path, chunk_bytes, position)
         report = None if progress is None else lambda: progress(position.bytes, size)
+        if report is not None:
+            report()  # the clock of its rate starts as the encoding does
         count = encode_stream(tokenizer, documents, end_of_text_id, writer, batch_bytes, report)
         files = writer.finish(config.val_fraction)
     except BaseException:
