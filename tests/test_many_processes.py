@@ -128,6 +128,7 @@ def test_sigterm_under_two_processes_saves_one_step_and_resumes_bit_identical(tm
     resumed = run_cli(*flags(folder, tiny_folder, "--resume", "auto", "--divergence", folder / "divergence.csv"))
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {step}" in resumed.stdout
+    assert "-process run on" not in resumed.stdout, resumed.stdout  # the twin (one process) restores unsaid
     expected, got = read_weights(straight / "final.pth")[0], read_weights(folder / "final.pth")[0]
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
     assert (folder / "log.csv").read_bytes() == (straight / "log.csv").read_bytes()

@@ -166,10 +166,12 @@ class JobRun:
             return
         parts = run.parts() if resumed.kind == "sharded" else run.file_parts()
         resumed.restore(parts, skip=skip_parts, world=world)
-        change = _world_change(resumed.saved_world_size, world.size, bool(self.job.config.micro_batch))
-        if world.is_main and str(resumed.path) != str(job.resume):  # the newest checkpoint of a folder
+        if world is not self.world or not world.is_main:  # a --divergence twin (one process) says nothing
+            return
+        if str(resumed.path) != str(job.resume):  # the newest checkpoint of a folder
             note(f"resumed from {resumed.path} at step {resumed.step}")
-        if world.is_main and change:
+        change = _world_change(resumed.saved_world_size, world.size, bool(self.job.config.micro_batch))
+        if change:
             print(change)
 
     def _refuse_starting_over_a_finished_run(self) -> None:
