@@ -8,13 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import torch
 
 from exactresume.forkserver import client as forkserver
 from exactresume.lab import runs
 from exactresume.store.weights import read_weights
-from helpers import SMALL, assert_one_line_error, run_python
+from helpers import SMALL, assert_one_line_error, process_state, run_python
 
 
 def test_forked_run_equals_cold_process_run(tmp_path, kjv_folder):
@@ -76,3 +77,17 @@ def test_a_server_that_ends_as_asked_leaves_no_folder_in_the_temp_folder():
     assert folder.is_dir() and folder.name.startswith("exactresume-fork-server-")
     forkserver._servers.pop(key).close()
     assert not folder.exists()
+
+
+def test_the_runs_of_a_server_whose_caller_is_gone_end_with_it(tmp_path):
+    """Its stdin closed (the caller ended or was killed): a run still going is killed, not left to write."""
+    kind = forkserver.ServerKind(preload=("time",))  # a server of this test's own
+    marker = tmp_path / "written"
+    script = tmp_path / "late.py"
+    script.write_text(f"import time, pathlib\ntime.sleep(3)\npathlib.Path({str(marker)!r}).write_text('late')\n")
+    run = forkserver.spawn([sys.executable, str(script)], kind=kind)
+    key = next(key for key in forkserver._servers if key[1] == kind)
+    forkserver._servers.pop(key).close()  # as at the caller's exit
+    assert process_state(run.pid) is None
+    time.sleep(3.5)
+    assert not marker.exists()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,15 @@ from exactresume.report.report import HEADINGS, render_report
 from exactresume.report.tables import render_table
 from exactresume.store.weights import read_weights
 from exactresume.summaries import lab_summary, render_lab
-from helpers import assert_one_line_error, call_cli, one_torch_thread, run_cli
+from helpers import (
+    assert_one_line_error,
+    call_cli,
+    descendants,
+    one_torch_thread,
+    process_state,
+    run_cli,
+    spawn_cli,
+)
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 LAB_FILES = [
@@ -267,3 +277,19 @@ def test_a_lab_run_again_into_its_folder_remakes_it_and_refuses_files_no_lab_mad
         refused = call_cli("lab", "--out", trained, *flags)
         assert_one_line_error(refused, f"{trained} holds resume.pth, details, not an earlier lab's")
         assert (trained / "resume.pth").read_bytes() == b"a training run's"
+
+
+def test_an_interrupted_lab_shows_its_progress_as_it_goes_and_ends_its_runs_before_it_returns(tmp_path, kjv_folder):
+    out = tmp_path / "lab"
+    flags = ["--steps", 4000, "--stop-at", 2000, "--preset", "tiny", "--batch", 2, "--seq-len", 16]
+    lab = spawn_cli("lab", "--data", kjv_folder, "--out", out, *flags)
+    deadline = time.monotonic() + 60
+    while "[1/8] straight: step 1/4000" not in lab.output()[0] and lab.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "[1/8] straight: step 1/4000" in lab.output()[0], lab.output()  # shown while its run goes on
+    started = descendants(lab.pid)  # its fork server, and the straight and stop runs
+    lab.send_signal(signal.SIGINT)
+    assert lab.wait(60) == 130 and "exactresume lab: interrupted" in lab.output()[1], lab.output()
+    assert [pid for pid in started if process_state(pid) is not None] == []
+    time.sleep(0.5)
+    assert not (out / "straight.pth").exists() and not (out / "resume.pth").exists()

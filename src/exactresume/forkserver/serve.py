@@ -12,7 +12,8 @@ One request per line on stdin, one answer per line on stdout:
     out  "ready" once its imports are done; "pid ID N" when run ID started; "exit ID CODE" when it ended
          (CODE negative: the signal that ended it)
 
-Several runs may go at once; the server exits when its stdin closes. A run is what `PYTHON ARGV...`
+Several runs may go at once; the server exits when its stdin closes, killing the runs still going
+(their caller ended, or was killed: nothing of theirs is written after it). A run is what `PYTHON ARGV...`
 would be after its start: its own environment, folder, argv, sys.path[0] and fresh random seeds,
 output at the descriptor level (C++ output too), the doctor's tracer started from its environment
 when the server loaded one (--tracer), the program run as __main__, and at its exit its threads
@@ -159,8 +160,9 @@ def serve(flags: argparse.Namespace) -> None:
         readable, _, _ = select.select([0], [], [], REAP_INTERVAL_S if running else None)
         if readable:
             chunk = os.read(0, 1 << 16)
-            if not chunk:
-                os._exit(0)  # nothing to clean up, and tearing torch down takes seconds
+            if not chunk:  # the caller closed it: it ended, or was killed
+                _end_runs(running)
+                os._exit(0)  # nothing else to clean up, and tearing torch down takes seconds
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
                 start(json.loads(line), tracer, running)
@@ -173,6 +175,21 @@ def start(request: dict, tracer, running: dict[int, int]) -> None:
         _become_run(request, tracer)
     running[pid] = request["id"]
     os.write(1, f"pid {request['id']} {pid}\n".encode())  # unbuffered: nothing held across a fork
+
+
+def _end_runs(running: dict[int, int]) -> None:
+    """Kill the runs still going and reap them: nobody is left to hear how they end, and none of them
+    may go on writing once the process that started it is gone."""
+    for pid in running:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in running:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
 
 
 def _reap(running: dict[int, int]) -> None:

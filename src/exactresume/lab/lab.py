@@ -5,7 +5,8 @@ optimizer (noopt), 5 resume with the batch generator reseeded (noskip) — each 
 own process — then 6 half precision, 7 optimizer vs weight elements, 8 the report and its figures.
 Runs 1 and 2 start from nothing and 3-5 from 2's resume file: each group's runs go side by side, as
 many at once as there are cores for them (a run's thread count is part of its result, so running
-together changes no bit), and their progress is printed in order, each run's lines once it ends.
+together changes no bit). Their progress is shown in order, each run's as it goes once the runs
+before it have ended; an interrupt or a failure stops the runs still going before the lab returns.
 Numbers in the report come only from the files these steps write. noopt and noskip also step a
 fully restored twin alongside (`--divergence`), logging their drift from the uninterrupted run.
 """
@@ -15,8 +16,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,8 +30,9 @@ from exactresume.core.compare import identical, largest, loss_differences, repea
 from exactresume.core.data import ensure_data
 from exactresume.core.steplog import read_loss_log, read_samples
 from exactresume.errors import UserError
+from exactresume.forkserver.client import Run
 from exactresume.lab.record import RUN_RECORD, run_record
-from exactresume.lab.runs import run_cli, start_runs_server
+from exactresume.lab.runs import spawn_cli, start_runs_server
 from exactresume.parallel.split import check_split
 from exactresume.progress import ByteProgress
 from exactresume.store.contents import resume_size_breakdown
@@ -41,6 +44,7 @@ from exactresume.training.inference import convert, max_logit_difference
 DETAILS = "details"  # logs the report needs beyond the files the lab text names
 DIVERGENCE_RUNS = ("noopt", "noskip")  # also step a fully restored twin and log the distance per step
 RUN_GROUPS = (("straight", "stop"), ("resumed", "noopt", "noskip"))  # a group's runs need nothing of each other
+FOLLOW_S = 0.5  # how often the run being shown is looked at for new progress
 # What the lab writes at the top of its folder (besides its figures): an earlier lab's, cleared before a lab
 # runs there again, so that no row of a log a resumed run continues, and no ablation of before, outlives it.
 LAB_OUTPUTS = (
@@ -127,51 +131,80 @@ def _side_by_side(config: LabConfig) -> int:
     return max(1, cores // (config.train.threads * config.nproc))
 
 
-def _run_training_process(
-    name: str, flags: list[str], config: LabConfig, progress_mode: str = "none", label: str = "train"
-) -> tuple[float, str]:
-    """Run one `exactresume train` in a new process (forked from a warm server): its wall time in seconds
-    and its progress lines, for the caller to pass on. Its stderr keeps the error line."""
-    started = time.perf_counter()
-    finished = run_cli(
-        [
-            "train",
-            "--out",
-            str(config.out),
-            *_train_flags(config),
-            *flags,
-            "--progress",
-            progress_mode,
-            "--label",
-            label,
-            "--no-summary",  # the lab ends with its own summary
-        ],
-        env=held_lock_env(),  # the lab holds the lock on --out for its training processes (commands/lab.py)
-    )
-    if finished.returncode != 0:
-        lines = finished.stderr.strip().splitlines() or [f"exit code {finished.returncode}"]
-        if finished.returncode == 2:
-            raise UserError(f"lab step {name}: {lines[-1]}")
-        raise RuntimeError(f"lab step {name} failed:\n{finished.stderr}")
-    return time.perf_counter() - started, finished.stdout if progress_mode != "none" else ""
+def _start_training_process(name: str, config: LabConfig, flags: list[str], progress_mode: str, label: str) -> Run:
+    """One `exactresume train` in a new process (forked from a warm server), not waited for."""
+    argv = ["train", "--out", str(config.out), *_train_flags(config), *flags, "--progress", progress_mode]
+    argv += ["--label", label, "--no-summary"]  # the lab ends with its own summary
+    # The lab holds the lock on --out for its training processes (commands/lab.py).
+    return spawn_cli(argv, env=held_lock_env())
+
+
+def _follow(run: Run, progress_mode: str) -> None:
+    """Wait for `run`, passing on its progress as it comes."""
+    shown, ended = 0, False
+    while not ended:
+        try:
+            run.wait(FOLLOW_S)
+            ended = True
+        except subprocess.TimeoutExpired:
+            pass
+        if progress_mode != "none":
+            lines = run.output()[0]
+            print(lines[shown:], end="", flush=True)
+            shown = len(lines)
+
+
+def _check_ended(name: str, run: Run) -> None:
+    """UserError (its one line) or RuntimeError unless the run of lab step `name` succeeded."""
+    if run.returncode == 0:
+        return
+    stderr = run.output()[1]
+    lines = stderr.strip().splitlines() or [f"exit code {run.returncode}"]
+    if run.returncode == 2:
+        raise UserError(f"lab step {name}: {lines[-1]}")
+    raise RuntimeError(f"lab step {name} failed:\n{stderr}")
+
+
+def _end(runs: list[Run]) -> None:
+    """The runs still going, stopped as a Ctrl-C stops a run and waited for, so that none writes after the
+    lab returns (it was interrupted, or a run before them failed); a second Ctrl-C kills them at once."""
+    runs = [run for run in runs if run.poll() is None]
+    try:
+        for run in runs:
+            run.send_signal(signal.SIGINT)
+        for run in runs:
+            run.wait()
+    except KeyboardInterrupt:
+        for run in runs:
+            run.kill()
+        for run in runs:
+            run.wait()
+        raise
 
 
 def _run_training(config: LabConfig, progress_mode: str, log) -> dict[str, float]:
-    """Steps 1-5, each group's runs side by side; each run's wall time in seconds."""
+    """Steps 1-5, each group's runs side by side: each run shown in order as it goes, the ones after it
+    starting as cores are free; each run's wall time in seconds."""
     runs = _training_runs(config)
     labels = {name: f"[{number}/8] {name}" for number, (name, _) in enumerate(runs, start=1)}
     flags = {name: run_flags + _divergence_flags(name, config) for name, run_flags in runs}
-    timings = {}
-    with ThreadPoolExecutor(_side_by_side(config)) as pool:
+    lanes, timings, going = _side_by_side(config), {}, {}  # going: name -> (run, when it started)
+    try:
         for group in RUN_GROUPS:
-            going = {
-                name: pool.submit(_run_training_process, name, flags[name], config, progress_mode, labels[name])
-                for name in group
-            }
-            for name in group:  # in order, whichever ends first
-                timings[name], lines = going[name].result()
-                print(lines, end="", flush=True)
+            waiting = list(group)
+            for name in group:
+                while waiting and len(going) < lanes:
+                    new = waiting.pop(0)
+                    run = _start_training_process(new, config, flags[new], progress_mode, labels[new])
+                    going[new] = (run, time.perf_counter())
+                run, started = going[name]
+                _follow(run, progress_mode)
+                timings[name] = time.perf_counter() - started
+                del going[name]
+                _check_ended(name, run)
                 log(f"{labels[name]}: {timings[name]:.1f} s")
+    finally:
+        _end([run for run, _ in going.values()])
     return timings
 
 
