@@ -162,15 +162,16 @@ def test_help_of_one_command_and_version():
 def test_a_bad_config_value_is_one_line():
     finished = call_cli("train", "--out", "x", "--grad-clip", "0")
     assert finished.returncode == 2 and len(finished.stderr.splitlines()) == 1 and "--grad-clip" in finished.stderr
+    assert "--weight-decay" not in finished.stderr  # only the flag typed wrong
 
 
 def test_a_flag_is_typed_whole_and_an_abbreviation_is_refused_in_one_line(tmp_path):
     """`--stop 4` would be --stop-at today and ambiguous once another --stop... flag exists: no command takes it."""
-    for command in (
-        ["train", "--out", tmp_path / "run", "--stop", "4"],
-        ["lab", "--out", tmp_path / "lab", "--ste", "8"],
+    for command, meant in (
+        (["train", "--out", tmp_path / "run", "--stop", "4"], "--stop-at?"),
+        (["lab", "--out", tmp_path / "lab", "--ste", "8"], "--steps?"),
     ):
-        assert_one_line_error(call_cli(*command), "unrecognized arguments", command[-2])
+        assert_one_line_error(call_cli(*command), "unrecognized arguments", command[-2], f"typed whole: {meant}")
     assert not list(tmp_path.iterdir())
 
 

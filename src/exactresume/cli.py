@@ -47,8 +47,22 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **{"allow_abbrev": False} | kwargs)
 
     def error(self, message: str) -> None:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(f"{self.prog}: error: {message}{self._whole_flag_hint(message)}", file=sys.stderr)
         sys.exit(2)
+
+    def _whole_flag_hint(self, message: str) -> str:
+        """For a flag refused as shortened: the flags it begins."""
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        known = [option for action in self._actions for option in action.option_strings]
+        for word in message.removeprefix("unrecognized arguments: ").split():
+            name = word.split("=", 1)[0]
+            begun = [option for option in known if name.startswith("--") and option.startswith(name)]
+            if len(begun) > 3:
+                return f" (flags are typed whole: {len(begun)} begin with {name}, see {self.prog} --help)"
+            if begun:
+                return f" (flags are typed whole: {' or '.join(begun)}?)"
+        return ""
 
 
 def _help_parser(parser: argparse.ArgumentParser) -> None:

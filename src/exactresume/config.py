@@ -154,12 +154,10 @@ class TrainConfig:
                 raise FieldError(f"{name} must be at least 1, got {getattr(self, name)}", name)
         if not self.lr > 0:
             raise FieldError(f"lr must be positive, got {self.lr}", "lr")
-        if not (self.weight_decay >= 0 and self.grad_clip > 0):
-            raise FieldError(
-                f"weight_decay must be at least 0 and grad_clip positive, got {self.weight_decay}, {self.grad_clip}",
-                "weight_decay",
-                "grad_clip",
-            )
+        if not self.weight_decay >= 0:
+            raise FieldError(f"weight_decay must be at least 0, got {self.weight_decay}", "weight_decay")
+        if not self.grad_clip > 0:
+            raise FieldError(f"grad_clip must be positive, got {self.grad_clip}", "grad_clip")
         preset(self.preset)
         self._check_features()
 

@@ -20,8 +20,10 @@ def tolerance(text: str) -> float:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", type=any_location, help="a weights or resume file, sharded folder, or s3:// of one")
-    parser.add_argument("b", type=any_location)
+    parser.add_argument(
+        "a", type=any_location, metavar="A", help="a weights or resume file, sharded folder, or s3:// of one"
+    )
+    parser.add_argument("b", type=any_location, metavar="B", help="the one to compare A with")
     add_s3_flags(parser)
     parser.add_argument(
         "--atol",
