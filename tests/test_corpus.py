@@ -178,8 +178,11 @@ def test_the_cli_progress_object_shows_corpus_megabytes(tmp_path):
     stream = io.StringIO()
     progress = ByteProgress("prepare: encode", "lines", stream=stream)
     corpus = edge_txt(tmp_path / "corpus.txt")
-    prepare(PrepareConfig(corpus=corpus, vocab_size=VOCAB), tmp_path / "out", log=quiet, progress=progress)
-    assert stream.getvalue().splitlines()[-1].startswith("prepare: encode: MB 1/1")
+    config = PrepareConfig(corpus=corpus, vocab_size=VOCAB)
+    prepare(config, tmp_path / "out", log=quiet, progress=progress, batch_bytes=200)  # read at once, many batches
+    lines = stream.getvalue().splitlines()
+    assert lines[-1].startswith("prepare: encode: MB 1/1")
+    assert [line for line in lines if "MB 1/1" in line] == lines[-1:], lines  # the end said once
 
 
 def test_the_rate_of_a_corpus_encoded_at_once_is_over_the_encoding_time(tmp_path, monkeypatch):

@@ -111,6 +111,8 @@ class ByteProgress:
         self.bar: Progress | None = None
 
     def __call__(self, done: int, total: int) -> None:
+        if self.bar is not None and self.bar.done >= self.bar.total:  # said once (reading runs ahead of the work)
+            return
         if self.bar is None:
             self.bar = Progress(max(1, round(total / 1e6)), self.label, self.mode, unit="MB", stream=self.stream)
             if done == 0:
