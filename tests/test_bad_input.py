@@ -128,6 +128,22 @@ def test_unprepared_data_folder(tmp_path):
     assert_one_line_error(finished, "not a prepared data folder (no manifest.json)", "exactresume prepare --out")
 
 
+def test_data_that_is_a_file_or_a_folder_typed_wrong_is_refused_by_train_and_lab_alike(tmp_path, kjv_folder):
+    """A file is not a data folder (no prepare could make one there), and a --data the lab is given must be
+    prepared as train's must: only the lab's default folder is prepared where it is missing."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a corpus file, not a prepared folder\n")
+    small = ["--steps", 8, "--stop-at", 4, "--preset", "tiny"]
+    for command in (["train", "--out", tmp_path / "run"], ["lab", "--out", tmp_path / "lab", *small]):
+        refused = call_cli(*command, "--data", corpus)
+        assert_one_line_error(refused, f"{corpus} is a file, not a prepared data folder", "--corpus")
+        refused = call_cli(*command, "--data", tmp_path / "typo")
+        assert_one_line_error(refused, f"{tmp_path / 'typo'} is not a prepared data folder")
+        refused = call_cli(*command[:-2], "--out", corpus, "--data", kjv_folder, *command[3:])
+        assert_one_line_error(refused, f"output folder {corpus} is a file, not a folder")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt"]
+
+
 def test_output_folder_not_writable(tmp_path, kjv_folder):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

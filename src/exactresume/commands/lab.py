@@ -18,7 +18,7 @@ from exactresume.commands.config_flags import (
     config_from_args,
 )
 from exactresume.commands.output import add_output_flags, emit, progress_mode
-from exactresume.commands.places import add_data_flag, given_path
+from exactresume.commands.places import DEFAULT_DATA, add_data_flag, given_path
 from exactresume.commands.train import add_process_flag
 from exactresume.commands.writer import add_writer_flags, lock_out
 from exactresume.errors import UserError
@@ -46,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
     from exactresume.lab.runs import start_runs_server
 
     train = config_from_args(args)
+    if args.data != DEFAULT_DATA:  # the default is prepared where it is missing; a folder typed, never
+        from exactresume.core.data import check_prepared
+
+        check_prepared(args.data)
     if 1 <= args.stop_at < train.steps:  # else LabConfig refuses it below: start nothing for a refusal
         start_runs_server()  # before importing torch here, so the fork server's imports overlap with ours
     from exactresume.lab.lab import LabConfig, run_lab

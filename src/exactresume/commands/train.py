@@ -35,7 +35,7 @@ from exactresume.commands.places import (
     place,
     resume_source,
 )
-from exactresume.commands.writer import add_writer_flags, remove_made_folder
+from exactresume.commands.writer import add_writer_flags, first_missing, remove_made_folder
 from exactresume.errors import UserError, listed
 from exactresume.training.outputs import refuse_other_kinds
 
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
 
     world = World.from_env()
     # The ranks of a torchrun launch share the folder its rank 0 (or the launching process) cleans up.
-    made, code = not args.out.exists() and world.is_main, 1
+    made, code = first_missing(args.out) if world.is_main else None, 1
     try:
         job = _job_from(args, world)
         if world.is_main:  # the other ranks of a torchrun launch write none of them
@@ -182,8 +182,8 @@ def run(args: argparse.Namespace) -> int:
             _refuse_earlier_outputs(job)
         code = train(args, job, world)
     finally:
-        if made and code != 0:
-            remove_made_folder(args.out)
+        if made is not None and code != 0:
+            remove_made_folder(made)
     return code
 
 

@@ -41,9 +41,16 @@ def lock_out(command: str, out: Path, wait: float):
     return FolderLock.acquire(out, wait=wait, notify=notify)
 
 
+def first_missing(out: Path) -> Path | None:
+    """The outermost folder of `out`'s path that does not exist yet (what making `out` makes), or None."""
+    missing = [place for place in (out, *out.parents) if not place.exists()]
+    return missing[-1] if missing else None
+
+
 def remove_made_folder(out: Path) -> None:
     """Remove `out` and the empty folders under it (checkpoints/), as long as no file is there: a run
-    refused before its first step leaves nothing behind. Only for a folder the command itself made."""
+    refused before its first step leaves nothing behind. Only for a folder the command itself made
+    (`first_missing` before it made it: the parents it made with it go too)."""
     for folder in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
         with contextlib.suppress(OSError):
             folder.rmdir()  # only while still empty

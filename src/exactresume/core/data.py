@@ -242,7 +242,17 @@ def _make_tokenizer(
 
 
 def _not_prepared(folder: Path, reason: str) -> UserError:
+    if folder.is_file():  # not a folder prepare could make there
+        return UserError(
+            f"{folder} is a file, not a prepared data folder: give the folder `exactresume prepare --out DIR` "
+            "wrote (a corpus file is its --corpus)"
+        )
     return UserError(f"{folder} is not a prepared data folder ({reason}); run `exactresume prepare --out {folder}`")
+
+
+def check_prepared(folder: Path) -> None:
+    """UserError unless `folder` holds a prepared folder's manifest (its files are checked as they load)."""
+    _read_manifest(Path(folder))
 
 
 def damaged(folder: Path, reason: str) -> UserError:

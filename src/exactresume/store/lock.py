@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from exactresume.atomic import ensure_writable_folder
 from exactresume.errors import StorageError, UserError
 
 LOCK_NAME = ".exactresume.lock"
@@ -54,11 +55,7 @@ class FolderLock:
 
         Raises UserError naming the holder when the folder stays locked.
         """
-        folder = Path(folder)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise UserError(f"cannot create output folder {folder}: {error.strerror}") from None
+        folder = ensure_writable_folder(Path(folder))
 
         def attempt() -> tuple[FolderLock | None, str]:
             lock = cls._try(folder)
