@@ -141,6 +141,8 @@ def test_data_that_is_a_file_or_a_folder_typed_wrong_is_refused_by_train_and_lab
         assert_one_line_error(refused, f"{tmp_path / 'typo'} is not a prepared data folder")
         refused = call_cli(*command[:-2], "--out", corpus, "--data", kjv_folder, *command[3:])
         assert_one_line_error(refused, f"output folder {corpus} is a file, not a folder")
+        refused = call_cli(*command[:-2], "--out", kjv_folder, "--data", kjv_folder, *command[3:])
+        assert_one_line_error(refused, f"--out {kjv_folder} is the --data folder")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt"]
 
 

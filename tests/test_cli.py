@@ -175,6 +175,14 @@ def test_a_flag_is_typed_whole_and_an_abbreviation_is_refused_in_one_line(tmp_pa
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("command", ["train", "lab", "prepare", "diff", "export", "ablate"])
+def test_json_and_quiet_together_are_refused_in_one_line(command, tmp_path):
+    """One asks for the summary, the other for none: refused before anything is read or written."""
+    refused = call_cli(command, "--json", "--quiet", *(["--out", tmp_path / "out"] if command != "diff" else []))
+    assert_one_line_error(refused, "--quiet: not allowed with argument --json")
+    assert not (tmp_path / "out").exists()
+
+
 def test_resume_auto_help_names_where_it_reads():
     finished = call_cli("help", "train")
     text = " ".join(finished.stdout.split())  # argparse wraps the help at any space

@@ -31,8 +31,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="largest difference of finite values still called equal (default 0: the same bits)",
     )
-    parser.add_argument("--quiet", action="store_true", help="print nothing: the exit code says equal (0) or not (1)")
-    parser.add_argument("--json", action="store_true", help="print the differences as one JSON object")
+    one_of = parser.add_mutually_exclusive_group()
+    one_of.add_argument("--quiet", action="store_true", help="print nothing: the exit code says equal (0) or not (1)")
+    one_of.add_argument("--json", action="store_true", help="print the differences as one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:

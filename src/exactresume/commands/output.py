@@ -17,7 +17,8 @@ from exactresume.progress import MODES, resolve_mode
 
 
 def add_output_flags(group, progress: bool = True, summary_json: bool = True) -> None:
-    """--progress and --quiet (only errors), and --json: the closing summary as one JSON object."""
+    """--progress and --quiet (only errors), and --json: the closing summary as one JSON object (not both:
+    one asks for the summary, the other for none)."""
     if progress:
         group.add_argument(
             "--progress",
@@ -25,11 +26,14 @@ def add_output_flags(group, progress: bool = True, summary_json: bool = True) ->
             default="auto",
             help="auto: a bar on a terminal, plain periodic lines otherwise",
         )
-        group.add_argument("--quiet", action="store_true", help="print only errors: no progress, no summary")
-    else:
-        group.add_argument("--quiet", action="store_true", help="print only errors")
+    one_of = group.add_mutually_exclusive_group()
+    one_of.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only errors: no progress, no summary" if progress else "print only errors",
+    )
     if summary_json:
-        group.add_argument(
+        one_of.add_argument(
             "--json", action="store_true", help="end with the summary as one JSON object on stdout (no progress)"
         )
 

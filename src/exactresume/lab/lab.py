@@ -66,6 +66,8 @@ class LabConfig:
 
     def __post_init__(self) -> None:
         check_stop_at(self.stop_at, self.train.steps)
+        if os.path.realpath(self.out) == os.path.realpath(self.data):
+            raise UserError(f"--out {self.out} is the --data folder: give the lab a folder of its own")
         check_split(self.train.batch, self.nproc, self.train.grad_accum, self.train.micro_batch)
         if self.train.shard != "none":  # its runs resume from one resume.pth; FSDP2 writes a DCP folder
             raise UserError("the lab runs without --shard fsdp (exactresume train takes it)")

@@ -102,6 +102,8 @@ class TrainJob:
         self._check_outputs_apart()
 
     def _check_outputs_apart(self) -> None:
+        if _identity(self.out) == _identity(self.data):
+            raise UserError(f"--out {self.out} is the --data folder: give the run a folder of its own")
         seen: dict[str, str] = {}
         for flag, path in self.outputs().items():
             other = seen.setdefault(_identity(path), flag)  # a link to another output, soft or hard, is that output
