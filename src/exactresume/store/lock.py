@@ -30,7 +30,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from exactresume.atomic import ensure_writable_folder
 from exactresume.errors import StorageError, UserError
 
 LOCK_NAME = ".exactresume.lock"
@@ -55,7 +54,13 @@ class FolderLock:
 
         Raises UserError naming the holder when the folder stays locked.
         """
-        folder = ensure_writable_folder(Path(folder))
+        folder = Path(folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            if folder.exists() and not folder.is_dir():
+                raise UserError(f"output folder {folder} is a file, not a folder") from None
+            raise UserError(f"cannot create output folder {folder}: {error.strerror}") from None
 
         def attempt() -> tuple[FolderLock | None, str]:
             lock = cls._try(folder)
