@@ -133,7 +133,7 @@ def _side_by_side(config: LabConfig) -> int:
     return max(1, cores // (config.train.threads * config.nproc))
 
 
-def _start_training_process(name: str, config: LabConfig, flags: list[str], progress_mode: str, label: str) -> Run:
+def _start_training_process(config: LabConfig, flags: list[str], progress_mode: str, label: str) -> Run:
     """One `exactresume train` in a new process (forked from a warm server), not waited for."""
     argv = ["train", "--out", str(config.out), *_train_flags(config), *flags, "--progress", progress_mode]
     argv += ["--label", label, "--no-summary"]  # the lab ends with its own summary
@@ -141,8 +141,8 @@ def _start_training_process(name: str, config: LabConfig, flags: list[str], prog
     return spawn_cli(argv, env=held_lock_env())
 
 
-def _follow(run: Run, progress_mode: str) -> None:
-    """Wait for `run`, passing on its progress as it comes."""
+def _follow(run: Run, progress_mode: str, tick) -> None:
+    """Wait for `run`, passing on its progress as it comes; `tick()` after every look."""
     shown, ended = 0, False
     while not ended:
         try:
@@ -150,6 +150,7 @@ def _follow(run: Run, progress_mode: str) -> None:
             ended = True
         except subprocess.TimeoutExpired:
             pass
+        tick()
         if progress_mode != "none":
             lines = run.output()[0]
             print(lines[shown:], end="", flush=True)
@@ -191,17 +192,24 @@ def _run_training(config: LabConfig, progress_mode: str, log) -> dict[str, float
     labels = {name: f"[{number}/8] {name}" for number, (name, _) in enumerate(runs, start=1)}
     flags = {name: run_flags + _divergence_flags(name, config) for name, run_flags in runs}
     lanes, timings, going = _side_by_side(config), {}, {}  # going: name -> (run, when it started)
+
+    def tick() -> None:  # each run's time, to when it was first seen ended (the one shown: at once)
+        for other, (run, started) in going.items():
+            if other not in timings and run.poll() is not None:
+                timings[other] = time.perf_counter() - started
+
     try:
         for group in RUN_GROUPS:
             waiting = list(group)
             for name in group:
                 while waiting and len(going) < lanes:
                     new = waiting.pop(0)
-                    run = _start_training_process(new, config, flags[new], progress_mode, labels[new])
-                    going[new] = (run, time.perf_counter())
-                run, started = going[name]
-                _follow(run, progress_mode)
-                timings[name] = time.perf_counter() - started
+                    going[new] = (
+                        _start_training_process(config, flags[new], progress_mode, labels[new]),
+                        time.perf_counter(),
+                    )
+                run = going[name][0]
+                _follow(run, progress_mode, tick)
                 del going[name]
                 _check_ended(name, run)
                 log(f"{labels[name]}: {timings[name]:.1f} s")
