@@ -215,7 +215,7 @@ def _run_training(config: LabConfig, progress_mode: str, log) -> dict[str, float
                 log(f"{labels[name]}: {timings[name]:.1f} s")
     finally:
         _end([run for run, _ in going.values()])
-    return timings
+    return {name: timings[name] for name, _ in runs}  # in the steps' order
 
 
 def _clear_an_earlier_lab(out: Path) -> None:
