@@ -279,7 +279,10 @@ def test_a_lab_run_again_into_its_folder_remakes_it_and_refuses_files_no_lab_mad
         assert (trained / "resume.pth").read_bytes() == b"a training run's"
 
 
-def test_an_interrupted_lab_shows_its_progress_as_it_goes_and_ends_its_runs_before_it_returns(tmp_path, kjv_folder):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_lab_shows_its_progress_as_it_goes_and_ends_its_runs_before_it_returns(
+    tmp_path, kjv_folder, stop
+):
     out = tmp_path / "lab"
     flags = ["--steps", 4000, "--stop-at", 2000, "--preset", "tiny", "--batch", 2, "--seq-len", 16]
     lab = spawn_cli("lab", "--data", kjv_folder, "--out", out, *flags)
@@ -288,7 +291,7 @@ def test_an_interrupted_lab_shows_its_progress_as_it_goes_and_ends_its_runs_befo
         time.sleep(0.05)
     assert "[1/8] straight: step 1/4000" in lab.output()[0], lab.output()  # shown while its run goes on
     started = descendants(lab.pid)  # its fork server, and the straight and stop runs
-    lab.send_signal(signal.SIGINT)
+    lab.send_signal(stop)
     assert lab.wait(60) == 130 and "exactresume lab: interrupted" in lab.output()[1], lab.output()
     assert [pid for pid in started if process_state(pid) is not None] == []
     time.sleep(0.5)

@@ -6,6 +6,7 @@ exactresume lab --out runs/lab --ablate
 from __future__ import annotations
 
 import argparse
+import signal
 
 from exactresume import summaries
 from exactresume.commands.config_flags import (
@@ -68,7 +69,12 @@ def run(args: argparse.Namespace) -> int:
     )
     lock = lock_out("lab", config.out, args.wait_lock)  # released below; on an error, when the process ends
     lock.share_with_children()  # the lab's training processes write --out under this lock
+    signal.signal(signal.SIGTERM, _as_an_interrupt)  # a scheduler's stop: the runs ended, the files left as by Ctrl-C
     run_lab(config, progress_mode=progress_mode(args))
     lock.release()
     emit(args, summaries.lab_summary(config.out), summaries.render_lab)
     return 0
+
+
+def _as_an_interrupt(signal_number, frame) -> None:
+    raise KeyboardInterrupt
