@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -260,6 +261,8 @@ def test_a_lab_run_again_into_its_folder_remakes_it_and_refuses_files_no_lab_mad
     (earlier / "details" / "run.json").write_text('{"config": {"stop_at": 5}}')  # an earlier lab's record, and:
     (earlier / "resumed_log.csv").write_text("step,train_loss\n4,1.000000\n9,2.000000\n")  # rows of another run
     (earlier / "ablation.json").write_text("{}")  # a lab run with --ablate; this one is not
+    (earlier / "checkpoints").mkdir()  # what an interrupted lab's runs saved as the Ctrl-C reached them
+    (earlier / "checkpoints" / "step-00000043.pth").write_bytes(b"a run's preemption checkpoint")
     (earlier / "notes.txt").write_text("the user's own")
     flags = ["--data", kjv_folder, "--steps", 8, "--stop-at", 4, "--preset", "tiny", "--batch", 2, "--seq-len", 16]
     with one_torch_thread():
@@ -268,6 +271,7 @@ def test_a_lab_run_again_into_its_folder_remakes_it_and_refuses_files_no_lab_mad
     runs = json.loads((earlier / "compare.json").read_text())["runs"]
     assert runs["resumed"]["bits_equal"] and runs["resumed"]["log_rows_equal"], runs["resumed"]
     assert not (earlier / "ablation.json").exists() and (earlier / "notes.txt").read_text() == "the user's own"
+    assert not (earlier / "checkpoints").exists()
     trained = tmp_path / "trained"  # a training run's folder: its resume.pth is not the lab's to replace
     (trained / "details").mkdir(parents=True)
     (trained / "resume.pth").write_bytes(b"a training run's")
@@ -296,3 +300,18 @@ def test_an_interrupted_lab_shows_its_progress_as_it_goes_and_ends_its_runs_befo
     assert [pid for pid in started if process_state(pid) is not None] == []
     time.sleep(0.5)
     assert not (out / "straight.pth").exists() and not (out / "resume.pth").exists()
+
+
+def test_a_lab_refused_at_its_runs_start_keeps_an_earlier_lab_and_leaves_no_folder(default_lab, tmp_path, kjv_folder):
+    """What its runs would refuse (memory, a device) is refused before an earlier lab's files are cleared."""
+    earlier = tmp_path / "earlier"
+    shutil.copytree(default_lab, earlier)
+    before = {path: path.read_bytes() for path in earlier.rglob("*") if path.is_file()}
+    for flags in (["--batch", 100000], ["--device", "cuda"] if not torch.cuda.is_available() else ["--batch", 10**6]):
+        refused = call_cli("lab", "--data", kjv_folder, "--out", earlier, *flags)
+        assert_one_line_error(refused)
+        assert "--force" not in refused.stderr  # train's advice, which the lab does not take
+        assert {path: path.read_bytes() for path in earlier.rglob("*") if path.is_file()} == before
+    refused = call_cli("lab", "--data", kjv_folder, "--out", tmp_path / "new" / "lab", "--batch", 100000)
+    assert_one_line_error(refused, "needs about")
+    assert not (tmp_path / "new").exists()

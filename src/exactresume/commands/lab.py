@@ -21,7 +21,7 @@ from exactresume.commands.config_flags import (
 from exactresume.commands.output import add_output_flags, emit, progress_mode
 from exactresume.commands.places import DEFAULT_DATA, add_data_flag, given_path
 from exactresume.commands.train import add_process_flag
-from exactresume.commands.writer import add_writer_flags, lock_out
+from exactresume.commands.writer import add_writer_flags, first_missing, lock_out, remove_made_folder
 from exactresume.errors import UserError
 
 
@@ -67,10 +67,17 @@ def run(args: argparse.Namespace) -> int:
         ablate=args.ablate,
         nproc=args.nproc,
     )
+    made = first_missing(config.out)
     lock = lock_out("lab", config.out, args.wait_lock)  # released below; on an error, when the process ends
     lock.share_with_children()  # the lab's training processes write --out under this lock
     signal.signal(signal.SIGTERM, _as_an_interrupt)  # a scheduler's stop: the runs ended, the files left as by Ctrl-C
-    run_lab(config, progress_mode=progress_mode(args))
+    try:
+        run_lab(config, progress_mode=progress_mode(args))
+    except UserError:
+        if made is not None:  # refused before its runs wrote anything: the folders it made go
+            lock.release()
+            remove_made_folder(made)
+        raise
     lock.release()
     emit(args, summaries.lab_summary(config.out), summaries.render_lab)
     return 0

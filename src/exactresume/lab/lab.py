@@ -39,7 +39,10 @@ from exactresume.store.contents import resume_size_breakdown
 from exactresume.store.lock import held_lock_env
 from exactresume.store.resume import read_resume_file
 from exactresume.store.weights import read_weights, save_weights
+from exactresume.training.device import training_device
 from exactresume.training.inference import convert, max_logit_difference
+from exactresume.training.job import TrainJob
+from exactresume.training.plan import plan_job
 
 DETAILS = "details"  # logs the report needs beyond the files the lab text names
 DIVERGENCE_RUNS = ("noopt", "noskip")  # also step a fully restored twin and log the distance per step
@@ -51,6 +54,7 @@ LAB_OUTPUTS = (
     *(f"{run}.pth" for run in ("straight", "resume", "resumed", "noopt", "noskip", "straight_fp16")),
     *("straight_log.csv", "resumed_log.csv", "fp16.json", "optim.json", "compare.json", "report.md"),
     *("ablation", "ablation.json", "ablation.md", DETAILS),
+    "checkpoints",  # what its runs saved when a Ctrl-C reached them (no lab run saves otherwise)
 )
 
 
@@ -218,6 +222,16 @@ def _run_training(config: LabConfig, progress_mode: str, log) -> dict[str, float
     return {name: timings[name] for name, _ in runs}  # in the steps' order
 
 
+def _check_the_runs_can_start(config: LabConfig) -> None:
+    """What its training runs would refuse at their start: a run that cannot fit this machine's memory or
+    disk (the longest run's plan), a device it does not have."""
+    try:
+        plan_job(TrainJob(config.train, config.data, config.out, processes=config.nproc))
+    except UserError as error:  # train's own advice less --force, which the lab does not take
+        raise UserError(str(error).removesuffix(" (--force to start anyway)")) from None
+    training_device(config.train)
+
+
 def _clear_an_earlier_lab(out: Path) -> None:
     """A lab run again into its folder remakes it whole; files of the lab's names that no lab made (no run
     record beside them: a training run's resume.pth, say) are refused, not written over."""
@@ -306,6 +320,7 @@ def run_lab(config: LabConfig, log=print, progress_mode: str = "lines") -> dict:
     `progress_mode` (bar, lines or none) is passed to each training process; none also silences `log`.
     """
     log = log if progress_mode != "none" else (lambda message: None)
+    _check_the_runs_can_start(config)  # before an earlier lab's files are cleared: a refusal loses none
     _clear_an_earlier_lab(config.out)
     ensure_writable_folder(config.out / DETAILS)
     write_json(config.out / DETAILS / RUN_RECORD, run_record(config))
