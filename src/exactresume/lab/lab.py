@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from exactresume.atomic import ensure_writable_folder, write_json
-from exactresume.config import TrainConfig, check_stop_at
+from exactresume.config import TrainConfig
 from exactresume.core.compare import identical, largest, loss_differences, repeated_batches, weight_distance
 from exactresume.core.data import ensure_data
 from exactresume.core.steplog import read_loss_log, read_samples
@@ -33,7 +33,6 @@ from exactresume.errors import UserError
 from exactresume.forkserver.client import Run
 from exactresume.lab.record import RUN_RECORD, run_record
 from exactresume.lab.runs import spawn_cli, start_runs_server
-from exactresume.parallel.split import check_split
 from exactresume.progress import ByteProgress
 from exactresume.store.contents import resume_size_breakdown
 from exactresume.store.lock import held_lock_env
@@ -69,12 +68,14 @@ class LabConfig:
     nproc: int = 1  # processes of each training run (torchrun, DDP)
 
     def __post_init__(self) -> None:
-        check_stop_at(self.stop_at, self.train.steps)
-        if os.path.realpath(self.out) == os.path.realpath(self.data):
-            raise UserError(f"--out {self.out} is the --data folder: give the lab a folder of its own")
-        check_split(self.train.batch, self.nproc, self.train.grad_accum, self.train.micro_batch)
+        self.stopped_job()  # what `exactresume train` checks of the lab's runs, checked once, by it
         if self.train.shard != "none":  # its runs resume from one resume.pth; FSDP2 writes a DCP folder
             raise UserError("the lab runs without --shard fsdp (exactresume train takes it)")
+
+    def stopped_job(self) -> TrainJob:
+        """Step 2, the run stopped with a resume file, as `exactresume train` takes it (its stop, its
+        processes' split of the batch, its folders apart)."""
+        return TrainJob(self.train, self.data, self.out, stop_at=self.stop_at, processes=self.nproc)
 
 
 def _train_flags(config: LabConfig) -> list[str]:
@@ -224,9 +225,9 @@ def _run_training(config: LabConfig, progress_mode: str, log) -> dict[str, float
 
 def _check_the_runs_can_start(config: LabConfig) -> None:
     """What its training runs would refuse at their start: a run that cannot fit this machine's memory or
-    disk (the longest run's plan), a device it does not have."""
+    disk (their plan, which their steps do not change), a device it does not have."""
     try:
-        plan_job(TrainJob(config.train, config.data, config.out, processes=config.nproc))
+        plan_job(config.stopped_job())
     except UserError as error:  # train's own advice less --force, which the lab does not take
         raise UserError(str(error).removesuffix(" (--force to start anyway)")) from None
     training_device(config.train)
