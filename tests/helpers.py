@@ -87,12 +87,13 @@ def spawn_cli(*args: object, env: dict[str, str] | None = None) -> forkserver.Ru
         return runs.spawn_cli(list(args), env=env)
 
 
-def printed(process: forkserver.Run, needle: str, timeout: float = 120) -> str:
-    """Wait until `process` has written `needle` to its stderr (or ended, or `timeout` passed): its stderr."""
+def printed(process: forkserver.Run, needle: str, timeout: float = 120, stream: int = 1) -> str:
+    """Wait until `process` has written `needle` to its stderr (`stream` 0: its stdout), or ended, or
+    `timeout` passed: what it wrote there."""
     deadline = time.monotonic() + timeout
-    while needle not in (stderr := process.output()[1]) and process.poll() is None and time.monotonic() < deadline:
+    while needle not in (said := process.output()[stream]) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    return stderr
+    return said
 
 
 # No test downloads a model or a dataset: set for the whole session (conftest.py) before any process or

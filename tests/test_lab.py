@@ -27,6 +27,7 @@ from helpers import (
     call_cli,
     descendants,
     one_torch_thread,
+    printed,
     process_state,
     run_cli,
     spawn_cli,
@@ -290,10 +291,8 @@ def test_an_interrupted_lab_shows_its_progress_as_it_goes_and_ends_its_runs_befo
     out = tmp_path / "lab"
     flags = ["--steps", 4000, "--stop-at", 2000, "--preset", "tiny", "--batch", 2, "--seq-len", 16]
     lab = spawn_cli("lab", "--data", kjv_folder, "--out", out, *flags)
-    deadline = time.monotonic() + 60
-    while "[1/8] straight: step 1/4000" not in lab.output()[0] and lab.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "[1/8] straight: step 1/4000" in lab.output()[0], lab.output()  # shown while its run goes on
+    shown = printed(lab, "[1/8] straight: step 1/4000", timeout=60, stream=0)
+    assert "[1/8] straight: step 1/4000" in shown, lab.output()  # shown while its run goes on
     started = descendants(lab.pid)  # its fork server, and the straight and stop runs
     lab.send_signal(stop)
     assert lab.wait(60) == 130 and "exactresume lab: interrupted" in lab.output()[1], lab.output()
