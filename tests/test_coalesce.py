@@ -1,13 +1,16 @@
 """A checkpoint every step in the background (`--save-every 1 --async-save`): a save asked for while
-the one before is still being written is skipped and counted, never queued."""
+the one before is still being written is skipped and counted, never queued; one that is only reading
+its published file back and pruning does not skip the next, which commits after it."""
 
 from __future__ import annotations
 
+import errno
 import threading
 
 import pytest
 import torch
 
+from exactresume.errors import StorageError
 from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP
 from exactresume.store.numbered import CheckpointStore
 from helpers import SMALL, train_cli
@@ -39,3 +42,59 @@ def test_every_step_with_async_save_ends_with_the_final_checkpoint(tmp_path, kjv
     assert steps[-1] == 8 and len(steps) <= 3  # the newest three of those written (--keep 3)
     skipped = [line for line in finished.stdout.splitlines() if "skipped" in line]
     assert len(skipped) <= 1
+
+
+def _held_at_the_read_back(store: CheckpointStore, failure: OSError | None = None):
+    """Hold the store's first save at its read-back (after its file is published) until the returned
+    event is set, then let it go on, or fail there with `failure`; the stages reached, in order, are listed."""
+    reading, release, stages = threading.Event(), threading.Event(), []
+    reached = store.faults.reached
+
+    def held(stage: str) -> None:
+        stages.append(stage)
+        if stage == "verify" and not reading.is_set():
+            reading.set()
+            release.wait(10)
+            if failure is not None:
+                raise failure
+        reached(stage)
+
+    store.faults.reached = held
+    return reading, release, stages
+
+
+@pytest.mark.parametrize("mode", [BEFORE_RETURN, DURING_NEXT_STEP])
+def test_a_save_still_reading_its_file_back_does_not_skip_the_next_which_commits_after_it(tmp_path, mode):
+    store = CheckpointStore(tmp_path / "checkpoints", keep=1, background=True, copy=mode)
+    reading, release, stages = _held_at_the_read_back(store)
+    parts = {"model": torch.nn.Linear(4, 4)}
+    store.save(1, parts, coalesce=True)
+    store.wait_for_copy()  # the loop's optimizer step: the first save may be published
+    assert reading.wait(10)
+    assert store.save(2, parts, coalesce=True) == store.path_for(2) and store.coalesced == 0
+    release.set()
+    store.wait()
+    assert [checkpoint.step for checkpoint in store.checkpoints()] == [2]  # the first pruned once the second was in
+    one_save = ["write", "fsync", "rename", "folder-fsync", "verify", "retention"]
+    assert stages == ["snapshot", *one_save[:5], "snapshot", *one_save[5:], *one_save]  # the second after the first
+    store.close()
+
+
+def test_a_save_that_fails_at_its_read_back_drops_the_save_asked_for_meanwhile_and_is_raised_next(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints", background=True, copy=DURING_NEXT_STEP)
+    failure = OSError(errno.EIO, "the disk returned other bytes")
+    reading, release, _ = _held_at_the_read_back(store, failure)
+    parts = {"model": torch.nn.Linear(4, 4)}
+    store.save(1, parts)
+    store.wait_for_copy()
+    assert reading.wait(10)
+    store.save(2, parts)  # accepted: the first has not failed yet
+    release.set()
+    with pytest.raises(StorageError, match="checkpoint at step 1") as raised:
+        store.wait_for_copy()  # the loop's next optimizer step: the second is not written
+    assert raised.value.__cause__ is failure
+    assert store.checkpoints() == [] and not list((tmp_path / "checkpoints").glob("*.tmp"))
+    store.save(3, parts)  # the store goes on
+    store.wait()
+    assert [checkpoint.step for checkpoint in store.checkpoints()] == [3]
+    store.close()

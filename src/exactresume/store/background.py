@@ -25,9 +25,11 @@ A store given `background=True` hands its saves to a BackgroundWriter, this modu
 Either way the file is byte for byte what `store.save` would have written, and the thread runs the
 store's own stages (`CheckpointStore.commit`: write, fsync, rename, folder fsync, verify, retention)
 in the same order, so old checkpoints are still deleted only after the new one is durable and reads
-back verified, and a kill at any moment leaves what a kill of a synchronous save leaves. At most one
-save is in flight: `save` first waits for the previous one and reuses its staging memory (the copy
-is kept between saves, so a background-saving run holds one extra copy of its state).
+back verified, and a kill at any moment leaves what a kill of a synchronous save leaves. One save
+is written at a time: `save` first waits for the previous one's file to be written and reuses its
+staging memory (the copy is kept between saves, so a background-saving run holds one extra copy of
+its state); what is left of that one (its rename, read-back and pruning) is not waited for there,
+and the new save's writer commits only once it has ended, so saves commit in their order.
 
 A failure in the background is raised by the store's next `save`, `wait`, `close` or `load` (or the
 optimizer step that waits for the copy) as itself when it is a UserError, as the store's one-line
@@ -37,8 +39,8 @@ was left to raise it (a script that ends without `close`), it is said on stderr 
 `blocked_seconds` adds up the time the caller spent waiting in `save` and for the copy.
 
 `store.save(..., coalesce=True)` (`train --save-every 1 --async-save`) does not wait when the previous
-save is still being written (`busy()`): the store skips that one and counts it, so a disk slower than
-one checkpoint per step costs checkpoints, not training time. Nothing is queued; the next save after
+save's file is still being written (`busy()`): the store skips that one and counts it, so a disk slower
+than one checkpoint per step costs checkpoints, not training time. Nothing is queued; the next save after
 the write ends takes the state of its own step.
 """
 
@@ -161,18 +163,19 @@ class BackgroundWriter:
         self.blocked_seconds = 0.0
         self._writer: threading.Thread | None = None
         self._guard: CopyGuard | None = None  # the copy in flight, with copy="during-next-step"
+        self._handed_over: threading.Event | None = None  # set once the save in flight's file is written (or it failed)
         self._failure: BaseException | None = None
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
         _WRITERS.add(self)
 
     def busy(self) -> bool:
-        """Whether a save is still being copied or written."""
-        return self._writer is not None and self._writer.is_alive()
+        """Whether a save is still being copied or written (its file not yet ready to be published)."""
+        return self._handed_over is not None and not self._handed_over.is_set()
 
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
-        """Wait for the previous save, start this one; the path the checkpoint will have."""
+        """Wait for the previous save's file to be written, start this one; the path the checkpoint will have."""
         started = time.perf_counter()
-        self.wait()
+        self._wait_for_hand_over()
         step = self.store.check_save(step)
         try:  # here, not in the writer: another store of the folder is refused at its own call, not this save
             self.store.hold_lock()
@@ -188,8 +191,10 @@ class BackgroundWriter:
             state = rebuilt(state, lambda tensor: tensor)
             self._guard = CopyGuard(step, state)
             self._hook_optimizers(parts)
+        before, self._handed_over = self._writer, threading.Event()
         # Not a daemon: an exiting interpreter lets a started save finish rather than cut it off.
-        self._writer = thread_in_this_context(self._write, (step, state, self._guard), f"checkpoint-{step}")
+        work = (step, state, self._guard, before, self._handed_over)
+        self._writer = thread_in_this_context(self._write, work, f"checkpoint-{step}")
         self._writer.start()
         self.blocked_seconds += time.perf_counter() - started
         return self.store.path_for(step)
@@ -206,6 +211,18 @@ class BackgroundWriter:
         self.blocked_seconds += time.perf_counter() - started
         if not guard.passed():
             self.wait()  # the writer ends without writing; its error is raised here
+
+    def _wait_for_hand_over(self) -> None:
+        """Block until the save in flight has written its file and may be published: the staging memory is
+        free. What is left of it (the rename, the read-back, pruning) goes on while the loop does; the next
+        save's writer waits for it. A save that failed, or one that ended, is waited for whole (its error raised)."""
+        if self._guard is not None:  # the writer waits for this thread's decision
+            self._guard.copied.wait()
+            self._guard.decide()
+        if self._handed_over is not None:
+            self._handed_over.wait()
+        if self._failure is not None or (self._writer is not None and not self._writer.is_alive()):
+            self.wait()
 
     def wait(self) -> None:
         """Block until no save is in flight; raise the error of the last one if it failed."""
@@ -237,20 +254,41 @@ class BackgroundWriter:
                 hook = lambda optimizer, args, kwargs: self.wait_for_copy()
                 self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(hook)
 
-    def _write(self, step: int, state: dict, guard: CopyGuard | None) -> None:
+    def _write(
+        self,
+        step: int,
+        state: dict,
+        guard: CopyGuard | None,
+        before: threading.Thread | None,
+        handed_over: threading.Event,
+    ) -> None:
         # Hand the interpreter lock back at once: a new thread otherwise keeps it while it runs Python,
         # and `save` (waiting in Thread.start) would return only after tens of milliseconds.
         time.sleep(0)
         try:
-            if guard is None:
-                self.store.commit(step, state)
-            else:  # written while the loop decides; published only once it has (copy_guard.py)
-                self.store.commit(step, self._copy_guarded(state, guard), before_publish=guard.confirm)
-            self.store.reached(step)  # as a synchronous save records it
+            if before is not None:
+                before.join()  # the save before may still read its file back and prune: saves commit in order
+            if self._failure is None:
+                self._commit(step, state, guard, handed_over)
+            elif guard is not None:  # the save before failed there: this one is not written, its error raised next
+                guard.refuse()
+                guard.copied.set()
         except OSError as error:
             self._failure = self.store.storage_error(step, error)
         except BaseException as error:  # a UserError as it is; anything else is a bug: its own traceback
             self._failure = error
+        finally:
+            handed_over.set()
+
+    def _commit(self, step: int, state: dict, guard: CopyGuard | None, handed_over: threading.Event) -> None:
+        def publish() -> None:
+            if guard is not None:
+                guard.confirm()  # written while the loop decides; published only once it has (copy_guard.py)
+            handed_over.set()  # the staging memory is free: the next save may start
+
+        staged = state if guard is None else self._copy_guarded(state, guard)
+        self.store.commit(step, staged, before_publish=publish)
+        self.store.reached(step)  # as a synchronous save records it
 
     def _copy_guarded(self, state: dict, guard: CopyGuard) -> dict:
         try:
