@@ -301,6 +301,12 @@ def test_an_interrupted_lab_shows_its_progress_as_it_goes_and_ends_its_runs_befo
     assert not (out / "straight.pth").exists() and not (out / "resume.pth").exists()
 
 
+def test_a_run_the_lab_starts_that_refuses_is_told_in_the_labs_one_line_naming_the_step(tmp_path, kjv_folder):
+    finished = run_cli("lab", "--data", kjv_folder, "--out", tmp_path / "lab", env={"EXACTRESUME_FAULT": "nowhere"})
+    assert_one_line_error(finished, "exactresume lab: error: lab step straight: EXACTRESUME_FAULT: unknown stage")
+    assert "train: error" not in finished.stderr  # the run's own prefix is not repeated inside the lab's
+
+
 def test_a_lab_refused_at_its_runs_start_keeps_an_earlier_lab_and_leaves_no_folder(default_lab, tmp_path, kjv_folder):
     """What its runs would refuse (memory, a device) is refused before an earlier lab's files are cleared."""
     earlier = tmp_path / "earlier"

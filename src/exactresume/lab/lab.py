@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -44,6 +45,7 @@ from exactresume.training.job import TrainJob
 from exactresume.training.plan import plan_job
 
 DETAILS = "details"  # logs the report needs beyond the files the lab text names
+RUN_ERROR_PREFIX = re.compile(r"^exactresume [\w-]+: error: ")  # a run's own line begins so; the lab's says it once
 DIVERGENCE_RUNS = ("noopt", "noskip")  # also step a fully restored twin and log the distance per step
 RUN_GROUPS = (("straight", "stop"), ("resumed", "noopt", "noskip"))  # a group's runs need nothing of each other
 FOLLOW_S = 0.5  # how often the run being shown is looked at for new progress
@@ -169,7 +171,7 @@ def _check_ended(name: str, run: Run) -> None:
     stderr = run.output()[1]
     lines = stderr.strip().splitlines() or [f"exit code {run.returncode}"]
     if run.returncode == 2:
-        raise UserError(f"lab step {name}: {lines[-1]}")
+        raise UserError(f"lab step {name}: {RUN_ERROR_PREFIX.sub('', lines[-1])}")
     raise RuntimeError(f"lab step {name} failed:\n{stderr}")
 
 
