@@ -396,7 +396,7 @@ def test_a_failed_background_save_is_one_storage_error_line_and_the_previous_che
 
 
 def test_a_bug_in_the_background_keeps_its_type_and_traceback(tmp_path):
-    def commit(step, state, before_publish=None):
+    def commit(step, state, **publishing):
         raise KeyError("a bug")
 
     store = CheckpointStore(tmp_path / "checkpoints", background=True)

@@ -26,10 +26,11 @@ Either way the file is byte for byte what `store.save` would have written, and t
 store's own stages (`CheckpointStore.commit`: write, fsync, rename, folder fsync, verify, retention)
 in the same order, so old checkpoints are still deleted only after the new one is durable and reads
 back verified, and a kill at any moment leaves what a kill of a synchronous save leaves. One save
-is written at a time: `save` first waits for the previous one's file to be written and reuses its
-staging memory (the copy is kept between saves, so a background-saving run holds one extra copy of
-its state); what is left of that one (its rename, read-back and pruning) is not waited for there,
-and the new save's writer commits only once it has ended, so saves commit in their order.
+is written at a time: `save` first waits for the previous one to be published (durable at its name)
+and reuses its staging memory (the copy is kept between saves, so a background-saving run holds one
+extra copy of its state); what is left of that one, its read-back and pruning, is not waited for
+there: the new save is copied and written meanwhile, and renamed into place only once that one has
+ended, so saves are published, verified and pruned in their order.
 
 A failure in the background is raised by the store's next `save`, `wait`, `close` or `load` (or the
 optimizer step that waits for the copy) as itself when it is a UserError, as the store's one-line
@@ -47,10 +48,12 @@ the write ends takes the state of its own step.
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -67,6 +70,24 @@ if TYPE_CHECKING:
     from exactresume.store.faults import FaultPoints
 
 BEFORE_RETURN, DURING_NEXT_STEP = "before-return", "during-next-step"  # a background store's `copy`
+
+
+@dataclass
+class _Milestones:
+    """How far a background save has got: its file written (its staging memory free, `busy()` no more),
+    and published (durable at its name: the next save may begin)."""
+
+    written: threading.Event = field(default_factory=threading.Event)
+    published: threading.Event = field(default_factory=threading.Event)
+
+    def reached_all(self) -> None:
+        """The save ended, written or not: nothing waits for it any more."""
+        self.written.set()
+        self.published.set()
+
+
+class _AfterAFailure(Exception):
+    """A save not published because the one before it failed (that failure is what is raised)."""
 
 
 class StagingMemory:
@@ -142,7 +163,13 @@ class Stages(Protocol):
     def check_save(self, step: Any) -> int: ...
     def hold_lock(self) -> None: ...
     def reached(self, step: int) -> None: ...
-    def commit(self, step: int, state: dict, before_publish: Callable[[], None] | None = None) -> Any: ...
+    def commit(
+        self,
+        step: int,
+        state: dict,
+        before_publish: Callable[[], None] | None = None,
+        after_publish: Callable[[], None] | None = None,
+    ) -> Any: ...
     def path_for(self, step: int) -> Any: ...
     def storage_error(self, step: int, error: OSError) -> StorageError: ...
 
@@ -163,19 +190,19 @@ class BackgroundWriter:
         self.blocked_seconds = 0.0
         self._writer: threading.Thread | None = None
         self._guard: CopyGuard | None = None  # the copy in flight, with copy="during-next-step"
-        self._handed_over: threading.Event | None = None  # set once the save in flight's file is written (or it failed)
+        self._milestones: _Milestones | None = None  # how far the save in flight has got
         self._failure: BaseException | None = None
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
         _WRITERS.add(self)
 
     def busy(self) -> bool:
         """Whether a save is still being copied or written (its file not yet ready to be published)."""
-        return self._handed_over is not None and not self._handed_over.is_set()
+        return self._milestones is not None and not self._milestones.written.is_set()
 
     def save(self, step: int, parts: Mapping[str, Stateful]) -> Path:
-        """Wait for the previous save's file to be written, start this one; the path the checkpoint will have."""
+        """Wait for the previous save to be published, start this one; the path the checkpoint will have."""
         started = time.perf_counter()
-        self._wait_for_hand_over()
+        self._wait_for_publication()
         step = self.store.check_save(step)
         try:  # here, not in the writer: another store of the folder is refused at its own call, not this save
             self.store.hold_lock()
@@ -191,9 +218,9 @@ class BackgroundWriter:
             state = rebuilt(state, lambda tensor: tensor)
             self._guard = CopyGuard(step, state)
             self._hook_optimizers(parts)
-        before, self._handed_over = self._writer, threading.Event()
+        before, self._milestones = self._writer, _Milestones()
         # Not a daemon: an exiting interpreter lets a started save finish rather than cut it off.
-        work = (step, state, self._guard, before, self._handed_over)
+        work = (step, state, self._guard, before, self._milestones)
         self._writer = thread_in_this_context(self._write, work, f"checkpoint-{step}")
         self._writer.start()
         self.blocked_seconds += time.perf_counter() - started
@@ -212,15 +239,15 @@ class BackgroundWriter:
         if not guard.passed():
             self.wait()  # the writer ends without writing; its error is raised here
 
-    def _wait_for_hand_over(self) -> None:
-        """Block until the save in flight has written its file and may be published: the staging memory is
-        free. What is left of it (the rename, the read-back, pruning) goes on while the loop does; the next
-        save's writer waits for it. A save that failed, or one that ended, is waited for whole (its error raised)."""
+    def _wait_for_publication(self) -> None:
+        """Block until the save in flight is durable at its name (its staging memory free). What is left of it,
+        its read-back and pruning, goes on while the loop does: the next save is written meanwhile and
+        published after it. A save that failed, or one that ended, is waited for whole (its error raised)."""
         if self._guard is not None:  # the writer waits for this thread's decision
             self._guard.copied.wait()
             self._guard.decide()
-        if self._handed_over is not None:
-            self._handed_over.wait()
+        if self._milestones is not None:
+            self._milestones.published.wait()
         if self._failure is not None or (self._writer is not None and not self._writer.is_alive()):
             self.wait()
 
@@ -260,35 +287,39 @@ class BackgroundWriter:
         state: dict,
         guard: CopyGuard | None,
         before: threading.Thread | None,
-        handed_over: threading.Event,
+        milestones: _Milestones,
     ) -> None:
         # Hand the interpreter lock back at once: a new thread otherwise keeps it while it runs Python,
         # and `save` (waiting in Thread.start) would return only after tens of milliseconds.
         time.sleep(0)
         try:
-            if before is not None:
-                before.join()  # the save before may still read its file back and prune: saves commit in order
-            if self._failure is None:
-                self._commit(step, state, guard, handed_over)
-            elif guard is not None:  # the save before failed there: this one is not written, its error raised next
-                guard.refuse()
-                guard.copied.set()
+            staged = state if guard is None else self._copy_guarded(state, guard)
+            ready = functools.partial(self._ready_to_publish, guard, before, milestones)
+            self.store.commit(step, staged, before_publish=ready, after_publish=milestones.published.set)
+            self.store.reached(step)  # as a synchronous save records it
+        except _AfterAFailure:
+            pass  # the save before failed: this one is not published, and that failure is raised next
         except OSError as error:
             self._failure = self.store.storage_error(step, error)
         except BaseException as error:  # a UserError as it is; anything else is a bug: its own traceback
             self._failure = error
         finally:
-            handed_over.set()
+            if before is not None:
+                before.join()  # no writer outlives the one a `wait` joins
+            milestones.reached_all()
 
-    def _commit(self, step: int, state: dict, guard: CopyGuard | None, handed_over: threading.Event) -> None:
-        def publish() -> None:
-            if guard is not None:
-                guard.confirm()  # written while the loop decides; published only once it has (copy_guard.py)
-            handed_over.set()  # the staging memory is free: the next save may start
-
-        staged = state if guard is None else self._copy_guarded(state, guard)
-        self.store.commit(step, staged, before_publish=publish)
-        self.store.reached(step)  # as a synchronous save records it
+    def _ready_to_publish(
+        self, guard: CopyGuard | None, before: threading.Thread | None, milestones: _Milestones
+    ) -> None:
+        """Just before the file is renamed into place: the loop's decision on the copy (copy_guard.py), then
+        the save before ended (saves are published in their order), and not failed."""
+        if guard is not None:
+            guard.confirm()
+        milestones.written.set()  # the staging memory is the next save's: no save asked for from now is skipped
+        if before is not None:
+            before.join()
+        if self._failure is not None:
+            raise _AfterAFailure
 
     def _copy_guarded(self, state: dict, guard: CopyGuard) -> dict:
         try:

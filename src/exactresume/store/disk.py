@@ -33,6 +33,7 @@ from exactresume.store.faults import FaultPoints
 from exactresume.store.layout import UNREADABLE_SUFFIX, Layout, check_checkpoint, is_set_aside
 from exactresume.store.locations import Checkpoint
 from exactresume.store.lock import FolderLock
+from exactresume.store.place import Publishing
 from exactresume.store.resume import tensors_in
 from exactresume.store.seal_hash import SealError
 from exactresume.store.sealed import Written, load_sealed, verify, write_sealed
@@ -140,11 +141,9 @@ class DiskFolder:
             fsync_path(self.folder)
             self.notify(f"set aside {checkpoint.path} as {aside.name} before saving its step again ({error})")
 
-    def write_file(
-        self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, before_publish: Callable[[], None] | None
-    ) -> None:
+    def write_file(self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, publishing: Publishing) -> None:
         """The one-file checkpoint written, durable and verified (module docstring), once `prepare`d."""
-        write_verified(checkpoint.path, state, faults, before_publish)
+        write_verified(checkpoint.path, state, faults, publishing)
 
     def write_sharded(
         self,
@@ -201,17 +200,18 @@ class DiskFolder:
 
 
 def write_verified(
-    path: Path, state: dict, faults: FaultPoints | None = None, before_publish: Callable[[], None] | None = None
+    path: Path, state: dict, faults: FaultPoints | None = None, publishing: Publishing | None = None
 ) -> None:
     """Write `state` sealed at `path` (serialize + checksum -> fsync -> rename -> folder fsync), then read it
     back: on any failure no new file remains, and what was at `path` before is left as it was until the
-    rename. `before_publish()` runs just before the rename; if it raises, nothing is published."""
-    faults = faults or FaultPoints()
+    rename. `publishing` is told just before the rename (if it raises, nothing is published) and once the
+    file is durable at `path`, before it is read back."""
+    faults, publishing = faults or FaultPoints(), publishing or Publishing()
     reached: list[str] = []
 
     def stage(name: str) -> None:
-        if name == "rename" and before_publish is not None:
-            before_publish()
+        if name == "rename":
+            publishing.ready()
         reached.append(name)
         faults.reached(name)
 
@@ -226,6 +226,7 @@ def write_verified(
         if "folder-fsync" in reached:
             _remove_quietly(path)  # a rename we could not make durable is not a checkpoint
         raise
+    publishing.done()
     _verify_written(path, faults, sealed[0])
 
 

@@ -6,6 +6,7 @@ layout (layout.py) its own way; the store (numbered.py) decides when.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from exactresume.store.faults import FaultPoints
@@ -15,6 +16,24 @@ from exactresume.world import World
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
+
+
+@dataclass(frozen=True)
+class Publishing:
+    """What a save's caller is told around the moment its file is published (background.py): `before()`
+    just before (if it raises, nothing is published), `after()` once it is durable at its name, before it
+    is read back and the older ones pruned."""
+
+    before: Callable[[], None] | None = None
+    after: Callable[[], None] | None = None
+
+    def ready(self) -> None:
+        if self.before is not None:
+            self.before()
+
+    def done(self) -> None:
+        if self.after is not None:
+            self.after()
 
 
 class Place(Protocol):
@@ -31,9 +50,7 @@ class Place(Protocol):
     def remove_leftovers(self, layout: Layout) -> list[Location]: ...
     def unwritable(self, error: OSError) -> str | None: ...
     def prepare(self, checkpoint: Checkpoint, layout: Layout, not_ours: bool = False) -> None: ...
-    def write_file(
-        self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, before_publish: Callable[[], None] | None
-    ) -> None: ...
+    def write_file(self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, publishing: Publishing) -> None: ...
     def write_copy(self, checkpoint: Checkpoint, source: BinaryIO) -> None: ...
     def write_sharded(
         self,

@@ -28,6 +28,7 @@ from exactresume.errors import CheckpointError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.layout import COMMIT, UNREADABLE_SUFFIX, Layout, is_set_aside
 from exactresume.store.locations import Checkpoint, S3Location
+from exactresume.store.place import Publishing
 from exactresume.store.s3.client import ObjectStore
 from exactresume.store.s3.commit import COMMIT_SUFFIX
 from exactresume.store.s3.files import load_committed, publish_file, publish_sealed
@@ -132,19 +133,18 @@ class S3Prefix:
             f"set aside {checkpoint.path} as {aside} before saving its step again (the load before passed it over)"
         )
 
-    def write_file(
-        self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, before_publish: Callable[[], None] | None
-    ) -> None:
-        """The one-file checkpoint uploaded, verified and committed; `before_publish()` runs before the old
-        commit is deleted and the object completed (background.py says why); once `prepare`d."""
+    def write_file(self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, publishing: Publishing) -> None:
+        """The one-file checkpoint uploaded, verified and committed; `publishing` is told before the old commit
+        is deleted and the object completed, and once the new commit is written (background.py says why);
+        once `prepare`d."""
         lease = self.lease
 
         def publish() -> None:
             lease.check()
-            if before_publish is not None:
-                before_publish()
+            publishing.ready()
 
         publish_sealed(self.objects, checkpoint.path, state, faults.reached, publish)
+        publishing.done()
         lease.check()
 
     def write_sharded(
