@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from exactresume.errors import StorageError
+from exactresume.errors import CheckpointError, StorageError
 from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP
 from exactresume.store.numbered import CheckpointStore
 from helpers import SMALL, train_cli
@@ -106,4 +106,22 @@ def test_a_save_that_fails_at_its_read_back_drops_the_save_asked_for_meanwhile_a
     store.save(3, parts)  # the store goes on
     store.wait()
     assert [checkpoint.step for checkpoint in store.checkpoints()] == [3]
+    store.close()
+
+
+@pytest.mark.parametrize("mode", [BEFORE_RETURN, DURING_NEXT_STEP])
+def test_a_save_still_reading_its_file_back_is_the_stores_own_as_a_synchronous_save_is(tmp_path, mode):
+    store = CheckpointStore(tmp_path / "checkpoints", keep=None, background=True, copy=mode)
+    reading, release, _ = _held_at_the_read_back(store)
+    parts = {"model": torch.nn.Linear(4, 4)}
+    store.save(2, parts)
+    store.wait_for_copy()
+    assert reading.wait(10)
+    with pytest.raises(CheckpointError, match="a later step of this run than the 1 being saved"):  # not another run's
+        store.save(1, parts)
+    assert store.save(2, parts) == store.path_for(2)  # the same step again: written over, not refused as not loaded
+    release.set()
+    store.save(3, parts)
+    store.wait()
+    assert [checkpoint.step for checkpoint in store.checkpoints()] == [2, 3]
     store.close()

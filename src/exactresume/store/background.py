@@ -295,8 +295,8 @@ class BackgroundWriter:
         try:
             staged = state if guard is None else self._copy_guarded(state, guard)
             ready = functools.partial(self._ready_to_publish, guard, before, milestones)
-            self.store.commit(step, staged, before_publish=ready, after_publish=milestones.published.set)
-            self.store.reached(step)  # as a synchronous save records it
+            published = functools.partial(self._published, step, milestones)
+            self.store.commit(step, staged, before_publish=ready, after_publish=published)
         except _AfterAFailure:
             pass  # the save before failed: this one is not published, and that failure is raised next
         except OSError as error:
@@ -320,6 +320,12 @@ class BackgroundWriter:
             before.join()
         if self._failure is not None:
             raise _AfterAFailure
+
+    def _published(self, step: int, milestones: _Milestones) -> None:
+        """The file is durable at its name: the store's own from now on, as a synchronous save's once it
+        returns, before the loop may save again (a save at the same step writes over it, not beside another run's)."""
+        self.store.reached(step)
+        milestones.published.set()
 
     def _copy_guarded(self, state: dict, guard: CopyGuard) -> dict:
         try:
