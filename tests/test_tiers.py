@@ -11,6 +11,7 @@ import random
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -69,6 +70,32 @@ def test_every_save_lands_locally_and_every_nth_step_is_copied_durable_byte_for_
     local, durable = (tmp_path / tier / checkpoint_name(6) for tier in ("local", "durable"))
     assert local.read_bytes() == durable.read_bytes()  # the local file's verified bytes, not a second torch.save
     assert torch.load(durable, weights_only=True)["checkpoint_step"] == 6  # a plain torch file
+
+
+def test_one_checkpoint_of_every_stretch_of_n_steps_goes_durable_whichever_steps_are_saved(tmp_path):
+    parts, store = loop(), tiered(tmp_path, keep=None, durable_every=5)
+    for number in range(2, 17, 2):  # every second step, as --save-every 2 saves: no multiple of 5 but 10
+        step(parts, number)
+        store.save(number, parts)
+        store.wait()
+    store.release()
+    assert names(tmp_path / "durable") == [checkpoint_name(n) for n in (6, 10, 16)]  # the first of 5-9, 10-14, 15-19
+
+
+def test_a_step_due_while_a_copy_is_going_up_is_made_up_by_the_next_of_its_stretch(tmp_path):
+    parts, store, uploading = loop(), tiered(tmp_path, keep=None, durable_every=5), threading.Event()
+    write_copy = store.durable.durable.write_copy
+    store.durable.durable.write_copy = lambda *args: (uploading.wait(10), write_copy(*args))  # a slow durable tier
+    for number in range(5, 12):
+        if number == 11:
+            uploading.set()
+            store.durable.wait()  # the copy of 5 is in
+        step(parts, number)
+        store.save(number, parts)
+    store.durable.wait()
+    store.release()  # killed here: no close copies the newest step
+    assert store.durable.skipped == 1  # 10, while 5 was going up
+    assert names(tmp_path / "durable") == [checkpoint_name(5), checkpoint_name(11)]
 
 
 def test_close_copies_the_newest_local_step_durable_when_it_was_not_due(tmp_path):

@@ -3,13 +3,15 @@
     store = CheckpointStore("s3://bucket/run", local="/dev/shm/run", durable_every=50)
     store.save(step, parts)   # /dev/shm/run/step-….pth at every call; s3://bucket/run/step-….pth every 50th step
 
-A save lands in the local tier as any save does (written, verified, the newest `keep` kept). A step
-that is a multiple of `durable_every` is then copied to the durable tier from the local file's
-verified bytes, in a thread of its own, never serialised twice: the loop goes on while it uploads.
+A save lands in the local tier as any save does (written, verified, the newest `keep` kept). The first
+checkpoint of each stretch of `durable_every` steps (steps k·N to (k+1)·N - 1: the multiple itself when
+it is saved, else the next one saved, where saves skip it or are not that frequent) is then copied to
+the durable tier from the local file's verified bytes, in a thread of its own, never serialised twice:
+the loop goes on while it uploads.
 The file is opened when it is handed over, so the local tier's pruning cannot take it from under the
 copy. At most one copy is in flight; a step due while the one before is still being copied is left
-to the local tier (counted in `skipped`), so a slow durable tier costs durable checkpoints, never
-training time. At `close` the newest local checkpoint, due or not, is copied if the durable tier
+to the local tier (counted in `skipped`) and the next checkpoint of its stretch is copied instead, so
+a slow durable tier costs durable checkpoints, never training time. At `close` the newest local checkpoint, due or not, is copied if the durable tier
 does not hold its step yet: a run that ends (or is preempted and saves) leaves its last step durable;
 a script that leaves its store open has it done at the interpreter's exit.
 A copy that fails is raised by the store's next `save`, `wait` or `close`, as the store's one line
@@ -67,6 +69,7 @@ class DurableCopy:
         self.skipped = 0  # steps due while the copy before was in flight: left to the local tier
         self.newest: Checkpoint | None = None  # the newest local checkpoint written, and the newest copied
         self.copied: int | None = None
+        self.handed: int | None = None  # the step of the last checkpoint whose copy was started
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
 
@@ -79,7 +82,10 @@ class DurableCopy:
             self.copy(local)
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0
+        """Whether the checkpoint at `step` is the first of its stretch of `every` steps to land (one
+        copied per stretch, whichever steps are saved)."""
+        stretch = step // self.every
+        return stretch >= 1 and (self.handed is None or stretch > self.handed // self.every)
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -93,6 +99,7 @@ class DurableCopy:
         else:
             source = open(local.path, "rb")  # held open: the local tier's pruning may unlink the name
             target = Checkpoint(local.step, self.durable.folder / self.layout.name(local.step))
+            self.handed = local.step
             # Not a daemon: an exiting interpreter lets a started copy finish rather than cut it off.
             self._thread = thread_in_this_context(self._copy, (target, source), f"durable-{local.step}")
             self._thread.start()
