@@ -41,7 +41,7 @@ was left to raise it (a script that ends without `close`), it is said on stderr 
 
 `store.save(..., coalesce=True)` (`train --save-every 1 --async-save`) does not wait when the previous
 save's file is still being written (`busy()`): the store skips that one and counts it, so a disk slower
-than one checkpoint per step costs checkpoints, not training time. Nothing is queued; the next save after
+than one checkpoint per step costs checkpoints, not waits. Nothing is queued; the next save after
 the write ends takes the state of its own step.
 """
 
