@@ -7,13 +7,13 @@ A save lands in the local tier as any save does (written, verified, the newest `
 checkpoint of each stretch of `durable_every` steps (steps k·N to (k+1)·N - 1: the multiple itself when
 it is saved, else the next one saved, where saves skip it or are not that frequent) is then copied to
 the durable tier from the local file's verified bytes, in a thread of its own, never serialised twice:
-the loop goes on while it uploads.
-The file is opened when it is handed over, so the local tier's pruning cannot take it from under the
-copy. At most one copy is in flight; a step due while the one before is still being copied is left
-to the local tier (counted in `skipped`) and the next checkpoint of its stretch is copied instead, so
-a slow durable tier costs durable checkpoints, never training time. At `close` the newest local checkpoint, due or not, is copied if the durable tier
-does not hold its step yet: a run that ends (or is preempted and saves) leaves its last step durable;
-a script that leaves its store open has it done at the interpreter's exit.
+the loop goes on while it uploads. The file is opened when it is handed over, so the local tier's
+pruning cannot take it from under the copy. At most one copy is in flight; a step due while the one
+before is still being copied is left to the local tier (counted in `skipped`) and the next checkpoint
+of its stretch is copied instead, so a slow durable tier costs durable checkpoints, never training
+time. At `close` the newest local checkpoint, due or not, is copied if the durable tier does not hold
+its step yet: a run that ends (or is preempted and saves) leaves its last step durable; a script that
+leaves its store open has it done at the interpreter's exit.
 A copy that fails is raised by the store's next `save`, `wait` or `close`, as the store's one line
 for a write the storage refused.
 
