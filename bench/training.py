@@ -109,23 +109,26 @@ def bench_training(
     config: TrainConfig, data: TokenData, steps_per_rep: int, reps: int, matmul_size: int = MATMUL_SIZE
 ) -> tuple[dict, Run]:
     """Interleave both loops and the matmuls; returns the figures and the trained exactresume run."""
-    log = StepLog(Path(tempfile.mkdtemp()) / "log.csv", LOSS_HEADER, 0).open()
-    run, loop, cpu = build_run(config, data), minimal_loop(config, data, steps_per_rep), CpuClock()
-    all_threads = os.cpu_count() or 1
-    trials = {
-        "exactresume": cpu.wrap(
-            "exactresume",
-            lambda: timed(lambda: exactresume_steps(run, steps_per_rep, log)) / steps_per_rep,
-            steps_per_rep,
-        ),
-        "minimal": cpu.wrap("minimal", lambda: timed(lambda: loop.steps(steps_per_rep)) / steps_per_rep, steps_per_rep),
-        "matmul_1_thread": cpu.wrap("matmul_1_thread", matmul_trial(1, matmul_size)),
-    }
-    for threads in (torch.get_num_threads(), all_threads):  # the loop's own, the baseline; and all, for show
-        trials.setdefault(matmul_name(threads), matmul_trial(threads, matmul_size))
-    times = interleave(trials, reps)
-    cpu_times = {name: values[-reps:] for name, values in cpu.seconds.items()}  # drop the warm-up round
-    return training_figures(run, times, cpu_times, 2.0 * matmul_size**3 * MATMUL_COUNT), run
+    with tempfile.TemporaryDirectory(prefix="exactresume-bench-") as scratch:
+        log = StepLog(Path(scratch) / "log.csv", LOSS_HEADER, 0).open()
+        run, loop, cpu = build_run(config, data), minimal_loop(config, data, steps_per_rep), CpuClock()
+        all_threads = os.cpu_count() or 1
+        trials = {
+            "exactresume": cpu.wrap(
+                "exactresume",
+                lambda: timed(lambda: exactresume_steps(run, steps_per_rep, log)) / steps_per_rep,
+                steps_per_rep,
+            ),
+            "minimal": cpu.wrap(
+                "minimal", lambda: timed(lambda: loop.steps(steps_per_rep)) / steps_per_rep, steps_per_rep
+            ),
+            "matmul_1_thread": cpu.wrap("matmul_1_thread", matmul_trial(1, matmul_size)),
+        }
+        for threads in (torch.get_num_threads(), all_threads):  # the loop's own, the baseline; and all, for show
+            trials.setdefault(matmul_name(threads), matmul_trial(threads, matmul_size))
+        times = interleave(trials, reps)
+        cpu_times = {name: values[-reps:] for name, values in cpu.seconds.items()}  # drop the warm-up round
+        return training_figures(run, times, cpu_times, 2.0 * matmul_size**3 * MATMUL_COUNT), run
 
 
 def matmul_name(threads: int) -> str:
