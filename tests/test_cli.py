@@ -118,6 +118,12 @@ def test_a_config_file_that_is_not_one_is_refused_in_one_line_and_nothing_is_wri
     assert not (tmp_path / "out").exists()
 
 
+def test_a_negative_keep_is_refused_in_the_flags_words(tmp_path):
+    finished = call_cli("train", "--out", tmp_path / "out", "--data", tmp_path, "--save-every", 2, "--keep", -1)
+    assert_one_line_error(finished, "--keep must be a number of checkpoints (0: all of them), got -1")
+    assert not (tmp_path / "out").exists()
+
+
 def help_sections(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
     """The flags --help shows, by the heading they are shown under."""
     sections, heading = {}, None

@@ -236,7 +236,7 @@ def check_keep(keep: int | None) -> int | None:
     if keep is None or keep == 0:
         return None
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-        raise FieldError(f"keep must be a number of checkpoints, 0 to keep every one, got {keep!r}", "keep")
+        raise FieldError(f"keep must be a number of checkpoints (0: all of them), got {keep!r}", "keep")
     return keep
 
 
