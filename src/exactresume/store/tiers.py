@@ -1,7 +1,7 @@
 """Two tiers of checkpoints: every save to a fast local folder, every N-th step copied to durable storage.
 
     store = CheckpointStore("s3://bucket/run", local="/dev/shm/run", durable_every=50)
-    store.save(step, parts)   # /dev/shm/run/step-….pth at every call; s3://bucket/run/step-….pth every 50th step
+    store.save(step, parts)   # /dev/shm/run/step-….pth at every call; s3://bucket/run/ one of every 50 steps
 
 A save lands in the local tier as any save does (written, verified, the newest `keep` kept). The first
 checkpoint of each stretch of `durable_every` steps (steps k·N to (k+1)·N - 1: the multiple itself when
