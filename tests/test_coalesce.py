@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from exactresume.errors import CheckpointError, StorageError
+from exactresume.errors import CheckpointError, FieldError, StorageError
 from exactresume.store.background import BEFORE_RETURN, DURING_NEXT_STEP
 from exactresume.store.numbered import CheckpointStore
 from helpers import SMALL, train_cli
@@ -124,4 +124,20 @@ def test_a_save_still_reading_its_file_back_is_the_stores_own_as_a_synchronous_s
     store.save(3, parts)
     store.wait()
     assert [checkpoint.step for checkpoint in store.checkpoints()] == [2, 3]
+    store.close()
+
+
+def test_a_step_that_went_back_is_refused_with_coalesce_too_not_skipped(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints", keep=None, background=True)
+    released = threading.Event()
+    commit = store.commit
+    store.commit = lambda step, state, **publish: (released.wait(10), commit(step, state, **publish))[1]  # slow disk
+    parts = {"model": torch.nn.Linear(4, 4)}
+    store.save(5, parts, coalesce=True)
+    with pytest.raises(FieldError, match="step"):
+        store.save("6", parts, coalesce=True)  # no step: refused while the save before is written, not skipped
+    threading.Timer(0.2, released.set).start()
+    with pytest.raises(CheckpointError, match="a later step of this run than the 3 being saved"):
+        store.save(3, parts, coalesce=True)  # waits for step 5, then is told as a synchronous store tells it
+    assert store.coalesced == 0 and store.save(6, parts, coalesce=True) == store.path_for(6)
     store.close()

@@ -191,6 +191,7 @@ class BackgroundWriter:
         self._writer: threading.Thread | None = None
         self._guard: CopyGuard | None = None  # the copy in flight, with copy="during-next-step"
         self._milestones: _Milestones | None = None  # how far the save in flight has got
+        self.step: int | None = None  # the step of the save in flight, or of the last one
         self._failure: BaseException | None = None
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
         _WRITERS.add(self)
@@ -218,7 +219,7 @@ class BackgroundWriter:
             state = rebuilt(state, lambda tensor: tensor)
             self._guard = CopyGuard(step, state)
             self._hook_optimizers(parts)
-        before, self._milestones = self._writer, _Milestones()
+        before, self._milestones, self.step = self._writer, _Milestones(), step
         # Not a daemon: an exiting interpreter lets a started save finish rather than cut it off.
         work = (step, state, self._guard, before, self._milestones)
         self._writer = thread_in_this_context(self._write, work, f"checkpoint-{step}")

@@ -234,7 +234,7 @@ class CheckpointStore:
         if self.layout.sharded:
             return self._save_sharded(step, per_rank(parts, self.world))
         parts = for_one_file(parts, self.world, "CheckpointStore(folder, sharded=True, world=World.from_env())")
-        if self.skips(coalesce):
+        if self.skips(step, coalesce):
             return None
         if not self.world.is_main:
             capture(parts, step)  # takes part in gathering the per-rank parts; rank 0 writes
@@ -301,10 +301,13 @@ class CheckpointStore:
             self.durable.landed(checkpoint)
         return checkpoint.path
 
-    def skips(self, coalesce: bool) -> bool:
+    def skips(self, step: Any, coalesce: bool) -> bool:
         """With `coalesce`, whether a save asked for now is skipped (and counted in `coalesced`) because
-        the one before is still being written; under many processes every rank answers the same."""
-        if coalesce and self.world.any(self.busy()):
+        the one before is still being written; under many processes every rank answers the same. A step
+        that is no step, or one before the save in flight, is never skipped: it is refused, as without."""
+        step = check_step(step)
+        going_back = self.writer is not None and self.writer.step is not None and step < self.writer.step
+        if coalesce and self.world.any(self.busy() and not going_back):
             self.coalesced += 1
             return True
         return False

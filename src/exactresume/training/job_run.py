@@ -229,7 +229,7 @@ class JobRun:
         """Checkpoint the run's step, at most once, its log rows made durable first; with `coalesce`,
         skip it (None) while the background save before it is being written."""
         step, store = run.step.value, self.store
-        if store.skips(coalesce):
+        if store.skips(step, coalesce):
             return None
         if step != self.saved_step:
             self.logs.sync()
