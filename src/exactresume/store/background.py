@@ -61,6 +61,7 @@ import torch
 
 from exactresume.errors import FieldError, StorageError, tell_unraised
 from exactresume.store.copy_guard import CopyGuard
+from exactresume.store.place import Publishing
 from exactresume.store.resume import capture, rebuilt
 from exactresume.store.seal_hash import thread_in_this_context
 
@@ -163,13 +164,7 @@ class Stages(Protocol):
     def check_save(self, step: Any) -> int: ...
     def hold_lock(self) -> None: ...
     def reached(self, step: int) -> None: ...
-    def commit(
-        self,
-        step: int,
-        state: dict,
-        before_publish: Callable[[], None] | None = None,
-        after_publish: Callable[[], None] | None = None,
-    ) -> Any: ...
+    def commit(self, step: int, state: dict, publishing: Publishing | None = None) -> Any: ...
     def path_for(self, step: int) -> Any: ...
     def storage_error(self, step: int, error: OSError) -> StorageError: ...
 
@@ -295,9 +290,11 @@ class BackgroundWriter:
         time.sleep(0)
         try:
             staged = state if guard is None else self._copy_guarded(state, guard)
-            ready = functools.partial(self._ready_to_publish, guard, before, milestones)
-            published = functools.partial(self._published, step, milestones)
-            self.store.commit(step, staged, before_publish=ready, after_publish=published)
+            publishing = Publishing(
+                functools.partial(self._ready_to_publish, guard, before, milestones),
+                functools.partial(self._published, step, milestones),
+            )
+            self.store.commit(step, staged, publishing=publishing)
         except _AfterAFailure:
             pass  # the save before failed: this one is not published, and that failure is raised next
         except OSError as error:

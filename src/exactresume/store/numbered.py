@@ -281,21 +281,15 @@ class CheckpointStore:
         self.place.prepare(checkpoint, self.layout, not_ours=checkpoint.path in self.gate.passed_over)
 
     @_sealed_with_its_key
-    def commit(
-        self,
-        step: int,
-        state: dict,
-        before_publish: Callable[[], None] | None = None,
-        after_publish: Callable[[], None] | None = None,
-    ) -> Location:
+    def commit(self, step: int, state: dict, publishing: Publishing | None = None) -> Location:
         """A one-file checkpoint's stages after the snapshot: write, verify (the location's), retention.
 
-        `state` must not change while this runs (background.py hands it a private copy).
-        `before_publish()` runs just before it is published: if it raises, nothing is; `after_publish()` once
-        it is durable at its name, before it is read back (background.py)."""
+        `state` must not change while this runs (background.py hands it a private copy). `publishing` is
+        told just before the checkpoint is published (if it raises, nothing is) and once it is durable at its
+        name, before it is read back (background.py)."""
         checkpoint = Checkpoint(step, self.path_for(step))
         self._prepare(checkpoint)
-        self.place.write_file(checkpoint, state, self.faults, Publishing(before_publish, after_publish))
+        self.place.write_file(checkpoint, state, self.faults, publishing or Publishing())
         self._retain(step)
         if self.durable is not None:
             self.durable.landed(checkpoint)
