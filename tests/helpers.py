@@ -124,7 +124,16 @@ def run_python(
     whose environment asks for it, as the doctor's --warm runs are traced): its exit code (negative:
     the signal that ended it), and what it printed to stdout and stderr together. `preload`: more
     modules the server imports first (`datasets` costs each new process two seconds)."""
-    command = [sys.executable, str(script), *map(str, args)]
+    return _forked([sys.executable, str(script), *map(str, args)], env, preload)
+
+
+def run_torchrun(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`torchrun ARGS` (`python -m torch.distributed.run`), its agent forked as run_python forks a script:
+    the agent starts each rank as torchrun does, a new Python of its own."""
+    return _forked([sys.executable, "-m", "torch.distributed.run", *map(str, args)], env, ())
+
+
+def _forked(command: list[str], env: dict[str, str] | None, preload: tuple[str, ...]) -> subprocess.CompletedProcess:
     log = Path(tempfile.mkdtemp(prefix="exactresume-python-")) / "output"
     code = spawn_python(command, log, env, preload).wait()
     output = log.read_text(errors="replace")

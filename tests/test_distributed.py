@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,12 +31,13 @@ from helpers import (
     call_cli,
     max_abs_difference,
     run_python,
+    run_torchrun,
     train_cli,
 )
 
 # The issue's bound for a resume on another number of processes: only the reduction order differs.
 CROSS_N_ATOL = 1e-5
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TORCHRUN = ["--standalone", "--nproc-per-node", "2"]  # torchrun's flags
 
 
 def train(out, data, *flags):
@@ -63,9 +62,8 @@ def killed(tmp_path_factory, kjv_folder):
     """
     folder = tmp_path_factory.mktemp("killed")
     worker = Path(__file__).with_name("kill_mid_save.py")
-    command = [*TORCHRUN, str(worker), str(kjv_folder), str(folder)]
-    finished = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    assert finished.returncode != 0, finished.stderr
+    finished = run_torchrun(*TORCHRUN, worker, kjv_folder, folder, env={"OMP_NUM_THREADS": "1"})
+    assert finished.returncode != 0, finished.stdout
     return folder
 
 
@@ -79,8 +77,8 @@ def test_forked_ranks_end_as_the_ranks_torchrun_starts_cold(tmp_path, kjv_folder
     """`--nproc 2` forks its ranks from a process that imported torch; torchrun by hand starts each
     rank as a new Python: the same run, bit for bit."""
     flags = ["--out", tmp_path, "--data", kjv_folder, *SMALL, "--samples", tmp_path / "samples.csv", "--quiet"]
-    command = [*TORCHRUN, "-m", "exactresume", "--", "train", *flags]
-    subprocess.run(list(map(str, command)), check=True, capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    finished = run_torchrun(*TORCHRUN, "-m", "exactresume", "--", "train", *flags, env={"OMP_NUM_THREADS": "1"})
+    assert finished.returncode == 0, finished.stdout
     assert_same_run(tmp_path, runs / "straight2")
 
 

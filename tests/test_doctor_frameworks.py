@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -265,7 +264,7 @@ def test_resume_args_as_typed(tmp_path):
 def an_older_checkpoint(tmp_path: Path, name: str) -> tuple[list[str], Path, bytes]:
     """The script's folder holding a checkpoint of an earlier run, under `name`, the newest its resume finds."""
     command = [sys.executable, str(SCRIPTS / "dataloader_base_seed.py"), "--out", str(tmp_path / "out")]
-    subprocess.run([*command, "--steps", "2"], check=True, capture_output=True)
+    run_script([*command, "--steps", "2"], tmp_path / "earlier.log")
     older = tmp_path / "out" / name
     (tmp_path / "out" / "step-2.pt").rename(older)
     return command, older, older.read_bytes()
@@ -289,7 +288,7 @@ def test_checkpoint_folders_published_over_an_earlier_runs_are_put_back_and_the_
     """exactresume's lines publish a checkpoint folder over an older one by an atomic exchange, which no
     hook of os sees: the doctor still keeps what the user had, and its resume finds the interrupted run's."""
     command = [sys.executable, str(SCRIPTS / "correct_handwritten.py"), "--out", str(tmp_path / "out"), "--folders"]
-    subprocess.run(command, check=True, capture_output=True)  # the user's earlier run: step-2 ... step-8
+    run_script(command, tmp_path / "earlier.log")  # the user's earlier run: step-2 ... step-8
     before = {path.parent.name: path.read_bytes() for path in (tmp_path / "out").glob("step-*/resume.pt")}
     assert sorted(before) == ["step-2", "step-4", "step-6", "step-8"]
     finished = call_cli("doctor", *DOCTOR_FLAGS, "--out", tmp_path / "d", "--", *command)

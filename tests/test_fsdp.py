@@ -13,9 +13,8 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,7 @@ from helpers import (
     ranks_of,
     run_cli,
     run_python,
+    run_torchrun,
     spawn_cli,
     train_cli,
 )
@@ -44,7 +44,7 @@ FLAGS = ["--steps", "8", "--batch", "4", "--seq-len", "16", "--preset", "tiny"]
 STOP = 3
 # What only the order of floating-point reduction moves: measured 1.2e-5 to 3.5e-5 over these 8 steps.
 CROSS_N_ATOL = 1e-4
-ENV = os.environ | {"OMP_NUM_THREADS": "1"}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def train(out: Path, data: Path, *flags: object) -> None:
@@ -54,17 +54,12 @@ def train(out: Path, data: Path, *flags: object) -> None:
 def train_on_two_nodes(out: Path, data: Path, *flags: object) -> None:
     """Two torchrun agents, one process each, meeting through a c10d rendezvous as two machines would."""
     endpoint = f"127.0.0.1:{free_port()}"
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
-    agent += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes"]
-    command = [*agent, "-m", "exactresume.cli", "--", "train", "--out", str(out), "--data", str(data)]
-    command += [*FLAGS, *map(str, flags)]
-    agents = [
-        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-        for _node in range(2)
-    ]
-    for process in agents:
-        output, _ = process.communicate(timeout=240)
-        assert process.returncode == 0, output
+    agent = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    command = [*agent, "--rdzv-id", "two-nodes", "-m", "exactresume.cli", "--", "train", "--out", out, "--data", data]
+    with ThreadPoolExecutor(2) as nodes:
+        agents = [nodes.submit(run_torchrun, *command, *FLAGS, *flags, env=ONE_THREAD) for _node in range(2)]
+        for finished in agents:
+            assert finished.result().returncode == 0, finished.result().stdout
 
 
 @pytest.fixture(scope="module")
