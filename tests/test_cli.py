@@ -181,6 +181,26 @@ def test_a_flag_is_typed_whole_and_an_abbreviation_is_refused_in_one_line(tmp_pa
     assert not list(tmp_path.iterdir())
 
 
+def test_a_mistyped_flag_or_command_is_refused_naming_the_one_it_is_near(tmp_path):
+    for command, said in (
+        (
+            ["train", "--out", tmp_path / "run", "--stop_at", "4"],
+            "unrecognized arguments: --stop_at 4 (did you mean --stop-at?)",
+        ),
+        (["lab", "--out", tmp_path / "lab", "--seq_len", "8"], "(did you mean --seq-len?)"),
+        (["tran", "--out", tmp_path / "run"], "invalid choice: 'tran' (choose from 'prepare', 'train',"),
+        (["tran", "--out", tmp_path / "run"], "'help') (did you mean train?)"),
+        (["export", tmp_path / "x.pth", "--dtype", "fp-16"], "(did you mean fp16?)"),
+    ):
+        assert_one_line_error(call_cli(*command), said)
+    for command in (
+        ["train", "--out", tmp_path / "run", "--xyz", "4"],
+        ["export", tmp_path / "x.pth", "--dtype", "fp8"],
+    ):
+        assert "did you mean" not in call_cli(*command).stderr  # nothing near enough: no guess
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("command", ["train", "lab", "prepare", "diff", "export", "ablate"])
 def test_json_and_quiet_together_are_refused_in_one_line(command, tmp_path):
     """One asks for the summary, the other for none: refused before anything is read or written."""

@@ -51,7 +51,7 @@ LAB_FILES = [
 
 
 @pytest.fixture(scope="module")
-def default_lab(tmp_path_factory, kjv_folder):
+def lab_out(tmp_path_factory, kjv_folder):
     """The lab as the text asks it (60 steps, stop at 30, the default model), on shorter batches than its
     default 8 x 128: 4 x 64 steps cost a quarter, and no file's contract depends on a batch's shape
     (`make lab` and docs/lab/ run the default). Run once per module."""
@@ -63,27 +63,27 @@ def default_lab(tmp_path_factory, kjv_folder):
     return out
 
 
-def test_lab_writes_every_named_file_and_no_tmp(default_lab):
+def test_lab_writes_every_named_file_and_no_tmp(lab_out):
     for name in LAB_FILES:
-        assert (default_lab / name).stat().st_size > 0, name
-    assert not list(default_lab.rglob("*.tmp"))
+        assert (lab_out / name).stat().st_size > 0, name
+    assert not list(lab_out.rglob("*.tmp"))
 
 
-def test_lab_resumed_equals_straight(default_lab):
-    equal = run_cli("diff", default_lab / "straight.pth", default_lab / "resumed.pth")
+def test_lab_resumed_equals_straight(lab_out):
+    equal = run_cli("diff", lab_out / "straight.pth", lab_out / "resumed.pth")
     assert equal.returncode == 0
     shown = README.split("<!-- diff-output:begin", 1)[1].split("<!-- diff-output:end -->", 1)[0]
     assert shown.split("```text\n", 1)[1].split("```", 1)[0] == equal.stdout  # what the README shows
-    assert run_cli("diff", default_lab / "straight.pth", default_lab / "noopt.pth").returncode == 1
-    straight_rows = (default_lab / "straight_log.csv").read_text().splitlines()
-    resumed_rows = (default_lab / "resumed_log.csv").read_text().splitlines()
+    assert run_cli("diff", lab_out / "straight.pth", lab_out / "noopt.pth").returncode == 1
+    straight_rows = (lab_out / "straight_log.csv").read_text().splitlines()
+    resumed_rows = (lab_out / "resumed_log.csv").read_text().splitlines()
     assert straight_rows[0] == resumed_rows[0] == "step,train_loss"
     assert len(straight_rows) == 61 and resumed_rows[1:] == straight_rows[31:]
     assert re.fullmatch(r"31,\d+\.\d{6}", resumed_rows[1])
 
 
-def test_lab_ablations_diverge(default_lab):
-    runs = json.loads((default_lab / "compare.json").read_text())["runs"]
+def test_lab_ablations_diverge(lab_out):
+    runs = json.loads((lab_out / "compare.json").read_text())["runs"]
     assert runs["resumed"]["max_abs_diff"] == 0 and runs["resumed"]["log_rows_equal"]
     assert runs["resumed"]["bits_equal"] is True and runs["noopt"]["bits_equal"] is False  # bit for bit
     assert runs["noopt"]["max_abs_diff"] > 1e-3 and runs["noskip"]["max_abs_diff"] > 1e-3
@@ -122,34 +122,34 @@ print(json.dumps({
 """
 
 
-def test_the_lab_texts_grader_reads_resume_pth_with_a_plain_torch_load(default_lab):
-    graded = subprocess.run([sys.executable, "-c", GRADER, default_lab], capture_output=True, text=True, check=True)
+def test_the_lab_texts_grader_reads_resume_pth_with_a_plain_torch_load(lab_out):
+    graded = subprocess.run([sys.executable, "-c", GRADER, lab_out], capture_output=True, text=True, check=True)
     grade = json.loads(graded.stdout)
     assert grade["missing"] == [] and grade["ours_imported"] == []
     assert grade["step"] == 30 and grade["gen_state"] == ["torch.uint8", 1] and grade["param_groups"] == 1
-    optim = json.loads((default_lab / "optim.json").read_text())
+    optim = json.loads((lab_out / "optim.json").read_text())
     assert (grade["model_numel"], grade["optimizer_numel"]) == (optim["model_numel"], optim["optimizer_numel"])
     assert grade["ratio"] == optim["ratio"] == 2.0
     assert grade["same_names"] and grade["equal"] and grade["max_diff"] == 0
 
 
-def test_half_precision_is_about_half_and_close(default_lab):
-    fp16 = json.loads((default_lab / "fp16.json").read_text())
-    assert fp16["fp32_bytes"] == (default_lab / "straight.pth").stat().st_size
+def test_half_precision_is_about_half_and_close(lab_out):
+    fp16 = json.loads((lab_out / "fp16.json").read_text())
+    assert fp16["fp32_bytes"] == (lab_out / "straight.pth").stat().st_size
     assert 0.49 < fp16["fp16_bytes"] / fp16["fp32_bytes"] < 0.52
     assert 0 < fp16["max_logit_diff"] < 0.05
-    half = torch.load(default_lab / "straight_fp16.pth", weights_only=True)
+    half = torch.load(lab_out / "straight_fp16.pth", weights_only=True)
     assert all(t.dtype == torch.float16 for t in half.values())
     assert half["lm_head.weight"].data_ptr() == half["model.embed_tokens.weight"].data_ptr()
 
 
-def test_report_has_headings_and_numbers_from_the_json(default_lab):
-    report = (default_lab / "report.md").read_text()
+def test_report_has_headings_and_numbers_from_the_json(lab_out):
+    report = (lab_out / "report.md").read_text()
     positions = [report.index(heading) for heading in HEADINGS]
     assert positions == sorted(positions)
-    fp16 = json.loads((default_lab / "fp16.json").read_text())
-    optim = json.loads((default_lab / "optim.json").read_text())
-    noopt = json.loads((default_lab / "compare.json").read_text())["runs"]["noopt"]
+    fp16 = json.loads((lab_out / "fp16.json").read_text())
+    optim = json.loads((lab_out / "optim.json").read_text())
+    noopt = json.loads((lab_out / "compare.json").read_text())["runs"]["noopt"]
     assert f"{fp16['fp16_bytes']:,}" in report and f"{optim['ratio']:.3f}" in report
     assert f"{noopt['max_abs_diff']:.3e}" in report
 
@@ -171,29 +171,29 @@ def numbers_in_every_language(folder) -> list[str]:
 
 
 @pytest.mark.parametrize("lang", ["ko", "en", "zh"])
-def test_report_languages_keep_korean_headings_and_the_numbers(default_lab, lang):
-    report = render_report(default_lab, lang)
+def test_report_languages_keep_korean_headings_and_the_numbers(lab_out, lang):
+    report = render_report(lab_out, lang)
     positions = [report.index(heading) for heading in HEADINGS]
     assert positions == sorted(positions)
-    for number in numbers_in_every_language(default_lab):
+    for number in numbers_in_every_language(lab_out):
         assert number in report, number
     assert all(f"({name}.png)" in report for name in FIGURES)
 
 
-def test_figures_are_written_and_linked(default_lab):
-    report = (default_lab / "report.md").read_text()
+def test_figures_are_written_and_linked(lab_out):
+    report = (lab_out / "report.md").read_text()
     linked = re.findall(r"!\[[^\]]+\]\(([^)]+)\)", report)
     assert sorted(linked) == sorted(f"{name}.png" for name in FIGURES)
     for name in linked:
-        data = (default_lab / name).read_bytes()
+        data = (lab_out / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, name
 
 
-def test_divergence_was_logged_while_training(default_lab):
-    compare = json.loads((default_lab / "compare.json").read_text())
-    straight_log = read_loss_log(default_lab / "straight_log.csv")
+def test_divergence_was_logged_while_training(lab_out):
+    compare = json.loads((lab_out / "compare.json").read_text())
+    straight_log = read_loss_log(lab_out / "straight_log.csv")
     for name in ("noopt", "noskip"):
-        rows = read_divergence(default_lab / "details" / f"{name}_divergence.csv")
+        rows = read_divergence(lab_out / "details" / f"{name}_divergence.csv")
         assert [row["step"] for row in rows] == list(range(31, 61))
         # The twin is the uninterrupted run: its losses are straight's log, row for row ...
         assert all(row["reference_loss"] == straight_log[row["step"]] for row in rows)
@@ -203,8 +203,8 @@ def test_divergence_was_logged_while_training(default_lab):
         assert 0 < rows[0]["max_abs_diff"] < rows[-1]["max_abs_diff"]
 
 
-def test_lab_progress_is_plain_lines_in_a_pipe(default_lab):
-    output = (default_lab.parent / "lab_stdout.txt").read_text()
+def test_lab_progress_is_plain_lines_in_a_pipe(lab_out):
+    output = (lab_out.parent / "lab_stdout.txt").read_text()
     assert "\r" not in output
     assert re.search(r"^\[3/8\] resumed: step 60/60 loss \d+\.\d{4} [\d.]+ steps/s$", output, re.MULTILINE)
     assert re.search(r"^\[8/8\] report\.md", output, re.MULTILINE)
@@ -213,18 +213,18 @@ def test_lab_progress_is_plain_lines_in_a_pipe(default_lab):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: the lab's runs go one at a time")
-def test_the_lab_runs_the_runs_of_a_group_side_by_side(default_lab):
+def test_the_lab_runs_the_runs_of_a_group_side_by_side(lab_out):
     """Runs 1-2 and 3-5 need nothing of each other: together they took less time than one after another."""
-    timings = json.loads((default_lab / "details" / "timings.json").read_text())
+    timings = json.loads((lab_out / "details" / "timings.json").read_text())
     assert timings["total"] < sum(timings[name] for name in ("straight", "stop", "resumed", "noopt", "noskip"))
 
 
-def test_lab_ends_with_its_summary_read_from_its_files(default_lab):
-    output = (default_lab.parent / "lab_stdout.txt").read_text()
-    compare = json.loads((default_lab / "compare.json").read_text())
+def test_lab_ends_with_its_summary_read_from_its_files(lab_out):
+    output = (lab_out.parent / "lab_stdout.txt").read_text()
+    compare = json.loads((lab_out / "compare.json").read_text())
     assert f"resumed = straight: {compare['runs']['resumed']['tensors']} tensors bit-identical" in output
-    assert output.endswith("\n\n" + "\n".join(render_lab(lab_summary(default_lab))) + "\n")
-    assert f"report             {default_lab / 'report.md'}" in output
+    assert output.endswith("\n\n" + "\n".join(render_lab(lab_summary(lab_out))) + "\n")
+    assert f"report             {lab_out / 'report.md'}" in output
     assert "step 8/8" not in output.split("[8/8]")[1]  # no training run's own summary in between
 
 
@@ -246,10 +246,10 @@ def test_lab_with_other_flags_still_resumes_exactly(tmp_path, kjv_folder):
     assert state["config"]["train"]["weight_decay"] == 0.02
 
 
-def test_report_carries_the_ablation_table_when_the_lab_ran_one(default_lab, tmp_path):
+def test_report_carries_the_ablation_table_when_the_lab_ran_one(lab_out, tmp_path):
     for name in ("fp16.json", "optim.json", "compare.json", "resume.pth", "details/resume_sizes.json"):
         (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_bytes((default_lab / name).read_bytes())
+        (tmp_path / name).write_bytes((lab_out / name).read_bytes())
     assert "| setup |" not in render_report(tmp_path, "en")
     ablation = Path(__file__).resolve().parents[1] / "docs" / "ablation.json"
     (tmp_path / "ablation.json").write_bytes(ablation.read_bytes())
@@ -309,10 +309,10 @@ def test_a_run_the_lab_starts_that_refuses_is_told_in_the_labs_one_line_naming_t
     assert "train: error" not in finished.stderr  # the run's own prefix is not repeated inside the lab's
 
 
-def test_a_lab_refused_at_its_runs_start_keeps_an_earlier_lab_and_leaves_no_folder(default_lab, tmp_path, kjv_folder):
+def test_a_lab_refused_at_its_runs_start_keeps_an_earlier_lab_and_leaves_no_folder(lab_out, tmp_path, kjv_folder):
     """What its runs would refuse (memory, a device) is refused before an earlier lab's files are cleared."""
     earlier = tmp_path / "earlier"
-    shutil.copytree(default_lab, earlier)
+    shutil.copytree(lab_out, earlier)
     before = {path: path.read_bytes() for path in earlier.rglob("*") if path.is_file()}
     for flags in (["--batch", 100000], ["--device", "cuda"] if not torch.cuda.is_available() else ["--batch", 10**6]):
         refused = call_cli("lab", "--data", kjv_folder, "--out", earlier, *flags)

@@ -15,7 +15,9 @@ with 74, a run stopped by SIGTERM/SIGINT after saving a checkpoint with 75 (see 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import signal
 import sys
 
@@ -47,11 +49,11 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **{"allow_abbrev": False} | kwargs)
 
     def error(self, message: str) -> None:
-        print(f"{self.prog}: error: {message}{self._whole_flag_hint(message)}", file=sys.stderr)
+        print(f"{self.prog}: error: {message}{self._flag_hint(message)}{_choice_hint(message)}", file=sys.stderr)
         sys.exit(2)
 
-    def _whole_flag_hint(self, message: str) -> str:
-        """For a flag refused as shortened: the flags it begins."""
+    def _flag_hint(self, message: str) -> str:
+        """For a flag refused as shortened: the flags it begins; as mistyped (`--stop_at`): the one it is near."""
         if not message.startswith("unrecognized arguments: "):
             return ""
         known = [option for action in self._actions for option in action.option_strings]
@@ -62,7 +64,22 @@ class OneLineParser(argparse.ArgumentParser):
                 return f" (flags are typed whole: {len(begun)} begin with {name}, see {self.prog} --help)"
             if begun:
                 return f" (flags are typed whole: {' or '.join(begun)}?)"
+            near = difflib.get_close_matches(name, known, n=1, cutoff=NEAR) if name.startswith("--") else []
+            if near:
+                return f" (did you mean {near[0]}?)"
         return ""
+
+
+NEAR = 0.8  # difflib's similarity from which a mistyped name is taken for the one it is near (--stop_at, tran)
+
+
+def _choice_hint(message: str) -> str:
+    """For a value refused as no choice (a command, a --dtype): the choice it is near."""
+    refused = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if not refused:
+        return ""
+    near = difflib.get_close_matches(refused[1], re.findall(r"'([^']*)'", refused[2]), n=1, cutoff=NEAR)
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 def _help_parser(parser: argparse.ArgumentParser) -> None:

@@ -119,15 +119,20 @@ def train_summary(job, argv: list[str], memory: dict | None = None) -> dict:
     from exactresume.store.numbered import store_reading  # imports torch: only once a run is over
 
     reached = int(rows[-1][0]) if rows else None
-    listed = store_reading(job.checkpoint_folder, notify=print).checkpoints()
-    # the run's own: none past the step it reached (a file planted ahead, which its resume passed over)
-    checkpoints = [checkpoint.path for checkpoint in listed if reached is None or checkpoint.step <= reached]
+
+    def newest(folder) -> dict | None:
+        listed = store_reading(folder, notify=print).checkpoints()
+        # the run's own: none past the step it reached (a file planted ahead, which its resume passed over)
+        checkpoints = [checkpoint.path for checkpoint in listed if reached is None or checkpoint.step <= reached]
+        return written(checkpoints[-1]) | {"count": len(checkpoints)} if checkpoints else None
+
     stopped = job.stop_at is not None
     files = {
         "resume": written(job.resume_file) if stopped else None,
         "weights": None if stopped else written(job.weights_file),
         "log": written(job.log_file) | {"rows": len(rows)} if job.log_file.exists() else None,
-        "checkpoint": written(checkpoints[-1]) | {"count": len(checkpoints)} if checkpoints else None,
+        "checkpoint": newest(job.checkpoint_folder),
+        "local_checkpoint": newest(job.local_checkpoints) if job.local_checkpoints else None,
         "samples": written(job.samples) if job.samples else None,
         "divergence": written(job.divergence) if job.divergence else None,
     }
@@ -161,8 +166,12 @@ def render_train(summary: dict) -> list[str]:
         if name in files:
             extra = f", {files[name]['rows']} rows" if name == "log" else ""
             rows.append((label, _file_text(files[name], extra)))
-    if "checkpoint" in files:
-        rows.append(("newest checkpoint", _file_text(files["checkpoint"], f", {files['checkpoint']['count']} kept")))
+    # with a local tier, each tier's newest: the local one is the newest a resume finds, the durable one its fallback
+    tiers = "local_checkpoint" in files
+    for name, label in (("local_checkpoint", "local checkpoint"), ("checkpoint", "durable checkpoint")):
+        if name in files:
+            label = label if tiers else "newest checkpoint"
+            rows.append((label, _file_text(files[name], f", {files[name]['count']} kept")))
     if summary.get("memory"):
         peak, planned = summary["memory"]["peak_bytes"], summary["memory"]["planned_bytes"]
         rows.append(("memory", f"peak {peak / 1e6:,.0f} MB a process, planned {planned / 1e6:,.0f} MB"))
