@@ -166,7 +166,7 @@ def render_train(summary: dict) -> list[str]:
         if name in files:
             extra = f", {files[name]['rows']} rows" if name == "log" else ""
             rows.append((label, _file_text(files[name], extra)))
-    # with a local tier, each tier's newest: the local one is the newest a resume finds, the durable one its fallback
+    # with a local tier, each tier's newest: where a resume looks first, and its fallback when the local one is lost
     tiers = "local_checkpoint" in files
     for name, label in (("local_checkpoint", "local checkpoint"), ("checkpoint", "durable checkpoint")):
         if name in files:
