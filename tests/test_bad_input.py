@@ -146,6 +146,37 @@ def test_data_that_is_a_file_or_a_folder_typed_wrong_is_refused_by_train_and_lab
     assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt"]
 
 
+def test_no_output_lands_in_a_checkpoint_folder_and_no_run_writes_in_the_data_folder(tmp_path, kjv_folder, stopped):
+    """A store takes the files of its folder for its checkpoints (and prunes them), and the corpus's folder
+    holds the corpus alone: each such place refused before a step is trained, nothing written anywhere."""
+    corpus, before = fingerprint(kjv_folder), fingerprint(stopped)
+    out, local = tmp_path / "run", tmp_path / "local"
+    tiers = ["--save-every", 1, "--local-checkpoints", local, "--durable-every", 2]
+    checkpoint = stopped / "checkpoints" / "step-00000004.pth"  # where a store keeps one; none is there
+    for flags, said in (
+        (["--weights", out / "checkpoints" / "final.pth"], f"--weights {out / 'checkpoints' / 'final.pth'} is in the"),
+        (["--log", checkpoint, "--out", stopped], f"--log {checkpoint} is in the --checkpoints folder"),
+        (
+            ["--checkpoints", tmp_path / "c", "--samples", tmp_path / "c"],
+            "--samples {} is in the --checkpoints".format(tmp_path / "c"),
+        ),
+        ([*tiers, "--weights", local / "w.pth"], f"is in the --local-checkpoints folder {local}, which holds"),
+        (["--checkpoints", kjv_folder], f"--checkpoints {kjv_folder} is in the --data folder {kjv_folder}"),
+        (
+            [*tiers[:2], "--local-checkpoints", kjv_folder / "l", *tiers[4:]],
+            "--local-checkpoints {} is in the --data".format(kjv_folder / "l"),
+        ),
+        (["--out", kjv_folder / "run"], f"--out {kjv_folder / 'run'} is in the --data folder {kjv_folder}"),
+    ):
+        flags = flags if "--out" in flags else ["--out", out, *flags]
+        assert_one_line_error(call_cli("train", "--data", kjv_folder, *SMALL, *flags), said)
+    (tmp_path / "empty").mkdir()
+    for told in ([], ["--overwrite"]):  # a folder is no weights file, empty or not, told or not
+        refused = call_cli("train", "--out", out, "--data", kjv_folder, *SMALL, "--weights", tmp_path / "empty", *told)
+        assert_one_line_error(refused, f"--weights {tmp_path / 'empty'} is not a torch file (it is a folder)")
+    assert os.listdir(tmp_path) == ["empty"] and fingerprint(kjv_folder) == corpus and fingerprint(stopped) == before
+
+
 def test_output_folder_not_writable(tmp_path, kjv_folder):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

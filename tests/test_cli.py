@@ -191,6 +191,11 @@ def test_a_mistyped_flag_or_command_is_refused_naming_the_one_it_is_near(tmp_pat
         (["tran", "--out", tmp_path / "run"], "invalid choice: 'tran' (choose from 'prepare', 'train',"),
         (["tran", "--out", tmp_path / "run"], "'help') (did you mean train?)"),
         (["export", tmp_path / "x.pth", "--dtype", "fp-16"], "(did you mean fp16?)"),
+        (["train", "--out", tmp_path / "run", "--preset", "Tiny"], "(did you mean tiny?)"),
+        (
+            ["train", "--out", tmp_path / "run", "--resume", "aut"],
+            "--resume: no file or folder aut (did you mean auto?)",
+        ),
     ):
         assert_one_line_error(call_cli(*command), said)
     for command in (

@@ -289,8 +289,9 @@ def test_the_trainer_killed_at_a_random_moment_resumes_from_its_local_tier_bit_i
 @pytest.mark.parametrize("loss", ["wiped", "damaged", "another run's"])
 def test_the_trainer_resumes_from_the_right_tier_when_the_local_one_is_lost(straight, tmp_path, kjv_folder, loss):
     out = tmp_path / "run"
-    stopped = train_cli(out, "--data", kjv_folder, *tier_flags(out), "--stop-at", 7, check=True)
+    stopped = train_cli(out, "--data", kjv_folder, *tier_flags(out), "--stop-at", 7, "--resume", "auto", check=True)
     local, durable = out / "local", out / "checkpoints"
+    assert f"no checkpoint in {local} or {durable}; starting at step 0" in stopped.stdout  # both tiers looked in
     rows = [line.split(None, 2) for line in stopped.stdout.splitlines()]
     tiers = {words[0]: words[2] for words in rows if len(words) == 3 and words[1] == "checkpoint"}  # its summary
     assert tiers["local"].startswith(f"{local / checkpoint_name(7)}  (") and tiers["local"].endswith(", 3 kept)")

@@ -78,8 +78,9 @@ def _choice_hint(message: str) -> str:
     refused = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
     if not refused:
         return ""
-    near = difflib.get_close_matches(refused[1], re.findall(r"'([^']*)'", refused[2]), n=1, cutoff=NEAR)
-    return f" (did you mean {near[0]}?)" if near else ""
+    choices = {choice.lower(): choice for choice in re.findall(r"'([^']*)'", refused[2])}  # FP16, Tiny: near too
+    near = difflib.get_close_matches(refused[1].lower(), choices, n=1, cutoff=NEAR)
+    return f" (did you mean {choices[near[0]]}?)" if near else ""
 
 
 def _help_parser(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,8 @@ line); `place` makes it a location once every flag is known. Credentials come fr
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 from pathlib import Path
 
 DEFAULT_DATA = Path("data/kjv")
@@ -76,8 +78,13 @@ def place(value, args: argparse.Namespace):
 
 
 def resume_source(text: str) -> Path | str:
-    """--resume's value: 'auto', an `s3://` location (made with --s3-endpoint later), or a file or folder."""
-    return text if text == "auto" or text.startswith("s3://") else given_path(text)
+    """--resume's value: 'auto', an `s3://` location (made with --s3-endpoint later), or a file or folder;
+    a path that is not there and is near 'auto' (`aut`, `Auto`) is taken for a typo of it, not read."""
+    if text == "auto" or text.startswith("s3://"):
+        return text
+    if not os.path.lexists(text) and difflib.get_close_matches(text.lower(), ["auto"], n=1, cutoff=0.7):
+        raise argparse.ArgumentTypeError(f"no file or folder {text} (did you mean auto?)")
+    return given_path(text)
 
 
 def given_path(text: str) -> Path:

@@ -44,6 +44,12 @@ def _identity(path: Path) -> object:
     return (found.st_dev, found.st_ino)
 
 
+def _within(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies under it (links followed as far as they exist)."""
+    inner, outer = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    return inner == outer or outer in inner.parents
+
+
 @dataclass(frozen=True)
 class TrainJob:
     """Where a training run reads and writes, how it checkpoints, and which parts a resume leaves out."""
@@ -104,11 +110,29 @@ class TrainJob:
     def _check_outputs_apart(self) -> None:
         if _identity(self.out) == _identity(self.data):
             raise UserError(f"--out {self.out} is the --data folder: give the run a folder of its own")
+        if _within(self.out, self.data):
+            raise UserError(f"--out {self.out} is in the --data folder {self.data}: give the run a folder of its own")
+        folders = self.checkpoint_folders()
+        for flag, folder in folders.items():  # the corpus's folder holds the corpus alone
+            if _within(folder, self.data):
+                raise UserError(f"{flag} {folder} is in the --data folder {self.data}: give it a folder of its own")
         seen: dict[str, str] = {}
         for flag, path in self.outputs().items():
             other = seen.setdefault(_identity(path), flag)  # a link to another output, soft or hard, is that output
             if other != flag:
                 raise UserError(f"{other} and {flag} name the same file, {path}: give each a file of its own")
+            # a store takes every file in its folder for a checkpoint of its own, and prunes them
+            holder = next((name for name, folder in folders.items() if _within(path, folder)), None)
+            if holder is not None:
+                raise UserError(
+                    f"{flag} {path} is in the {holder} folder {folders[holder]}, which holds checkpoints alone: "
+                    "give the file another place"
+                )
+
+    def checkpoint_folders(self) -> dict[str, Path]:
+        """The local folders of the run's checkpoints, by the flag that names them (OUT/checkpoints by default)."""
+        named = {"--checkpoints": self.checkpoint_folder, "--local-checkpoints": self.local_checkpoints}
+        return {flag: folder for flag, folder in named.items() if isinstance(folder, Path)}
 
     def outputs(self) -> dict[str, Path]:
         """The local files the run writes, by the flag that names them."""

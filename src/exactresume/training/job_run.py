@@ -162,7 +162,8 @@ class JobRun:
             if world.is_main:
                 stop_file = isinstance(job.resume_file, Path) and job.resume_file.exists()  # auto reads no such file
                 hint = f" (the --stop-at file {job.resume_file} is read by --resume FILE)" if stop_file else ""
-                note(f"no checkpoint in {job.checkpoint_folder}{hint}; starting at step 0")
+                tiers = f"{job.local_checkpoints} or " if job.local_checkpoints is not None else ""
+                note(f"no checkpoint in {tiers}{job.checkpoint_folder}{hint}; starting at step 0")
             return
         parts = run.parts() if resumed.kind == "sharded" else run.file_parts()
         resumed.restore(parts, skip=skip_parts, world=world)

@@ -32,11 +32,11 @@ def refuse_other_kinds(outputs: dict[str, Path]) -> None:
 
 def _holds(path: Path, header: str | None) -> bool:
     # imported here, with torch, only where an output exists: a command refused before may not import it
-    from exactresume.store.layout import COMMIT
+    from exactresume.store.layout import COMMIT, SHARDED
     from exactresume.store.sealed import ZIP_START, first_bytes
 
-    if path.is_dir():  # a sharded resume file, resume.dcp: a commit marker, or nothing yet
-        return header is None and ((path / COMMIT).is_file() or not any(path.iterdir()))
+    if path.is_dir():  # the one output that is a folder, a sharded resume file (resume.dcp): a commit marker, or empty
+        return path.suffix == SHARDED.suffix and ((path / COMMIT).is_file() or not any(path.iterdir()))
     head = first_bytes(path, 64)
     if head == b"":
         return True
