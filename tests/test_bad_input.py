@@ -146,21 +146,23 @@ def test_data_that_is_a_file_or_a_folder_typed_wrong_is_refused_by_train_and_lab
     assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt"]
 
 
-def test_no_output_lands_in_a_checkpoint_folder_and_no_run_writes_in_the_data_folder(tmp_path, kjv_folder, stopped):
-    """A store takes the files of its folder for its checkpoints (and prunes them), and the corpus's folder
-    holds the corpus alone: each such place refused before a step is trained, nothing written anywhere."""
+def test_no_output_takes_a_checkpoints_place_and_no_run_writes_in_the_data_folder(tmp_path, kjv_folder, stopped):
+    """A store takes the names of its checkpoints in its folder for its own (it writes, prunes and sets them
+    aside), and the corpus's folder holds the corpus alone: each such place is refused before a step is
+    trained, nothing written anywhere; a file of another name beside the checkpoints is the user's choice."""
     corpus, before = fingerprint(kjv_folder), fingerprint(stopped)
-    out, local = tmp_path / "run", tmp_path / "local"
+    out, local, folder = tmp_path / "run", tmp_path / "local", tmp_path / "c"
     tiers = ["--save-every", 1, "--local-checkpoints", local, "--durable-every", 2]
-    checkpoint = stopped / "checkpoints" / "step-00000004.pth"  # where a store keeps one; none is there
+    checkpoint = stopped / "checkpoints" / "step-00000004.pth"
     for flags, said in (
-        (["--weights", out / "checkpoints" / "final.pth"], f"--weights {out / 'checkpoints' / 'final.pth'} is in the"),
-        (["--log", checkpoint, "--out", stopped], f"--log {checkpoint} is in the --checkpoints folder"),
         (
-            ["--checkpoints", tmp_path / "c", "--samples", tmp_path / "c"],
-            "--samples {} is in the --checkpoints".format(tmp_path / "c"),
+            ["--weights", out / "checkpoints" / "step-00000003.pth"],
+            "--checkpoints folder {} keeps its".format(out / "checkpoints"),
         ),
-        ([*tiers, "--weights", local / "w.pth"], f"is in the --local-checkpoints folder {local}, which holds"),
+        (["--log", checkpoint, "--out", stopped], f"--log {checkpoint} has a name the --checkpoints folder"),
+        (["--checkpoints", folder, "--samples", folder], f"--samples {folder} is the --checkpoints folder: give"),
+        ([*tiers, "--weights", local / "step-00000002.pth.tmp"], f"the --local-checkpoints folder {local} keeps its"),
+        ([*tiers, "--log", local / "step-00000002.dcp" / "log.csv"], "--local-checkpoints folder"),
         (["--checkpoints", kjv_folder], f"--checkpoints {kjv_folder} is in the --data folder {kjv_folder}"),
         (
             [*tiers[:2], "--local-checkpoints", kjv_folder / "l", *tiers[4:]],
@@ -175,6 +177,11 @@ def test_no_output_lands_in_a_checkpoint_folder_and_no_run_writes_in_the_data_fo
         refused = call_cli("train", "--out", out, "--data", kjv_folder, *SMALL, "--weights", tmp_path / "empty", *told)
         assert_one_line_error(refused, f"--weights {tmp_path / 'empty'} is not a torch file (it is a folder)")
     assert os.listdir(tmp_path) == ["empty"] and fingerprint(kjv_folder) == corpus and fingerprint(stopped) == before
+    beside = call_cli(
+        "train", "--out", folder, "--checkpoints", folder, "--data", kjv_folder, *SMALL, "--save-every", 4
+    )
+    assert beside.returncode == 0, beside.stderr  # OUT's own files beside its checkpoints: other names
+    assert sorted(os.listdir(folder)) == ["final.pth", "log.csv", "step-00000004.pth", "step-00000008.pth"]
 
 
 def test_output_folder_not_writable(tmp_path, kjv_folder):

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from exactresume.atomic import TMP_SUFFIX
 from exactresume.errors import CheckpointError
 from exactresume.store.locations import Checkpoint
 from exactresume.store.resume import STEP_KEY, check_resume_state
@@ -58,6 +59,13 @@ def check_checkpoint(checkpoint: Checkpoint, state: Any) -> dict:
     if state.get(STEP_KEY) != checkpoint.step:
         raise CheckpointError(f"{checkpoint.path}: holds step {state.get(STEP_KEY)}, not the step its name says")
     return state
+
+
+def is_store_name(name: str) -> bool:
+    """A name a store takes for its own in its folder: a checkpoint of either layout, one being written (its
+    temporary name), or one set aside."""
+    written = name.removesuffix(TMP_SUFFIX)
+    return any(layout.step_of(written) is not None for layout in LAYOUTS) or is_set_aside(name)
 
 
 def is_set_aside(name: str) -> bool:

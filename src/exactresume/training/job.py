@@ -50,6 +50,17 @@ def _within(path: Path, folder: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
+def _taken_by_store(path: Path, folder: Path) -> bool:
+    """Whether a store of `folder` would take `path` for its own (and write, prune or set it aside): the
+    folder itself, or what lies under a name of its checkpoints there."""
+    if not _within(path, folder):
+        return False
+    inside = Path(os.path.realpath(path)).relative_to(os.path.realpath(folder)).parts
+    from exactresume.store.layout import is_store_name  # with torch: only for an output in a checkpoint folder
+
+    return not inside or is_store_name(inside[0])
+
+
 @dataclass(frozen=True)
 class TrainJob:
     """Where a training run reads and writes, how it checkpoints, and which parts a resume leaves out."""
@@ -112,7 +123,7 @@ class TrainJob:
             raise UserError(f"--out {self.out} is the --data folder: give the run a folder of its own")
         if _within(self.out, self.data):
             raise UserError(f"--out {self.out} is in the --data folder {self.data}: give the run a folder of its own")
-        folders = self.checkpoint_folders()
+        folders = self._checkpoint_folders()
         for flag, folder in folders.items():  # the corpus's folder holds the corpus alone
             if _within(folder, self.data):
                 raise UserError(f"{flag} {folder} is in the --data folder {self.data}: give it a folder of its own")
@@ -121,15 +132,16 @@ class TrainJob:
             other = seen.setdefault(_identity(path), flag)  # a link to another output, soft or hard, is that output
             if other != flag:
                 raise UserError(f"{other} and {flag} name the same file, {path}: give each a file of its own")
-            # a store takes every file in its folder for a checkpoint of its own, and prunes them
-            holder = next((name for name, folder in folders.items() if _within(path, folder)), None)
+            holder = next((name for name, folder in folders.items() if _taken_by_store(path, folder)), None)
+            if holder is not None and _within(folders[holder], path):
+                raise UserError(f"{flag} {path} is the {holder} folder: give the file a place of its own")
             if holder is not None:
                 raise UserError(
-                    f"{flag} {path} is in the {holder} folder {folders[holder]}, which holds checkpoints alone: "
-                    "give the file another place"
+                    f"{flag} {path} has a name the {holder} folder {folders[holder]} keeps its checkpoints under: "
+                    "give the file another name or place"
                 )
 
-    def checkpoint_folders(self) -> dict[str, Path]:
+    def _checkpoint_folders(self) -> dict[str, Path]:
         """The local folders of the run's checkpoints, by the flag that names them (OUT/checkpoints by default)."""
         named = {"--checkpoints": self.checkpoint_folder, "--local-checkpoints": self.local_checkpoints}
         return {flag: folder for flag, folder in named.items() if isinstance(folder, Path)}
