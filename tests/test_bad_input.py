@@ -154,21 +154,22 @@ def test_no_output_takes_a_checkpoints_place_and_no_run_writes_in_the_data_folde
     out, local, folder = tmp_path / "run", tmp_path / "local", tmp_path / "c"
     tiers = ["--save-every", 1, "--local-checkpoints", local, "--durable-every", 2]
     checkpoint = stopped / "checkpoints" / "step-00000004.pth"
+    named = "is named as a store names its checkpoints: give the file another name"
+    data = f"is in the --data folder {kjv_folder}"
     for flags, said in (
-        (
-            ["--weights", out / "checkpoints" / "step-00000003.pth"],
-            "--checkpoints folder {} keeps its".format(out / "checkpoints"),
-        ),
-        (["--log", checkpoint, "--out", stopped], f"--log {checkpoint} has a name the --checkpoints folder"),
+        (["--weights", out / "checkpoints" / "step-00000003.pth"], named),
+        (["--log", checkpoint, "--out", stopped], f"--log {checkpoint} {named}"),
+        (["--weights", checkpoint, "--overwrite"], f"--weights {checkpoint} {named}"),  # another run's, whatever told
         (["--checkpoints", folder, "--samples", folder], f"--samples {folder} is the --checkpoints folder: give"),
-        ([*tiers, "--weights", local / "step-00000002.pth.tmp"], f"the --local-checkpoints folder {local} keeps its"),
-        ([*tiers, "--log", local / "step-00000002.dcp" / "log.csv"], "--local-checkpoints folder"),
-        (["--checkpoints", kjv_folder], f"--checkpoints {kjv_folder} is in the --data folder {kjv_folder}"),
+        ([*tiers, "--weights", local / "step-00000002.pth.tmp"], named),
+        ([*tiers, "--log", local / "step-00000002.dcp" / "log.csv"], named),
+        (["--weights", kjv_folder / "w.pth"], f"--weights {kjv_folder / 'w.pth'} {data}: give the file another place"),
+        (["--checkpoints", kjv_folder], f"--checkpoints {kjv_folder} {data}"),
         (
             [*tiers[:2], "--local-checkpoints", kjv_folder / "l", *tiers[4:]],
-            "--local-checkpoints {} is in the --data".format(kjv_folder / "l"),
+            f"--local-checkpoints {kjv_folder / 'l'} {data}",
         ),
-        (["--out", kjv_folder / "run"], f"--out {kjv_folder / 'run'} is in the --data folder {kjv_folder}"),
+        (["--out", kjv_folder / "run"], f"--out {kjv_folder / 'run'} {data}"),
     ):
         flags = flags if "--out" in flags else ["--out", out, *flags]
         assert_one_line_error(call_cli("train", "--data", kjv_folder, *SMALL, *flags), said)
@@ -182,6 +183,10 @@ def test_no_output_takes_a_checkpoints_place_and_no_run_writes_in_the_data_folde
     )
     assert beside.returncode == 0, beside.stderr  # OUT's own files beside its checkpoints: other names
     assert sorted(os.listdir(folder)) == ["final.pth", "log.csv", "step-00000004.pth", "step-00000008.pth"]
+    again = call_cli("train", "--out", folder, "--checkpoints", folder, "--data", kjv_folder, *SMALL, "--save-every", 4)
+    assert_one_line_error(
+        again, "and save beside its checkpoints in", "--overwrite does not replace: continue that run"
+    )
 
 
 def test_output_folder_not_writable(tmp_path, kjv_folder):
@@ -226,11 +231,13 @@ def test_a_fresh_run_overwrites_no_earlier_runs_outputs_unless_told(tmp_path, kj
     assert_one_line_error(finished, f"--log and --samples name the same file, {tmp_path / 'log.csv'}")
     assert os.listdir(tmp_path) == [] and fingerprint(stopped) == before
     corpus = fingerprint(kjv_folder)
+    tokens = tmp_path / "val.npy"  # the corpus's token file, copied out of its folder (where no output may go)
+    tokens.write_bytes((kjv_folder / "val.npy").read_bytes())
     for told in (["--overwrite"], ["--resume", stopped / "resume.pth"]):  # a file of another kind, whatever the flags
-        finished = call_cli(
-            "train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--weights", kjv_folder / "val.npy", *told
-        )
-        assert_one_line_error(finished, f"--weights {kjv_folder / 'val.npy'} is not a torch file (it begins b")
+        finished = call_cli("train", "--out", tmp_path, "--data", kjv_folder, *SMALL, "--weights", tokens, *told)
+        assert_one_line_error(finished, f"--weights {tokens} is not a torch file (it begins b")
+    assert tokens.read_bytes() == (kjv_folder / "val.npy").read_bytes()
+    tokens.unlink()
     (tmp_path / "link.csv").symlink_to(stopped / "log.csv")
     finished = call_cli("train", "--out", stopped, "--data", kjv_folder, *SMALL, "--samples", tmp_path / "link.csv")
     assert_one_line_error(finished, "--log and --samples name the same file")
@@ -240,7 +247,7 @@ def test_a_fresh_run_overwrites_no_earlier_runs_outputs_unless_told(tmp_path, kj
     assert_one_line_error(finished, "--log and --samples name the same file")
     (tmp_path / "hard.csv").unlink()
     finished = call_cli("train", "--out", tmp_path / "o", "--data", kjv_folder, *SMALL, "--weights", kjv_folder)
-    assert_one_line_error(finished, f"--weights {kjv_folder} is not a torch file (it is a folder)")
+    assert_one_line_error(finished, f"--weights {kjv_folder} is in the --data folder")  # a folder, and the corpus's
     assert fingerprint(kjv_folder) == corpus and fingerprint(stopped) == before
     copy = tmp_path / "copy"
     copy.mkdir()

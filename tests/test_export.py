@@ -102,3 +102,17 @@ def test_export_refuses_to_overwrite_its_source(resume_file):
     before = resume_file.read_bytes()
     assert_one_line_error(call_cli("export", resume_file, "-o", resume_file), "overwrite")
     assert resume_file.read_bytes() == before
+
+
+def test_a_file_already_at_out_is_replaced_only_when_told_and_a_folder_never(tmp_path, resume_file):
+    """A typo'd -o (the corpus's train.npy, a log, a checkpoint) must lose nothing: one line, the file as it was."""
+    taken = tmp_path / "log.csv"
+    taken.write_text("step,train_loss\n1,2.5\n")
+    refused = call_cli("export", resume_file, "-o", taken, "--data", tmp_path)
+    assert_one_line_error(refused, f"-o {taken} exists: give another path, or --overwrite to replace it")
+    assert taken.read_text() == "step,train_loss\n1,2.5\n"
+    for told in ([], ["--overwrite"]):
+        refused = call_cli("export", resume_file, "-o", tmp_path, "--data", tmp_path, *told)
+        assert_one_line_error(refused, f"-o {tmp_path} is a folder: give the file to write")
+    assert call_cli("export", resume_file, "-o", taken, "--data", tmp_path, "--overwrite").returncode == 0
+    assert taken.read_bytes().startswith(b"PK")  # replaced, as asked

@@ -131,7 +131,8 @@ def train_summary(job, argv: list[str], memory: dict | None = None) -> dict:
         "resume": written(job.resume_file) if stopped else None,
         "weights": None if stopped else written(job.weights_file),
         "log": written(job.log_file) | {"rows": len(rows)} if job.log_file.exists() else None,
-        "checkpoint": newest(job.checkpoint_folder),
+        # a run that saves none names none: what its folder holds is another run's (or an earlier one's)
+        "checkpoint": newest(job.checkpoint_folder) if job.save_every else None,
         "local_checkpoint": newest(job.local_checkpoints) if job.local_checkpoints else None,
         "samples": written(job.samples) if job.samples else None,
         "divergence": written(job.divergence) if job.divergence else None,

@@ -20,6 +20,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("pt", "safetensors"), help="container (default: from OUT's suffix)")
     parser.add_argument("--clamp", action="store_true", help="saturate values beyond fp16's ±65504 instead of refusing")
     parser.add_argument("--data", type=given_path, default=DEFAULT_DATA, help="folder with val.npy for the logit check")
+    parser.add_argument("--overwrite", action="store_true", help="replace a file already at OUT (never a folder)")
     add_output_flags(parser, progress=False)
 
 
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         format=args.format or format_for(args.out),
         clamp=args.clamp,
         data=args.data,
+        overwrite=args.overwrite,
     )
     result = export_weights(config)
     summary = {"command": "export", "source": str(config.source), "out": str(config.out), "dtype": config.dtype}

@@ -10,8 +10,10 @@ defines it (training/job.py), and everything below takes the job.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
+from pathlib import Path
 
 from exactresume import summaries
 from exactresume.commands.config_flags import (
@@ -187,9 +189,27 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def _checkpoints_in(folder: Path) -> bool:
+    """Whether `folder` holds a checkpoint's name (one written, being written or set aside)."""
+    names = os.listdir(folder) if folder.is_dir() else []
+    if not names:
+        return False
+    from exactresume.store.layout import is_store_name  # with torch: only where the folder holds something
+
+    return any(map(is_store_name, names))
+
+
 def _refuse_earlier_outputs(job) -> None:
     """A fresh run never overwrites what an earlier run left in its place: one line, nothing written."""
     found = [str(path) for path in job.earlier_outputs()]
+    # its checkpoints too, which no flag replaces: --overwrite would only meet the store's refusal next
+    held = [str(folder) for folder in job.checkpoint_folders().values() if _checkpoints_in(folder)]
+    if found and held and job.save_every:
+        raise UserError(
+            f"this fresh run would overwrite an earlier run's {listed(found)} and save beside its checkpoints in "
+            f"{listed(held)}, which --overwrite does not replace: continue that run with --resume auto, or give "
+            "this one another --out"
+        )
     if found:
         them = "it" if len(found) == 1 else "them"
         raise UserError(

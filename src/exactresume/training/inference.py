@@ -13,6 +13,7 @@ the largest logit difference between the source and the exported weights on its 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class ExportConfig:
     format: str = "pt"  # "pt" (a torch state dict, MiniMind's own format) or "safetensors"
     clamp: bool = False  # saturate values beyond fp16's range instead of refusing
     data: Path | None = None  # folder with val.npy for the logit check; None skips it
+    overwrite: bool = False  # a file already at `out` may be replaced (a folder never)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -57,6 +59,10 @@ class ExportConfig:
             raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {self.format}")
         if Path(self.out).resolve() == Path(self.source).resolve():
             raise UserError(f"-o {self.out} would overwrite the file being exported")
+        if Path(self.out).is_dir():
+            raise UserError(f"-o {self.out} is a folder: give the file to write")
+        if os.path.lexists(self.out) and not self.overwrite:
+            raise UserError(f"-o {self.out} exists: give another path, or --overwrite to replace it")
 
 
 def format_for(out: Path) -> str:

@@ -50,15 +50,15 @@ def _within(path: Path, folder: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
-def _taken_by_store(path: Path, folder: Path) -> bool:
-    """Whether a store of `folder` would take `path` for its own (and write, prune or set it aside): the
-    folder itself, or what lies under a name of its checkpoints there."""
-    if not _within(path, folder):
+def _named_as_a_checkpoint(path: Path) -> bool:
+    """Whether `path`, or a folder it lies in, has a name a store takes for its own (a checkpoint, one being
+    written or set aside), in this run's checkpoint folders or another's: a store would write, prune or set it aside."""
+    parts = Path(os.path.realpath(path)).parts
+    if not any(part.startswith("step-") for part in parts):  # every such name begins so: no torch to import
         return False
-    inside = Path(os.path.realpath(path)).relative_to(os.path.realpath(folder)).parts
-    from exactresume.store.layout import is_store_name  # with torch: only for an output in a checkpoint folder
+    from exactresume.store.layout import is_store_name
 
-    return not inside or is_store_name(inside[0])
+    return any(is_store_name(part) for part in parts)
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class TrainJob:
             raise UserError(f"--out {self.out} is the --data folder: give the run a folder of its own")
         if _within(self.out, self.data):
             raise UserError(f"--out {self.out} is in the --data folder {self.data}: give the run a folder of its own")
-        folders = self._checkpoint_folders()
+        folders = self.checkpoint_folders()
         for flag, folder in folders.items():  # the corpus's folder holds the corpus alone
             if _within(folder, self.data):
                 raise UserError(f"{flag} {folder} is in the --data folder {self.data}: give it a folder of its own")
@@ -132,16 +132,15 @@ class TrainJob:
             other = seen.setdefault(_identity(path), flag)  # a link to another output, soft or hard, is that output
             if other != flag:
                 raise UserError(f"{other} and {flag} name the same file, {path}: give each a file of its own")
-            holder = next((name for name, folder in folders.items() if _taken_by_store(path, folder)), None)
-            if holder is not None and _within(folders[holder], path):
-                raise UserError(f"{flag} {path} is the {holder} folder: give the file a place of its own")
+            holder = next((name for name, folder in folders.items() if _identity(folder) == _identity(path)), None)
             if holder is not None:
-                raise UserError(
-                    f"{flag} {path} has a name the {holder} folder {folders[holder]} keeps its checkpoints under: "
-                    "give the file another name or place"
-                )
+                raise UserError(f"{flag} {path} is the {holder} folder: give the file a place of its own")
+            if _named_as_a_checkpoint(path):
+                raise UserError(f"{flag} {path} is named as a store names its checkpoints: give the file another name")
+            if _within(path, self.data):
+                raise UserError(f"{flag} {path} is in the --data folder {self.data}: give the file another place")
 
-    def _checkpoint_folders(self) -> dict[str, Path]:
+    def checkpoint_folders(self) -> dict[str, Path]:
         """The local folders of the run's checkpoints, by the flag that names them (OUT/checkpoints by default)."""
         named = {"--checkpoints": self.checkpoint_folder, "--local-checkpoints": self.local_checkpoints}
         return {flag: folder for flag, folder in named.items() if isinstance(folder, Path)}
