@@ -104,15 +104,27 @@ def test_export_refuses_to_overwrite_its_source(resume_file):
     assert resume_file.read_bytes() == before
 
 
-def test_a_file_already_at_out_is_replaced_only_when_told_and_a_folder_never(tmp_path, resume_file):
-    """A typo'd -o (the corpus's train.npy, a log, a checkpoint) must lose nothing: one line, the file as it was."""
+def test_out_replaces_only_an_earlier_export_and_only_when_told(tmp_path, resume_file, kjv_folder):
+    """A typo'd -o (the corpus's train.npy, a log, a checkpoint, a folder) loses nothing: one line each, every
+    file as it was; an earlier export is replaced with --overwrite alone."""
     taken = tmp_path / "log.csv"
     taken.write_text("step,train_loss\n1,2.5\n")
-    refused = call_cli("export", resume_file, "-o", taken, "--data", tmp_path)
-    assert_one_line_error(refused, f"-o {taken} exists: give another path, or --overwrite to replace it")
-    assert taken.read_text() == "step,train_loss\n1,2.5\n"
-    for told in ([], ["--overwrite"]):
-        refused = call_cli("export", resume_file, "-o", tmp_path, "--data", tmp_path, *told)
-        assert_one_line_error(refused, f"-o {tmp_path} is a folder: give the file to write")
-    assert call_cli("export", resume_file, "-o", taken, "--data", tmp_path, "--overwrite").returncode == 0
-    assert taken.read_bytes().startswith(b"PK")  # replaced, as asked
+    checkpoint = tmp_path / "checkpoints" / "step-00000004.pth"
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(resume_file.read_bytes())
+    corpus = {path.name: path.read_bytes() for path in kjv_folder.iterdir()}
+    for out, told, said in (
+        (taken, [], f"-o {taken} exists: give another path, or --overwrite to replace it"),
+        (taken, ["--overwrite"], f"-o {taken} is not a pt file (it begins b'step,tra"),
+        (tmp_path, ["--overwrite"], f"-o {tmp_path} is a folder: give the file to write"),
+        (checkpoint, ["--overwrite"], f"-o {checkpoint} is named as a store names its checkpoints"),
+        (kjv_folder / "train.npy", ["--overwrite"], f"is in the --data folder {kjv_folder}"),
+        (kjv_folder / "new.pt", [], f"is in the --data folder {kjv_folder}"),
+    ):
+        assert_one_line_error(call_cli("export", resume_file, "-o", out, "--data", kjv_folder, *told), said)
+    assert taken.read_text() == "step,train_loss\n1,2.5\n" and checkpoint.read_bytes() == resume_file.read_bytes()
+    assert {path.name: path.read_bytes() for path in kjv_folder.iterdir()} == corpus
+    export = tmp_path / "m.pt"
+    assert call_cli("export", resume_file, "-o", export, "--data", tmp_path).returncode == 0
+    assert call_cli("export", resume_file, "-o", export, "--data", tmp_path, "--dtype", "bf16").returncode == 2
+    assert call_cli("export", resume_file, "-o", export, "--data", tmp_path, "--overwrite").returncode == 0

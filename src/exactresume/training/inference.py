@@ -24,7 +24,9 @@ from exactresume.atomic import ensure_writable_folder
 from exactresume.core.model import MiniMindLM, model_from_state_dict
 from exactresume.errors import UserError
 from exactresume.store.safetensors_weights import save_safetensors
+from exactresume.store.sealed import ZIP_START, first_bytes
 from exactresume.store.weights import read_weights, save_weights
+from exactresume.training.outputs import named_as_a_checkpoint, within
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 FORMATS = ("pt", "safetensors")
@@ -59,10 +61,32 @@ class ExportConfig:
             raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {self.format}")
         if Path(self.out).resolve() == Path(self.source).resolve():
             raise UserError(f"-o {self.out} would overwrite the file being exported")
+        self._check_out()
+
+    def _check_out(self) -> None:
+        """OUT takes no place a store or the corpus holds, whatever the flags; an earlier export's only when told."""
         if Path(self.out).is_dir():
             raise UserError(f"-o {self.out} is a folder: give the file to write")
+        if named_as_a_checkpoint(self.out):
+            raise UserError(f"-o {self.out} is named as a store names its checkpoints: give the file another name")
+        prepared = ("manifest.json", "val.npy")  # a corpus's folder, not any folder given as --data
+        corpus = self.data is not None and any((Path(self.data) / name).exists() for name in prepared)
+        if corpus and within(self.out, self.data):
+            raise UserError(f"-o {self.out} is in the --data folder {self.data}: give the file another place")
         if os.path.lexists(self.out) and not self.overwrite:
             raise UserError(f"-o {self.out} exists: give another path, or --overwrite to replace it")
+        if os.path.lexists(self.out) and not _an_export(Path(self.out), self.format):
+            raise UserError(
+                f"-o {self.out} is not a {self.format} file (it begins {first_bytes(Path(self.out), 16)!r}): an "
+                "export writes over an earlier export, never over a file of another kind; give another path"
+            )
+
+
+def _an_export(path: Path, format: str) -> bool:
+    """Whether `path` holds what an export of `format` writes: a torch file, or a safetensors one (its header's
+    length, then its JSON)."""
+    head = first_bytes(path, 9)
+    return head.startswith(ZIP_START) if format == "pt" else len(head) == 9 and head[8:9] == b"{"
 
 
 def format_for(out: Path) -> str:

@@ -20,6 +20,7 @@ from exactresume.config import TrainConfig, check_keep, check_stop_at, check_wai
 from exactresume.errors import UserError
 from exactresume.parallel.split import check_split
 from exactresume.store.locations import Location, S3Location
+from exactresume.training.outputs import named_as_a_checkpoint, within
 
 # --resume auto (store.access.AUTO): the newest valid checkpoint in --checkpoints (default OUT/checkpoints),
 # or a fresh start
@@ -42,23 +43,6 @@ def _identity(path: Path) -> object:
     except OSError:
         return os.path.realpath(path)
     return (found.st_dev, found.st_ino)
-
-
-def _within(path: Path, folder: Path) -> bool:
-    """Whether `path` is `folder` or lies under it (links followed as far as they exist)."""
-    inner, outer = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
-    return inner == outer or outer in inner.parents
-
-
-def _named_as_a_checkpoint(path: Path) -> bool:
-    """Whether `path`, or a folder it lies in, has a name a store takes for its own (a checkpoint, one being
-    written or set aside), in this run's checkpoint folders or another's: a store would write, prune or set it aside."""
-    parts = Path(os.path.realpath(path)).parts
-    if not any(part.startswith("step-") for part in parts):  # every such name begins so: no torch to import
-        return False
-    from exactresume.store.layout import is_store_name
-
-    return any(is_store_name(part) for part in parts)
 
 
 @dataclass(frozen=True)
@@ -121,11 +105,11 @@ class TrainJob:
     def _check_outputs_apart(self) -> None:
         if _identity(self.out) == _identity(self.data):
             raise UserError(f"--out {self.out} is the --data folder: give the run a folder of its own")
-        if _within(self.out, self.data):
+        if within(self.out, self.data):
             raise UserError(f"--out {self.out} is in the --data folder {self.data}: give the run a folder of its own")
         folders = self.checkpoint_folders()
         for flag, folder in folders.items():  # the corpus's folder holds the corpus alone
-            if _within(folder, self.data):
+            if within(folder, self.data):
                 raise UserError(f"{flag} {folder} is in the --data folder {self.data}: give it a folder of its own")
         seen: dict[str, str] = {}
         for flag, path in self.outputs().items():
@@ -135,9 +119,9 @@ class TrainJob:
             holder = next((name for name, folder in folders.items() if _identity(folder) == _identity(path)), None)
             if holder is not None:
                 raise UserError(f"{flag} {path} is the {holder} folder: give the file a place of its own")
-            if _named_as_a_checkpoint(path):
+            if named_as_a_checkpoint(path):
                 raise UserError(f"{flag} {path} is named as a store names its checkpoints: give the file another name")
-            if _within(path, self.data):
+            if within(path, self.data):
                 raise UserError(f"{flag} {path} is in the --data folder {self.data}: give the file another place")
 
     def checkpoint_folders(self) -> dict[str, Path]:

@@ -7,12 +7,30 @@ corpus's token file, say, is refused whatever the flags, before anything is writ
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from exactresume.core.steplog import DIVERGENCE_HEADER, LOSS_HEADER, SAMPLES_HEADER
 from exactresume.errors import UserError
 
 LOG_HEADERS = {"--log": LOSS_HEADER, "--samples": SAMPLES_HEADER, "--divergence": DIVERGENCE_HEADER}
+
+
+def within(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies under it (links followed as far as they exist)."""
+    inner, outer = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    return inner == outer or outer in inner.parents
+
+
+def named_as_a_checkpoint(path: Path) -> bool:
+    """Whether `path`, or a folder it lies in, has a name a store takes for its own (a checkpoint, one being
+    written or set aside), in any store's folder: a store would write, prune or set it aside."""
+    parts = Path(os.path.realpath(path)).parts
+    if not any(part.startswith("step-") for part in parts):  # every such name begins so: no torch to import
+        return False
+    from exactresume.store.layout import is_store_name
+
+    return any(is_store_name(part) for part in parts)
 
 
 def refuse_other_kinds(outputs: dict[str, Path]) -> None:
