@@ -203,8 +203,9 @@ def _refuse_earlier_outputs(job) -> None:
     """A fresh run never overwrites what an earlier run left in its place: one line, nothing written."""
     found = [str(path) for path in job.earlier_outputs()]
     # its checkpoints too, which no flag replaces: --overwrite would only meet the store's refusal next
-    held = [str(folder) for folder in job.checkpoint_folders().values() if _checkpoints_in(folder)]
-    if found and held and job.save_every:
+    folders = job.checkpoint_folders().values() if found and job.save_every else ()
+    held = [str(folder) for folder in folders if _checkpoints_in(folder)]
+    if held:
         raise UserError(
             f"this fresh run would overwrite an earlier run's {listed(found)} and save beside its checkpoints in "
             f"{listed(held)}, which --overwrite does not replace: continue that run with --resume auto, or give "

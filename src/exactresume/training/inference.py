@@ -73,9 +73,11 @@ class ExportConfig:
         corpus = self.data is not None and any((Path(self.data) / name).exists() for name in prepared)
         if corpus and within(self.out, self.data):
             raise UserError(f"-o {self.out} is in the --data folder {self.data}: give the file another place")
-        if os.path.lexists(self.out) and not self.overwrite:
+        if not os.path.lexists(self.out):
+            return
+        if not self.overwrite:
             raise UserError(f"-o {self.out} exists: give another path, or --overwrite to replace it")
-        if os.path.lexists(self.out) and not _an_export(Path(self.out), self.format):
+        if not _an_export(Path(self.out), self.format):
             raise UserError(
                 f"-o {self.out} is not a {self.format} file (it begins {first_bytes(Path(self.out), 16)!r}): an "
                 "export writes over an earlier export, never over a file of another kind; give another path"
