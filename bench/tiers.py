@@ -6,6 +6,7 @@ the one before is written skipped) over steps/s without saving, in the same roun
 
     local-disk   the local tier on this machine's disk (beside the output), durable every `--durable-every`
     local-shm    the local tier on /dev/shm, durable on the disk, every `--durable-every`
+    local-shm-process  the same, pickled by the helper process (`serializer="process"`, serializer.py)
     one-tier     the same saves into one folder on the disk, no tiers: today's `--save-every 1 --async-save`
 
 and the durable copy's cost to the loop: steps/s with the copy every `--durable-every` steps over
@@ -42,11 +43,12 @@ def _throughput(run, scratch: Path, reps: int, steps: int, **options) -> dict:
 def bench_tiers(run, out: Path, reps: int, steps: int, durable_every: int) -> dict:
     scratch = out / "scratch"
     figures = {"one-tier": _throughput(run, scratch, reps, steps)}
-    kinds = [("local-disk", out, durable_every), ("local-shm", SHARED_MEMORY, durable_every)]
-    for name, local_root, every in [*kinds, ("durable-copy-cost", SHARED_MEMORY, NEVER)]:
+    kinds = [("local-disk", out, durable_every, "thread"), ("local-shm", SHARED_MEMORY, durable_every, "thread")]
+    kinds += [("local-shm-process", SHARED_MEMORY, durable_every, "process")]
+    for name, local_root, every, serializer in [*kinds, ("durable-copy-cost", SHARED_MEMORY, NEVER, "thread")]:
         with tempfile.TemporaryDirectory(prefix="exactresume-bench-tiers-", dir=local_root) as local:
             tiers = {"checkpoints": out / "durable", "local": Path(local) / "local", "durable_every": every}
-            figures[name] = _throughput(run, scratch, reps, steps, **tiers)
+            figures[name] = _throughput(run, scratch, reps, steps, serializer=serializer, **tiers)
         shutil.rmtree(out / "durable", ignore_errors=True)
     local, none_due = figures["local-shm"]["ratio"], figures["durable-copy-cost"]["ratio"]
     figures["durable-copy-cost"]["copy_over_no_copy"] = local / none_due

@@ -95,8 +95,11 @@ def _add_checkpoint_flags(checkpoints) -> None:
     )
     checkpoints.add_argument(
         "--async-save",
-        action="store_true",
-        help="write the periodic checkpoints in the background: training waits only for a copy of the state",
+        nargs="?",
+        const="thread",
+        choices=("thread", "process"),
+        help="write the periodic checkpoints in the background (training waits only for a copy of the state);"
+        " with 'process' a helper process pickles them, not a thread of the training process",
     )
     checkpoints.add_argument(
         "--allow-change",

@@ -48,6 +48,7 @@ the write ends takes the state of its own step.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import threading
 import time
@@ -64,6 +65,7 @@ from exactresume.store.copy_guard import CopyGuard
 from exactresume.store.place import Publishing
 from exactresume.store.resume import capture, rebuilt
 from exactresume.store.seal_hash import thread_in_this_context
+from exactresume.store.serializer import PROCESS, THREAD, SerializerProcess, SharedArena, available
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -91,50 +93,109 @@ class _AfterAFailure(Exception):
     """A save not published because the one before it failed (that failure is what is raised)."""
 
 
+class _ArenaMisfit(Exception):
+    """The state's storages are not those the shared arena was made for: it is made anew."""
+
+
 class StagingMemory:
     """Reusable CPU copies of a state's tensors; tensors that share storage keep sharing it.
 
     Storages, not tensors, are copied, because that is what torch.save writes: tied weights stay one
-    record, and a view keeps its offset and strides.
+    record, and a view keeps its offset and strides. `shared`: the storages are slices of one arena
+    that the serializer process maps too (serializer.py), made anew when the state's storages change.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
         self.pool: list[torch.UntypedStorage] = []  # the n-th distinct storage of the last copy
+        self.shared, self.arena = shared, None
+        # The last copy's pairs, by the source storage's key: (pool index, target storage, target bytes,
+        # source bytes). Kept, a save every step makes no byte views (a quarter of a copy's Python); a
+        # pair holds its source storage, so no other storage can come to have its key meanwhile.
+        self._pairs: dict[tuple, tuple[int, torch.UntypedStorage, torch.Tensor, torch.Tensor]] = {}
 
     def copy(self, state: Any, after_each: Callable[[torch.Tensor], None] | None = None) -> Any:
         """A copy of `state` whose tensors live in this staging memory; `after_each(tensor)` follows
         the copy of each of its tensors."""
-        staged: dict = {}
+        try:
+            return self._copy(state, after_each)
+        except _ArenaMisfit:
+            self._fit_arena(_storage_sizes(state))
+            return self._copy(state, after_each)
+
+    def forget_sources(self) -> None:
+        """Hold none of the state's storages (the copies stay, for the next save)."""
+        self._pairs = {}
+
+    def _copy(self, state: Any, after_each: Callable[[torch.Tensor], None] | None) -> Any:
+        pairs: dict = {}
 
         def stage(tensor: torch.Tensor) -> torch.Tensor:
-            copied = self._copy_tensor(tensor, staged)
+            copied = self._copy_tensor(tensor, pairs)
             if after_each is not None:
                 after_each(tensor)
             return copied
 
-        return rebuilt(state, stage)
+        staged = rebuilt(state, stage)
+        self._pairs = pairs
+        return staged
 
-    def _copy_tensor(self, tensor: torch.Tensor, staged: dict) -> torch.Tensor:
+    def _fit_arena(self, sizes: list[int]) -> None:
+        if self.arena is not None:
+            self.arena.close()
+        self.arena = SharedArena(sizes)
+        self.pool, self._pairs = list(self.arena.storages), {}
+
+    def _copy_tensor(self, tensor: torch.Tensor, pairs: dict) -> torch.Tensor:
         source = tensor.untyped_storage()
-        key = (source.data_ptr(), source.device, source.nbytes())
-        target = staged.get(key) if source.nbytes() else None
-        if target is None:
-            target = self._storage(len(staged), source.nbytes())
-            # Copied as byte tensors: a tensor's copy_ lets go of the interpreter lock while it copies, a
-            # storage's holds it, and the loop's thread waits for every millisecond the writer holds it.
-            _bytes_of(target).copy_(_bytes_of(source))
-            staged[key] = target
+        key = _storage_key(source)
+        if not key[2]:  # nothing to copy nor to share (every empty storage has the same key)
+            target = torch.UntypedStorage(0)
+        else:
+            pair = pairs.get(key)
+            if pair is None:
+                pair = pairs[key] = self._pair(key, source, len(pairs))
+                # Copied as byte tensors: a tensor's copy_ lets go of the interpreter lock while it copies, a
+                # storage's holds it, and the loop's thread waits for every millisecond the writer holds it.
+                pair[2].copy_(pair[3])
+            target = pair[1]
         return torch.empty(0, dtype=tensor.dtype).set_(target, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _pair(self, key: tuple, source: torch.UntypedStorage, index: int) -> tuple:
+        kept = self._pairs.get(key)
+        if kept is not None and kept[0] == index:  # the pool changes only in a copy, whose pairs these are
+            return kept
+        target = self._storage(index, key[2])
+        return index, target, _bytes_of(target), _bytes_of(source)
 
     def _storage(self, index: int, nbytes: int) -> torch.UntypedStorage:
         if index < len(self.pool) and self.pool[index].nbytes() == nbytes:
             return self.pool[index]
+        if self.shared:
+            raise _ArenaMisfit
         storage = torch.UntypedStorage(nbytes)
         if index < len(self.pool):
             self.pool[index] = storage
         else:
             self.pool.append(storage)
         return storage
+
+
+def _storage_key(storage: torch.UntypedStorage) -> tuple:
+    return storage.data_ptr(), storage.device, storage.nbytes()
+
+
+def _storage_sizes(state: Any) -> list[int]:
+    """The bytes of each distinct storage of `state`'s tensors, in the order `StagingMemory.copy` meets them."""
+    sizes: dict[tuple, int] = {}
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor.untyped_storage())
+        if key[2]:  # an empty storage is not staged (`_copy_tensor`)
+            sizes.setdefault(key, key[2])
+        return tensor
+
+    rebuilt(state, note)
+    return list(sizes.values())
 
 
 _WRITERS: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
@@ -178,10 +239,14 @@ class BackgroundWriter:
     for it (the optimizer's step, or `wait_for_copy()`); a change refuses the save (module docstring).
     """
 
-    def __init__(self, store: Stages, copy: str = BEFORE_RETURN):
+    def __init__(self, store: Stages, copy: str = BEFORE_RETURN, serializer: str = THREAD):
         if copy not in (BEFORE_RETURN, DURING_NEXT_STEP):
             raise FieldError(f"copy must be {BEFORE_RETURN!r} or {DURING_NEXT_STEP!r}, got {copy!r}", "copy")
-        self.store, self.copy, self.staging = store, copy, StagingMemory()
+        if serializer not in (THREAD, PROCESS):
+            raise FieldError(f"serializer must be {THREAD!r} or {PROCESS!r}, got {serializer!r}", "serializer")
+        in_a_process = serializer == PROCESS and available()
+        self.store, self.copy, self.staging = store, copy, StagingMemory(shared=in_a_process)
+        self.serializer = SerializerProcess() if in_a_process else None
         self.blocked_seconds = 0.0
         self._writer: threading.Thread | None = None
         self._guard: CopyGuard | None = None  # the copy in flight, with copy="during-next-step"
@@ -269,6 +334,9 @@ class BackgroundWriter:
             for handle in self._hooks.values():
                 handle.remove()
             self._hooks.clear()
+            self.staging.forget_sources()
+            if self.serializer is not None:
+                self.serializer.close()
 
     def _hook_optimizers(self, parts: Mapping[str, Stateful]) -> None:
         for part in parts.values():
@@ -294,7 +362,8 @@ class BackgroundWriter:
                 functools.partial(self._ready_to_publish, guard, before, milestones),
                 functools.partial(self._published, step, milestones),
             )
-            self.store.commit(step, staged, publishing=publishing)
+            with self._serialized(staged) as payload:
+                self.store.commit(step, payload, publishing=publishing)
         except _AfterAFailure:
             pass  # the save before failed: this one is not published, and that failure is raised next
         except OSError as error:
@@ -305,6 +374,12 @@ class BackgroundWriter:
             if before is not None:
                 before.join()  # no writer outlives the one a `wait` joins
             milestones.reached_all()
+
+    def _serialized(self, staged: Any) -> contextlib.AbstractContextManager[Any]:
+        """What the store writes: the staged state, or its bytes pickled by the serializer process."""
+        if self.serializer is None:
+            return contextlib.nullcontext(staged)
+        return self.serializer.serialized(staged, self.staging.arena)
 
     def _ready_to_publish(
         self, guard: CopyGuard | None, before: threading.Thread | None, milestones: _Milestones

@@ -36,7 +36,7 @@ from exactresume.store.lock import FolderLock
 from exactresume.store.place import Publishing
 from exactresume.store.resume import tensors_in
 from exactresume.store.seal_hash import SealError
-from exactresume.store.sealed import Written, load_sealed, verify, write_sealed
+from exactresume.store.sealed import Serialized, Written, load_sealed, verify, write_sealed
 from exactresume.world import World
 
 if TYPE_CHECKING:
@@ -258,6 +258,8 @@ def _refuse_a_file_in_the_way(folder: Path) -> None:
 
 
 def _tensor_bytes(state: Any) -> int:
+    if isinstance(state, Serialized):
+        return len(state.view)
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors_in(state))
 
 

@@ -64,6 +64,7 @@ from exactresume.store.refusals import (
 from exactresume.store.resume import capture, check_parts, check_step, for_one_file, per_rank, restore, started_fresh
 from exactresume.store.save_gate import SaveGate
 from exactresume.store.seal_hash import SealError, keyed, sealing, sealing_for
+from exactresume.store.serializer import THREAD
 from exactresume.store.tiers import DurableCopy
 from exactresume.world import World, given_world, launched_by_torchrun
 
@@ -102,6 +103,7 @@ class CheckpointStore:
         lock: FolderLock | None = None,
         background: bool = False,
         copy: str | None = None,
+        serializer: str | None = None,
         world: World | None = None,
         sharded: bool = False,
         identity: dict | None = None,
@@ -124,14 +126,14 @@ class CheckpointStore:
             self._add_local_tier(local, durable_every)
         self.folder: Location = self.place.folder
         self.identity, self.gate = check_identity(identity), SaveGate()
-        self.world, self.writer = _saving_world(background, copy, world, sharded), None
+        self.world, self.writer = _saving_world(background, copy, world, sharded, serializer), None
         self.coalesced = 0  # saves skipped by `coalesce` because the one before was still being written
         self.closed = False
         # checkpoints found to verify, and to be sealed otherwise (SealError), by path: each read once
         self.sound: frozenset[Location] = frozenset()
         self.sealed_otherwise: dict[Location, str] = {}
         if background and self.world.is_main:
-            self.writer = BackgroundWriter(self, copy or BEFORE_RETURN)
+            self.writer = BackgroundWriter(self, copy or BEFORE_RETURN, serializer or THREAD)
 
     def _add_local_tier(self, local: Path | str | None, durable_every: int | None) -> None:
         """Saves land in the folder `local`; every `durable_every`-th step is copied to the store's folder."""
@@ -593,13 +595,19 @@ def _place(
     return DiskFolder(where, notify, lock)
 
 
-def _saving_world(background: bool, copy: str | None, world: World | None, sharded: bool) -> World:
+def _saving_world(
+    background: bool, copy: str | None, world: World | None, sharded: bool, serializer: str | None
+) -> World:
     """The processes that save together (rank 0 writes a one-file checkpoint), once the options that
     decide how a save runs are checked: a sharded store is torchrun's world unless given one."""
     if not isinstance(background, bool):
         raise FieldError(f"background must be True or False, got {background!r}", "background")
     if copy is not None and not background:
         raise FieldError("copy= says how a background save copies the state: give background=True with it", "copy")
+    if serializer is not None and not background:
+        raise FieldError(
+            "serializer= says where a background save is pickled: give background=True with it", "serializer"
+        )
     if sharded and background:
         raise FieldError("a sharded store saves in the foreground: every rank writes its shard", "background")
     return given_world(world, World.from_env() if sharded else World())

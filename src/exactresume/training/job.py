@@ -61,7 +61,7 @@ class TrainJob:
     save_every: int | None = None  # also checkpoint to out/checkpoints every N steps and at the end
     keep: int | None = 3  # newest checkpoints kept in out/checkpoints; 0 or None keeps all (None once made)
     allow_change: frozenset[str] = field(default_factory=frozenset)  # keys of ALLOWED_CHANGES
-    async_save: bool = False  # periodic checkpoints written by a background thread (background.py)
+    async_save: str | None = None  # periodic checkpoints written in the background, pickled in a thread or a process
     sharded: bool = False  # write the resume state as a DCP folder, out/resume.dcp, each rank its shard
     divergence: Path | None = None  # step a fully restored twin alongside; log the distance (divergence.py)
     wait_lock: float = 0.0  # seconds to wait for another writer of OUT to finish

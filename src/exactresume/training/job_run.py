@@ -99,9 +99,11 @@ class JobRun:
         the optimizer's step, which waits for the copy (a change before it would refuse the save)."""
         job = self.job
         wait = {"wait_lock": job.wait_lock} if is_s3(job.checkpoint_folder) else {}
-        copy = DURING_NEXT_STEP if job.async_save else None
+        background = job.async_save is not None
+        copy, serializer = (DURING_NEXT_STEP, job.async_save) if background else (None, None)
         # Under FSDP2 every rank writes its shard of each checkpoint: nothing is gathered on one rank.
-        options = {"background": job.async_save, "copy": copy, "world": self.world, "sharded": job.config.fsdp, **wait}
+        options = {"background": background, "copy": copy, "serializer": serializer, "world": self.world, **wait}
+        options["sharded"] = job.config.fsdp
         if job.local_checkpoints is not None:  # a local checkpoint is this run's when it was written into OUT's run
             tiers = {"local": job.local_checkpoints, "durable_every": job.durable_every, "identity": self.identity}
             options |= tiers
@@ -253,7 +255,7 @@ class JobRun:
         if job.save_every and run.step.value % job.save_every == 0:
             # Every step in the background means as often as the disk allows: a save asked for
             # while the one before is still being written is skipped, and counted.
-            self._save(run, coalesce=job.async_save and job.save_every == 1)
+            self._save(run, coalesce=job.async_save is not None and job.save_every == 1)
         # The ranks agree on a signal any of them caught, so all stop after the same step and save together.
         if self.world.any(self.guard.requested):
             raise Preempted(self.guard.signal_name or "a signal to another process", run.step.value)

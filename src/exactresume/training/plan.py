@@ -19,6 +19,8 @@ The memory estimate of one process is the sum of what it holds at the peak of a 
     attention    one layer's score matrix and its softmax, micro-batch x heads x seq-len^2
     head         the chunked cross-entropy's saved gradients and one chunk of logits
     staging      --async-save's copy of the state (weights and AdamW), kept between saves
+    serialized   --async-save process: the helper's torch.save bytes of the last save, in memory
+                 shared with this process (the helper's own interpreter and torch are not counted)
     whole        with --shard fsdp: what rank 0 gathers whole to write a single file, the weights
                  (final.pth) and, with --save-every, the weights and AdamW state of each checkpoint
 
@@ -108,7 +110,7 @@ def plan_run(
     processes: int = 1,
     save_every: int | None = None,
     keep: int | None = 3,
-    async_save: bool = False,
+    async_save: str | None = None,
     stop_at: int | None = None,
     vocab_size: int | None = None,
 ) -> RunPlan:
@@ -133,6 +135,8 @@ def plan_run(
     }
     if async_save:
         memory["staging"] = checkpoint
+    if async_save == "process":  # the helper's bytes of the last save, in shared memory
+        memory["serialized"] = checkpoint
     disk, what = _disk_need(config, checkpoint, params, save_every, keep, stop_at)
     return RunPlan(config, processes, params, memory, checkpoint, disk, what)
 
