@@ -160,7 +160,7 @@ def test_human_view_has_a_row_per_part(small_run):
     [
         ("missing", "cannot read {}: No such file or directory"),
         ("empty", "{}: the file is empty (0 bytes)"),  # in the words --resume refuses it with
-        ("random", "{}: not a torch file: it begins b'"),
+        ("random", "{}: not a torch file: it begins b"),  # b'…' or, holding a quote, b"…"
         ("truncated", "{}: damaged, truncated: the end of its zip archive is missing"),
         ("flipped", "{}: checksum mismatch, the file is damaged"),
         ("plain_folder", "{} is a folder holding no checkpoint (step-*.pth) and no sharded one"),

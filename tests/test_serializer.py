@@ -98,6 +98,15 @@ def test_the_helper_writes_the_bytes_the_writer_would_and_ends_with_its_store():
     assert process.returncode == 0  # it ended by itself once its socket closed, not killed
 
 
+def test_a_helper_whose_training_process_dies_as_it_starts_ends_without_a_word(capfd):
+    helper = SerializerProcess()
+    helper._start()
+    process = helper._process
+    helper._socket.close()  # as a training process killed while its helper imports torch
+    assert process.wait(READY_SECONDS) == 0
+    assert capfd.readouterr().err == ""
+
+
 def test_a_helper_gone_mid_run_leaves_the_saves_to_the_writer_with_one_line(tmp_path, capfd):
     store = CheckpointStore(tmp_path, keep=2, background=True, copy=DURING_NEXT_STEP, serializer="process")
     model = torch.nn.Linear(16, 16)

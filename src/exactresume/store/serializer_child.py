@@ -16,7 +16,7 @@ import signal
 import socket
 import struct
 import traceback
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -81,18 +81,23 @@ def serve(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     out_fd = os.memfd_create("exactresume-serialized", os.MFD_CLOEXEC)
     out = os.fdopen(out_fd, "w+b", closefd=False)
-    send(sock, "ready", [out_fd])
-    while True:
-        try:
-            (layout, skeleton), fds = receive(sock)
-        except (EOFError, ConnectionError):
-            return
-        try:
-            if fds:
-                _map_arena(fds[0], layout)
-            out.seek(0)
-            save_unsealed(pickle.loads(skeleton), out)
-            out.flush()
-            send(sock, (out.tell(), None))
-        except Exception:  # the training process falls back to its own torch.save, which raises it there
-            send(sock, (0, traceback.format_exc()))
+    try:
+        send(sock, "ready", [out_fd])
+        while True:
+            _answer(sock, out, *receive(sock))
+    except (EOFError, ConnectionError):  # the training process closed the socket, or died (even as this started)
+        return
+
+
+def _answer(sock: socket.socket, out: BinaryIO, message: tuple, fds: list[int]) -> None:
+    layout, skeleton = message
+    try:
+        if fds:
+            _map_arena(fds[0], layout)
+        out.seek(0)
+        save_unsealed(pickle.loads(skeleton), out)
+        out.flush()
+        answer = (out.tell(), None)
+    except Exception:  # the training process falls back to its own torch.save, which raises it there
+        answer = (0, traceback.format_exc())
+    send(sock, answer)
