@@ -48,6 +48,7 @@ PICKLE_START = b"\x80"  # a pickle's protocol opcode: how a legacy (pre-zip) tor
 SEAL_DIGITS = re.compile(rb"[0-9a-f]*")  # what follows the prefix in a seal: the digest in hex
 EOCD_SIZE = 22  # the zip end record without its comment; its last two bytes are the comment length
 PIECE = 1 << 20  # the hash reads the written file back a megabyte at a time, into one buffer
+XXH3 = type(xxhash.xxh3_128())
 WRITE_PIECE = 4 << 20  # bytes serialized elsewhere are written four megabytes at a time
 
 
@@ -80,7 +81,7 @@ def _hash_read_back(file: BinaryIO) -> tuple[str, str | None]:
     flush = _Flush(fd)
     try:
         if sealing().key is None:
-            return _hash_pieces(fd, size), None
+            return _hash_read(fd, size, xxhash.xxh3_128()).hexdigest(), None
         mac, check = sealing().hasher(), xxhash.xxh3_128()
         _hash_mapped(fd, size, mac, check)  # the MAC's pieces hash on every core at once: all at hand in a map
         return mac.hexdigest(), check.hexdigest()
@@ -88,16 +89,21 @@ def _hash_read_back(file: BinaryIO) -> tuple[str, str | None]:
         flush.finish()
 
 
-def _hash_pieces(fd: int, size: int) -> str:
-    """The xxh3 of the file's `size` bytes, read a megabyte at a time into one buffer."""
-    digest, buffer, offset = xxhash.xxh3_128(), memoryview(bytearray(PIECE)), 0
+def _hash_read(fd: int, size: int, digest: Hasher) -> Hasher:
+    """`digest` of the file's first `size` bytes, read a megabyte at a time into one buffer.
+
+    Read, not mapped: mapping a file and unmapping it in a training process costs the loop's thread (the
+    faults take the process's memory-map lock, which its allocator takes too, and the unmap interrupts
+    every core it runs on): a background save every step read back through a map kept 0.957 of the
+    steps/s without saving, 0.98 without its file stages, and 0.96-0.99 read (docs/performance.md)."""
+    buffer, offset = memoryview(bytearray(PIECE)), 0
     while offset < size:
         count = os.preadv(fd, [buffer[: min(PIECE, size - offset)]], offset)
         if count == 0:
             raise OSError(errno.EIO, "the file being written shrank")
         digest.update(buffer[:count])
         offset += count
-    return digest.hexdigest()
+    return digest
 
 
 @dataclass(frozen=True)
@@ -218,8 +224,13 @@ def file_digest(path: Path) -> str:
 
 
 def _hash_mapped(fd: int, length: int, *digests: Hasher) -> None:
-    """Hash the first `length` bytes of the open file `fd` from a memory map, into each of `digests` in one `update`."""
+    """Hash the first `length` bytes of the open file `fd` into each of `digests`: an xxh3 alone read in
+    pieces (`_hash_read`), a keyed MAC (which hashes its pieces on every core at once) and a keyed write's
+    pair from a memory map, each in one `update`."""
     if length <= 0:
+        return
+    if len(digests) == 1 and isinstance(digests[0], XXH3):
+        _hash_read(fd, length, digests[0])
         return
     # Pages fault in as the hash reads them, with the interpreter lock let go; MAP_POPULATE would map them
     # all in the mmap call, as fast, but holding the lock (~0.5 ms for 20 MB, a background save's cost to the loop).

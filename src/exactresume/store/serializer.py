@@ -109,6 +109,7 @@ class SerializerProcess:
         self._process: subprocess.Popen | None = None
         self._socket: socket.socket | None = None
         self._out_fd = -1  # the helper's shared file of serialized bytes, once it said it is ready
+        self._out_map: mmap.mmap | None = None
         self._arena_sent: SharedArena | None = None
         self._gone = not available()
         self._lock = threading.Lock()  # one request at a time
@@ -125,12 +126,16 @@ class SerializerProcess:
         if size is None:
             yield staged
             return
-        mapped = mmap.mmap(self._out_fd, max(size, 1), prot=mmap.PROT_READ)
-        try:
-            with memoryview(mapped)[:size] as view:
-                yield Serialized(view)
-        finally:
-            mapped.close()
+        with memoryview(self._mapped(size))[:size] as view:
+            yield Serialized(view)
+
+    def _mapped(self, size: int) -> mmap.mmap:
+        """The helper's bytes, through one map kept between saves: a map made and unmapped at every save
+        costs the loop's thread (sealed._hash_read says how). Made anew, over the whole file, when a save
+        outgrows it (the one before goes once no view holds it)."""
+        if self._out_map is None or len(self._out_map) < size:
+            self._out_map = mmap.mmap(self._out_fd, os.fstat(self._out_fd).st_size, prot=mmap.PROT_READ)
+        return self._out_map
 
     def _ask(self, staged: Any, arena: SharedArena) -> int | None:
         if not self._ready():
@@ -198,7 +203,7 @@ class SerializerProcess:
             self._socket = None
         if self._out_fd >= 0:
             os.close(self._out_fd)
-            self._out_fd = -1
+            self._out_fd, self._out_map = -1, None
         if self._process is not None:
             try:
                 self._process.wait(STOP_SECONDS)
