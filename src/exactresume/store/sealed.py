@@ -14,7 +14,7 @@ from the page cache, a megabyte at a time into one buffer, while a second thread
 them (fsync): it costs no time of its own beside the disk's (on an object store, the same bytes are
 hashed as they stream into the upload: s3/upload.py). Loading
 reads the file once, hashing as it reads (onepass.py), and unpickles only once the digest matches
-the seal; where that reader does not apply, the file is verified through a memory map and then read
+the seal; where that reader does not apply, the file is verified (`_hash_file`) and then read
 by torch.load, from the same open file.
 """
 
@@ -83,7 +83,7 @@ def _hash_read_back(file: BinaryIO) -> tuple[str, str | None]:
         if sealing().key is None:
             return _hash_read(fd, size, xxhash.xxh3_128()).hexdigest(), None
         mac, check = sealing().hasher(), xxhash.xxh3_128()
-        _hash_mapped(fd, size, mac, check)  # the MAC's pieces hash on every core at once: all at hand in a map
+        _hash_file(fd, size, mac, check)  # the MAC's pieces hash on every core at once: all at hand in a map
         return mac.hexdigest(), check.hexdigest()
     finally:
         flush.finish()
@@ -210,20 +210,20 @@ def _digest(file: BinaryIO, digest: Hasher | None = None) -> str:
     """The seal's hash (or `digest`'s) of the bytes torch.save wrote: the file without its seal, comment
     length as 0."""
     digest = digest or sealing().hasher()
-    _hash_mapped(file.fileno(), os.fstat(file.fileno()).st_size - SEAL_LENGTH - 2, digest)
+    _hash_file(file.fileno(), os.fstat(file.fileno()).st_size - SEAL_LENGTH - 2, digest)
     digest.update(b"\x00\x00")
     return digest.hexdigest()
 
 
 def file_digest(path: Path) -> str:
-    """The seal hash (seal_hash.py) of every byte of the file at `path`, hashed from a memory map: no copy."""
+    """The seal hash (seal_hash.py) of every byte of the file at `path` (`_hash_file`)."""
     digest = sealing().hasher()
     with open(path, "rb") as file:
-        _hash_mapped(file.fileno(), os.fstat(file.fileno()).st_size, digest)
+        _hash_file(file.fileno(), os.fstat(file.fileno()).st_size, digest)
     return digest.hexdigest()
 
 
-def _hash_mapped(fd: int, length: int, *digests: Hasher) -> None:
+def _hash_file(fd: int, length: int, *digests: Hasher) -> None:
     """Hash the first `length` bytes of the open file `fd` into each of `digests`: an xxh3 alone read in
     pieces (`_hash_read`), a keyed MAC (which hashes its pieces on every core at once) and a keyed write's
     pair from a memory map, each in one `update`."""
