@@ -73,9 +73,6 @@ class SharedArena:
             return torch.UntypedStorage(0)
         return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
 
-    def sizes(self) -> list[int]:
-        return [nbytes for _, nbytes in self.layout]
-
     def close(self) -> None:
         """The training process's hold on the file (the map goes with the last storage over it)."""
         if self.fd >= 0:
