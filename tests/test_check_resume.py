@@ -124,6 +124,8 @@ BAD = [
     ({"resume_args": 5}, "resume_args must be a list of strings or one string, got an int"),
     ({"timeout": -1}, "timeout must be a number of seconds above 0"),
     ({"warm": "yes"}, "warm must be True or False"),
+    ({"preload": 3}, "preload must be a list of module names, got an int"),
+    ({"preload": ["transformers", "not a module"]}, "preload: 'not a module' is not a module's name"),
     ({"out": 3}, "out must be a folder's path, got an int"),
 ]
 

@@ -66,7 +66,8 @@ CASES = {
 EXACT = ("lightning_exact", "accelerate_exact", "hf_trainer_masking_exact")
 
 
-COLD = "hf_trainer"  # its doctor runs as the user runs it, a cold process each; the others fork theirs (--warm)
+# Its doctor runs as the user runs it, a cold process each; the others fork theirs (--warm --preload).
+COLD = "hf_trainer"
 
 # The fixes the doctor names, applied (--fixed) and checked by hand only: each resumes exactly.
 FIXED = {name: replace(CASES[name], extra=("--fixed",)) for name in ("accelerate_loop", "dataloader_base_seed")}
@@ -116,9 +117,12 @@ def compare(straight_record: Path, resumed_record: Path, k: int) -> dict:
 
 
 def doctor_args(case: Case, folder: Path, warm: bool) -> list[str]:
+    """Warm, its server imports the frameworks too (--preload), as for the truth by hand: each run then
+    pays the script's own imports only."""
     # `--resume-args --resume` as two words, as a user types it
     flags = ["--steps", "8", "--stop-after", "4", "--out", str(folder / "doctor"), "--resume-args", "--resume"]
-    return ["doctor", *flags, *(["--warm"] if warm else []), "--", *case.command(folder / "out")]
+    flags += ["--warm", "--preload", ",".join(FRAMEWORK_MODULES)] if warm else []
+    return ["doctor", *flags, "--", *case.command(folder / "out")]
 
 
 def run_case(root: Path, name: str) -> tuple[str, dict]:
@@ -234,6 +238,17 @@ def test_a_framework_that_is_not_installed(tmp_path, warm):
     command = ["--", sys.executable, str(SCRIPTS / "missing_framework.py")]
     finished = call_cli("doctor", "--steps", "8", "--stop-after", "4", "--out", tmp_path / "d", *warm, *command)
     assert_one_line_error(finished, "needs 'lightning'", "does not have")
+
+
+def test_a_module_to_preload_that_does_not_import_stops_the_doctor_in_one_line(tmp_path):
+    """--preload reaches the server's imports: a module it cannot import is named before any run starts."""
+    command = ["--", sys.executable, str(SCRIPTS / "dataloader_base_seed.py"), "--out", str(tmp_path / "out")]
+    flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d"]
+    finished = call_cli("doctor", *flags, "--preload", "accelerate,no_such_framework", *command)
+    assert_one_line_error(finished, "did not start", "No module named 'no_such_framework'")
+    assert not (tmp_path / "out").exists()
+    finished = call_cli("doctor", *flags, "--preload", "transformers trainer", *command)
+    assert_one_line_error(finished, "--preload: 'transformers trainer' is not a module's name")
 
 
 def test_a_script_that_never_checkpoints(tmp_path):

@@ -48,6 +48,12 @@ def add_flags(doctor: argparse.ArgumentParser) -> None:
         help="fork each run of `python SCRIPT` from one process that imported torch once (seconds less per run)",
     )
     doctor.add_argument(
+        "--preload",
+        default="",
+        metavar="M,M",
+        help="modules that process imports too, e.g. transformers,accelerate: their seconds paid once (implies --warm)",
+    )
+    doctor.add_argument(
         "user_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your training command, after --"
     )
     parse = doctor.parse_known_args
@@ -69,7 +75,7 @@ def _joined_resume_args(args: list[str] | None) -> list[str] | None:
 
 
 def _plan_from(args: argparse.Namespace):
-    from exactresume.doctor.examine import Plan
+    from exactresume.doctor.examine import Plan, module_names
 
     command = args.user_command[1:] if args.user_command[:1] == ["--"] else args.user_command
     if not command:
@@ -86,7 +92,8 @@ def _plan_from(args: argparse.Namespace):
         raise UserError(f"--resume-args: {error}") from None
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder")
-    plan = Plan(command, resume_args, args.steps, args.stop_after, args.out.resolve(), args.timeout, args.warm)
+    preload = module_names(args.preload)
+    plan = Plan(command, resume_args, args.steps, args.stop_after, args.out.resolve(), args.timeout, args.warm, preload)
     ensure_writable_folder(args.out)
     return plan
 

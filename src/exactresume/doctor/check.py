@@ -51,14 +51,16 @@ def check_resume(
     out: str | os.PathLike | None = None,
     timeout: float | None = None,
     warm: bool = False,
+    preload: Sequence[str] | str = (),
 ) -> ResumeCheck:
     """Run `command` straight for `steps` optimizer steps, interrupted after its first checkpoint at or
     after step `stop_after`, and resumed with `resume_args` added, each under the doctor's tracer; the
     verdict. `out`: the doctor's folder (a new one in the temp folder when None); `warm`: fork each run
-    of `python SCRIPT` from one process that imported torch once (`exactresume doctor --warm`).
+    of `python SCRIPT` from one process that imported torch once (`exactresume doctor --warm`);
+    `preload`: modules that process imports too, e.g. ("transformers",) (`--preload`; implies `warm`).
     Bad arguments, and a command the doctor cannot judge, raise UserError (one line)."""
     lab_installed()
-    plan = _plan_of(command, steps, stop_after, resume_args, out, timeout, warm)
+    plan = _plan_of(command, steps, stop_after, resume_args, out, timeout, warm, preload)
     diagnosis, text = run_doctor(plan)
     fixes = [row["fix"] for row in diagnosis.missing] + list(diagnosis.fixes)
     return ResumeCheck(
@@ -76,15 +78,15 @@ def check_resume(
     )
 
 
-def _plan_of(command, steps, stop_after, resume_args, out, timeout, warm):
+def _plan_of(command, steps, stop_after, resume_args, out, timeout, warm, preload):
     """The doctor's plan, refusing what `exactresume doctor` refuses in its flags, in the call's words."""
     from exactresume.doctor.examine import Plan
 
-    words, resume = argv("command", command), argv("resume_args", resume_args)
+    words, resume, modules = argv("command", command), argv("resume_args", resume_args), _modules(preload)
     if not words:
         raise UserError("check_resume: command is empty; give the training command, e.g. [sys.executable, 'train.py']")
     try:  # the plan checks its counts itself, before a folder is made
-        Plan(words, resume, steps, stop_after, Path(tempfile.gettempdir()), timeout, warm)
+        Plan(words, resume, steps, stop_after, Path(tempfile.gettempdir()), timeout, warm, modules)
     except UserError as error:
         raise UserError(f"check_resume: {error}") from None
     if not isinstance(warm, bool):
@@ -95,7 +97,18 @@ def _plan_of(command, steps, stop_after, resume_args, out, timeout, warm):
     if folder.exists() and not folder.is_dir():
         raise UserError(f"check_resume: out {str(folder)!r} is a file, not a folder")
     folder.mkdir(parents=True, exist_ok=True)
-    return Plan(words, resume, steps, stop_after, folder.resolve(), timeout, warm)
+    return Plan(words, resume, steps, stop_after, folder.resolve(), timeout, warm, modules)
+
+
+def _modules(preload) -> tuple[str, ...]:
+    from exactresume.doctor.examine import module_names
+
+    """Module names: a list or tuple of strings, or one string of names separated by commas."""
+    if isinstance(preload, str):
+        return module_names(preload)
+    if isinstance(preload, list | tuple) and all(isinstance(name, str) for name in preload):
+        return tuple(preload)
+    raise UserError(f"check_resume: preload must be a list of module names, got {a_kind_of(preload)}")
 
 
 def lab_installed() -> None:

@@ -9,6 +9,7 @@ resumed      the command with the resume arguments, cut after STEPS steps in all
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from exactresume.doctor.files import Ledger, put_back, recover, roots, set_aside
 from exactresume.doctor.run import TracedRun, run_traced
 from exactresume.doctor.warm import Launcher
 from exactresume.errors import FieldError, UserError
+
+MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 @dataclass
@@ -28,9 +31,11 @@ class Plan:
     out: Path
     timeout: float | None = None
     warm: bool = False  # fork each run from one process that imported torch (warm.py)
+    preload: tuple[str, ...] = ()  # modules that process imports too (the framework): implies warm
 
     def __post_init__(self) -> None:
-        """Refuse counts the doctor cannot run, named as fields (the command line names its flags)."""
+        """Refuse counts the doctor cannot run, and what is not a module's name, named as fields (the command
+        line names its flags)."""
         if not whole(self.steps) or self.steps < 2:
             raise FieldError(f"steps must be a whole number of at least 2, got {self.steps!r}", "steps")
         if not whole(self.stop_after) or not 1 <= self.stop_after < self.steps:
@@ -39,6 +44,15 @@ class Plan:
         timeout = self.timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
             raise FieldError(f"timeout must be a number of seconds above 0, got {timeout!r}", "timeout")
+        for name in self.preload:
+            if not MODULE_NAME.fullmatch(name):
+                raise FieldError(f"preload: {name!r} is not a module's name (e.g. transformers,accelerate)", "preload")
+        self.warm = self.warm or bool(self.preload)
+
+
+def module_names(text: str) -> tuple[str, ...]:
+    """'transformers, accelerate' -> ('transformers', 'accelerate')."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def whole(value) -> bool:
@@ -63,7 +77,7 @@ def examine(plan: Plan) -> Runs:
             f"or changed are back as they were; its runs' files: {plan.out / 'previous' / 'files'}"
         )
     _keep_previous(plan.out)
-    return _run_three(plan, Ledger(plan.out), Launcher(plan.warm, plan.out / "logs"))
+    return _run_three(plan, Ledger(plan.out), Launcher(plan.warm, plan.out / "logs", plan.preload))
 
 
 def _keep_previous(out: Path) -> None:

@@ -140,7 +140,7 @@ class ForkServer:
     def start(self, run: Run, request: dict) -> Run:
         if not self.ready:
             if self.answers[0].get() != "ready":
-                raise ServerGone(f"the fork server did not start; its output: {self.log}")
+                raise ServerGone(f"the fork server did not start ({self._last_words()}); its output: {self.log}")
             self.ready = True
         with self.lock:
             number, self.running = len(self.answers), self.running + 1
@@ -152,6 +152,11 @@ class ForkServer:
             raise ServerGone(f"the fork server did not start {shlex.join(run.args)}; its output: {self.log}")
         run.pid, run.answers, run.server = int(pid), answers, self.process.pid
         return run
+
+    def _last_words(self) -> str:
+        """The last line it wrote: the error that ended it (a module it could not import, say)."""
+        lines = self.log.read_text(errors="replace").strip().splitlines()
+        return lines[-1] if lines else f"it exited {self.process.wait()}"
 
     def _read(self) -> None:
         for line in self.process.stdout:
