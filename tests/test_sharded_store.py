@@ -6,7 +6,9 @@ test_fsdp_user.py."""
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 from exactresume import CheckpointStore, UserError
 from exactresume.errors import CheckpointError
 from exactresume.store.access import open_resume
+from exactresume.store.collector import older_objects_frozen
 from exactresume.store.dcp_writer import HashingWriter
 from exactresume.store.seal_hash import UNKEYED, Sealing, keyed
 from exactresume.store.sealed import file_digest
@@ -153,3 +156,40 @@ def test_a_shard_cut_short_or_grown_is_named_with_its_size_and_the_commits(tmp_p
         sizes = f"it holds {len(good) - cut:,} bytes, its commit marker says {len(good):,}"
         assert str(refused.value) == f"{folder}: {name} is damaged, {how}: {sizes}"
         path.write_bytes(good)
+
+
+def test_a_sharded_save_leaves_the_objects_it_found_out_of_its_collections(tmp_path):
+    """older_objects_frozen: what the process held before is set aside (a collection walks only what the save
+    makes, and collects that), then put back; a process that froze objects itself keeps its freeze."""
+
+    class Cycle:
+        pass
+
+    before = len(gc.get_objects())
+    with older_objects_frozen():
+        assert gc.get_freeze_count() >= before
+        made = Cycle()
+        made.me = made
+        found = weakref.ref(made)
+        del made
+        gc.collect()
+        assert found() is None  # made in the save and left over: collected as usual
+    assert gc.get_freeze_count() == 0
+    seen = []
+
+    class Watched(torch.nn.Linear):
+        def state_dict(self, *args, **kwargs):
+            seen.append(gc.get_freeze_count())
+            return super().state_dict(*args, **kwargs)
+
+    with CheckpointStore(tmp_path, sharded=True) as store:
+        store.save(1, {"model": Watched(4, 2)})
+    assert seen and all(count > 0 for count in seen) and gc.get_freeze_count() == 0  # the save ran frozen
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with older_objects_frozen():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -2,8 +2,10 @@
 checksum for the commit marker without reading the file again.
 
 DCP writes every file front to back through the stream its file system opens (`create_stream`), so
-the hash of what went through the stream is the hash of the file. The save still reads each file back
-after its folder is renamed into place and checks it against this hash: the one read a save makes.
+the hash of what went through the stream is the hash of the file; the disk's writeback is started as
+it goes (writeback.py), so DCP's fsync at the end of each file waits for its last piece only. The
+save still reads each file back after its folder is renamed into place and checks it against this
+hash: the one read a save makes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from exactresume.store.seal_hash import Hasher, Sealing
+from exactresume.store.writeback import WritingBack
 
 
 class HashingWriter(FileSystemWriter):
@@ -44,7 +47,7 @@ class _HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            hashed = _HashedStream(stream, self.seals.hasher())
+            hashed = _HashedStream(WritingBack(stream), self.seals.hasher())
             yield hashed
         self.digests[Path(path).name] = hashed.hasher.hexdigest()
 

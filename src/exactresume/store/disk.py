@@ -37,6 +37,7 @@ from exactresume.store.place import Publishing
 from exactresume.store.resume import tensors_in
 from exactresume.store.seal_hash import SealError
 from exactresume.store.sealed import Serialized, Written, load_sealed, verify, write_sealed
+from exactresume.store.writeback import WritingBack
 from exactresume.world import World
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ class DiskFolder:
 
     def write_copy(self, checkpoint: Checkpoint, source: BinaryIO) -> None:
         """A verified checkpoint of another tier copied in, byte for byte, by the same stages (once `prepare`d)."""
-        atomic_write(checkpoint.path, lambda file: shutil.copyfileobj(source, file, COPY_CHUNK))
+        atomic_write(checkpoint.path, lambda file: shutil.copyfileobj(source, WritingBack(file), COPY_CHUNK))
         _verify_written(checkpoint.path, FaultPoints())
 
     # -- reading and pruning ----------------------------------------------------------------------

@@ -39,6 +39,7 @@ from exactresume.errors import CheckpointError, UserError
 from exactresume.store.onepass import NOT_READ, load_verified
 from exactresume.store.seal_hash import KEYED_PREFIX, UNKEYED_PREFIX, Hasher, mismatch, refuse_other_sealing, sealing
 from exactresume.store.torch_refusal import torch_refusal
+from exactresume.store.writeback import WritingBack
 
 SEAL_PREFIXES = (UNKEYED_PREFIX, KEYED_PREFIX)  # the same length: a seal is where it is, keyed or not
 SEAL_LENGTH = len(UNKEYED_PREFIX) + 32  # prefix + 128-bit digest in hex
@@ -152,7 +153,7 @@ def write_sealed(file: BinaryIO, obj: Any) -> Written | None:
     """torch.save `obj` into `file` (a real file, open to read and write) and append its checksum as its
     zip comment; its bytes are on the disk when this returns (fsync). Keyed, what it sealed (`verify`
     then reads the file back with the xxh3, not the MAC again); without a key, None."""
-    save_unsealed(obj, file)
+    save_unsealed(obj, WritingBack(file))  # the disk's writeback started as it goes: the fsync waits less
     seal, check = _hash_read_back(file)
     file.seek(-2, os.SEEK_END)
     file.write(seal_ending(seal))

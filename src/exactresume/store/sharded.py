@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from exactresume.atomic import fsync_path, replace_folder, tmp_path
 from exactresume.errors import CheckpointError
+from exactresume.store.collector import older_objects_frozen
 from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
 from exactresume.store.dcp_writer import HashingWriter
 from exactresume.store.formats import check_format
@@ -162,6 +163,11 @@ def save_sharded(
     is called at each stage, a fault-injection point (store/faults.py): "write" on every rank, then on
     rank 0 "fsync" (every shard is durable, the commit not yet written), "rename", "folder-fsync" and
     "verify"."""
+    with older_objects_frozen():
+        _save_sharded(folder, parts, world, step, identity, stage)
+
+
+def _save_sharded(folder, parts, world, step, identity, stage) -> None:
     staging = tmp_path(folder)
     state = capture(sharded_parts(parts), step, identity)
     if world.is_main:
