@@ -187,9 +187,8 @@ def test_a_sharded_save_leaves_the_objects_it_found_out_of_its_collections(tmp_p
     assert seen and all(count > 0 for count in seen) and gc.get_freeze_count() == 0  # the save ran frozen
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
         with older_objects_frozen():
             pass
-        assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() > 0  # not unfrozen (its count moves as frozen objects die)
     finally:
         gc.unfreeze()

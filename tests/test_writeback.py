@@ -66,3 +66,22 @@ def test_the_c_librarys_sync_file_range_is_called_as_declared(tmp_path):
         file.flush()
         assert writeback._START(file.fileno(), 0, 8192, writeback.START_WRITE) == 0
         assert writeback._START(-1, 0, 8192, writeback.START_WRITE) == -1  # a bad descriptor: told, not raised
+
+
+def test_a_keyed_save_hashes_its_macs_pieces_while_it_writes_and_seals_what_a_whole_read_seals(tmp_path, monkeypatch):
+    """store/leaves.py: each whole 8 MiB piece of the keyed MAC is read back and hashed as soon as it is
+    written; the seal is the MAC of the whole file all the same (a load under the key verifies it)."""
+    from exactresume.store import leaves, sealed
+    from exactresume.store.seal_hash import Sealing, keyed
+
+    monkeypatch.setattr(writeback, "PIECE", 1 << 20)
+    handed: list[int] = []
+    taken = leaves.LeavesAsWritten.into
+    monkeypatch.setattr(leaves.LeavesAsWritten, "into", lambda self, mac: handed.append(taken(self, mac)) or handed[-1])
+    state = {"weights": torch.randn(5000, 1000)}  # 20 MB: two whole pieces, then a part of one
+    with keyed(Sealing(b"a key of 32 bytes, for the test.")):
+        save_sealed(tmp_path / "keyed.pth", state)
+        assert handed == [2 * leaves.PIECE]  # hashed during the write, before the read-back began
+        assert torch.equal(load_sealed(tmp_path / "keyed.pth")["weights"], state["weights"])
+        with open(tmp_path / "keyed.pth", "rb") as file:
+            assert sealed._recorded_seal(tmp_path / "keyed.pth", file) == sealed._digest(file)  # the MAC read whole

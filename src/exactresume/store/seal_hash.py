@@ -56,7 +56,7 @@ TREE_TAG = b"exactresume-mac-1"  # what the HMAC's message begins with, then the
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it: a forked child makes its own)
 
 
-def _hashing_pool() -> ThreadPoolExecutor:
+def hashing_pool() -> ThreadPoolExecutor:
     global _pool
     if _pool is None or _pool[0] != os.getpid():
         _pool = (os.getpid(), ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="exactresume-mac"))
@@ -73,7 +73,7 @@ def _finish_piece(piece: hashlib._Hash, views: list[memoryview]) -> bytes:
     return piece.digest()
 
 
-class _PieceMac:
+class PieceMac:
     """HMAC-SHA-256(key, TREE_TAG, length, SHA-256 of each PIECE of the bytes), in hex cut to 128 bits,
     the length of the xxh3 seal it stands for. The whole pieces of one `update` are hashed in parallel;
     it returns once they are, so the caller's buffer is free again. `update_kept` takes bytes that stay
@@ -93,8 +93,15 @@ class _PieceMac:
             self.filled += len(taken)
             view = view[len(taken) :]
             if self.filled == PIECE:
-                self.leaves.append(_hashing_pool().submit(_finish_piece, self.piece, self.kept))
+                self.leaves.append(hashing_pool().submit(_finish_piece, self.piece, self.kept))
                 self.piece, self.kept, self.filled = hashlib.sha256(), [], 0
+
+    def add_leaves(self, leaves: list[Future[bytes]]) -> None:
+        """The SHA-256 of the next whole pieces, hashed elsewhere (leaves.py), in their order."""
+        if self.filled or self.kept:
+            raise ValueError("leaves follow whole pieces only")
+        self.leaves += leaves
+        self.length += len(leaves) * PIECE
 
     def _hash_kept(self) -> None:
         """Hash the open piece's kept bytes here, before bytes that will not stay follow them."""
@@ -109,7 +116,7 @@ class _PieceMac:
             start = self._fill(view) if self.filled else 0
             whole = (len(view) - start) // PIECE
             pieces = [view[start + n * PIECE : start + (n + 1) * PIECE] for n in range(whole)]
-            self.leaves += _hashing_pool().map(_sha256, pieces) if whole > 1 else map(_sha256, pieces)
+            self.leaves += hashing_pool().map(_sha256, pieces) if whole > 1 else map(_sha256, pieces)
             self._fill(view[start + whole * PIECE :])
 
     def _fill(self, view: memoryview) -> int:
@@ -133,9 +140,9 @@ class _PieceMac:
         message = TREE_TAG + struct.pack("<Q", self.length) + b"".join(leaves)
         return hmac.new(self.key, message, hashlib.sha256).hexdigest()[:DIGITS]
 
-    def copy(self) -> _PieceMac:
+    def copy(self) -> PieceMac:
         self._settle()
-        twin = _PieceMac(self.key)
+        twin = PieceMac(self.key)
         twin.leaves, twin.piece, twin.filled, twin.length = (
             list(self.leaves),
             self.piece.copy(),
@@ -157,7 +164,7 @@ class Sealing:
         return KEYED_PREFIX if self.key is not None else UNKEYED_PREFIX
 
     def hasher(self) -> Hasher:
-        return xxhash.xxh3_128() if self.key is None else _PieceMac(self.key)
+        return xxhash.xxh3_128() if self.key is None else PieceMac(self.key)
 
     def of(self, data: bytes | memoryview) -> str:
         hasher = self.hasher()

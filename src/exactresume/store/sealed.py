@@ -36,6 +36,7 @@ import xxhash
 
 from exactresume.atomic import atomic_write
 from exactresume.errors import CheckpointError, UserError
+from exactresume.store.leaves import LeavesAsWritten
 from exactresume.store.onepass import NOT_READ, load_verified
 from exactresume.store.seal_hash import KEYED_PREFIX, UNKEYED_PREFIX, Hasher, mismatch, refuse_other_sealing, sealing
 from exactresume.store.torch_refusal import torch_refusal
@@ -73,9 +74,10 @@ class _Flush(threading.Thread):
             raise self.error
 
 
-def _hash_read_back(file: BinaryIO) -> tuple[str, str | None]:
+def _hash_read_back(file: BinaryIO, leaves: LeavesAsWritten | None = None) -> tuple[str, str | None]:
     """The seal's hash of every byte of `file`, read back from the page cache while its bytes go to the
-    disk; keyed, the xxh3 of the same bytes too (what a read-back then checks at xxh3's speed)."""
+    disk; keyed, the xxh3 of the same bytes too (what a read-back then checks at xxh3's speed), and the
+    MAC's pieces `leaves` hashed while the file was written taken as they are."""
     file.flush()
     fd = file.fileno()
     size = os.fstat(fd).st_size
@@ -84,7 +86,8 @@ def _hash_read_back(file: BinaryIO) -> tuple[str, str | None]:
         if sealing().key is None:
             return _hash_read(fd, size, xxhash.xxh3_128()).hexdigest(), None
         mac, check = sealing().hasher(), xxhash.xxh3_128()
-        _hash_file(fd, size, mac, check)  # the MAC's pieces hash on every core at once: all at hand in a map
+        start = leaves.into(mac) if leaves is not None else 0
+        _hash_file(fd, size, mac, check, first_from=start)  # the MAC's pieces on every core: all at hand in a map
         return mac.hexdigest(), check.hexdigest()
     finally:
         flush.finish()
@@ -153,8 +156,10 @@ def write_sealed(file: BinaryIO, obj: Any) -> Written | None:
     """torch.save `obj` into `file` (a real file, open to read and write) and append its checksum as its
     zip comment; its bytes are on the disk when this returns (fsync). Keyed, what it sealed (`verify`
     then reads the file back with the xxh3, not the MAC again); without a key, None."""
-    save_unsealed(obj, WritingBack(file))  # the disk's writeback started as it goes: the fsync waits less
-    seal, check = _hash_read_back(file)
+    # The disk's writeback started as it goes (the fsync waits less); keyed, the MAC's pieces hashed too
+    leaves = LeavesAsWritten(file.fileno()) if sealing().key is not None else None
+    save_unsealed(obj, WritingBack(file, leaves.written) if leaves else WritingBack(file))
+    seal, check = _hash_read_back(file, leaves)
     file.seek(-2, os.SEEK_END)
     file.write(seal_ending(seal))
     return Written(seal, check) if check is not None else None
@@ -224,24 +229,24 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _hash_file(fd: int, length: int, *digests: Hasher) -> None:
-    """Hash the first `length` bytes of the open file `fd` into each of `digests`: an xxh3 alone read in
-    pieces (`_hash_read`), a keyed MAC (which hashes its pieces on every core at once) and a keyed write's
-    pair from a memory map, each in one `update`."""
+def _hash_file(fd: int, length: int, *digests: Hasher, first_from: int = 0) -> None:
+    """Hash the first `length` bytes of the open file `fd` into each of `digests` (the first from byte
+    `first_from` on): an xxh3 alone read in pieces (`_hash_read`), a keyed MAC (which hashes its pieces
+    on every core at once) and a keyed write's pair from a memory map, each in one `update`."""
     if length <= 0:
         return
-    if len(digests) == 1 and isinstance(digests[0], XXH3):
+    if len(digests) == 1 and isinstance(digests[0], XXH3) and not first_from:
         _hash_read(fd, length, digests[0])
         return
     # Pages fault in as the hash reads them, with the interpreter lock let go; MAP_POPULATE would map them
     # all in the mmap call, as fast, but holding the lock (~0.5 ms for 20 MB, a background save's cost to the loop).
     with mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapped:
-        with memoryview(mapped) as view, view[:length] as hashed:
+        with memoryview(mapped) as view, view[:length] as hashed, hashed[first_from:] as first:
             # the others (a keyed write's xxh3) at once, in threads: each hash lets go of the GIL
             others = [threading.Thread(target=digest.update, args=(hashed,)) for digest in digests[1:]]
             for thread in others:
                 thread.start()
-            digests[0].update(hashed)
+            digests[0].update(first)
             for thread in others:
                 thread.join()
 

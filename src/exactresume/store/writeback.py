@@ -41,11 +41,12 @@ _START = _sync_file_range()
 
 class WritingBack(io.RawIOBase):
     """A file being written front to back, the writeback of every full PIECE started as it goes; its
-    fsync is still the caller's (`fileno`)."""
+    fsync is still the caller's (`fileno`). `written(end)` is told each time the file's first `end`
+    bytes are in the kernel's hands (to be read back while the rest is written: leaves.py)."""
 
-    def __init__(self, file: BinaryIO):
+    def __init__(self, file: BinaryIO, written: Callable[[int], None] = lambda end: None):
         super().__init__()
-        self.file, self.fd = file, file.fileno()
+        self.file, self.fd, self.written = file, file.fileno(), written
         self.started, self.pending = file.tell(), 0
 
     def writable(self) -> bool:
@@ -57,10 +58,12 @@ class WritingBack(io.RawIOBase):
         view = memoryview(data).cast("B")
         for start in range(0, len(view), PIECE):
             self.pending += self.file.write(view[start : start + PIECE])
-            if self.pending >= PIECE and _START is not None:
+            if self.pending >= PIECE:
                 self.file.flush()  # the range must be in the kernel's hands
-                _START(self.fd, self.started, self.pending, START_WRITE)  # a failure leaves it to the fsync
+                if _START is not None:
+                    _START(self.fd, self.started, self.pending, START_WRITE)  # a failure leaves it to the fsync
                 self.started, self.pending = self.started + self.pending, 0
+                self.written(self.started)
         return len(view)
 
     def tell(self) -> int:
