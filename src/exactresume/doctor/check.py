@@ -101,9 +101,9 @@ def _plan_of(command, steps, stop_after, resume_args, out, timeout, warm, preloa
 
 
 def _modules(preload) -> tuple[str, ...]:
+    """Module names: a list or tuple of strings, or one string of names separated by commas."""
     from exactresume.doctor.examine import module_names
 
-    """Module names: a list or tuple of strings, or one string of names separated by commas."""
     if isinstance(preload, str):
         return module_names(preload)
     if isinstance(preload, list | tuple) and all(isinstance(name, str) for name in preload):

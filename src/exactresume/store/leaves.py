@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from concurrent.futures import Future
 
 from exactresume.store.seal_hash import PIECE, PieceMac, hashing_pool
 
@@ -29,8 +28,7 @@ class LeavesAsWritten:
     """The whole pieces of the file `fd`, hashed on the pool as `written(end)` says they are written."""
 
     def __init__(self, fd: int):
-        self.fd, self.leaves = fd, []
-        self.hashed_to = 0  # the end of the last piece handed to the pool
+        self.fd, self.leaves, self.hashed_to = fd, [], 0  # hashed_to: the end of the last piece handed over
 
     def written(self, end: int) -> None:
         while self.hashed_to + PIECE <= end:
@@ -39,7 +37,6 @@ class LeavesAsWritten:
 
     def into(self, mac: PieceMac) -> int:
         """Hand the pieces hashed so far to `mac`; where the bytes it has not seen begin."""
-        leaves: list[Future[bytes]] = self.leaves
-        mac.add_leaves(leaves)
+        mac.add_leaves(self.leaves)
         self.leaves = []
         return self.hashed_to
