@@ -125,6 +125,8 @@ BAD = [
     ({"timeout": -1}, "timeout must be a number of seconds above 0"),
     ({"warm": "yes"}, "warm must be True or False"),
     ({"preload": 3}, "preload must be a list of module names, got an int"),
+    ({"preload": [1, 2]}, "preload must hold module names (strings), not an int"),
+    ({"preload": " , "}, "preload ' , ' names no module"),
     ({"preload": ["transformers", "not a module"]}, "preload: 'not a module' is not a module's name"),
     ({"out": 3}, "out must be a folder's path, got an int"),
 ]

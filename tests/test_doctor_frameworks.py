@@ -164,6 +164,18 @@ def test_the_trainer_as_its_docs_show_is_exact(frameworks):
     assert (out / "checkpoint-8" / "trainer_state.json").is_file()  # the straight run's, back in place
 
 
+@pytest.mark.parametrize("name", [COLD, "hf_trainer_masking"], ids=["cold", "preloaded"])
+def test_the_trainers_weights_files_are_seen_and_put_back_cold_or_preloaded(frameworks, name):
+    """With transformers imported before the run began (--preload), its `from safetensors.torch import
+    save_file` holds the function the tracer wraps only once the tracer binds its wrapper there too: else
+    the doctor lost sight of model.safetensors, and the resume's copies stayed in its own folder."""
+    out = Path(frameworks[name]["folder"]) / "out"
+    for checkpoint in ("checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"):
+        assert (out / checkpoint / "model.safetensors").is_file(), checkpoint
+    notes = frameworks[name]["verdict"]
+    assert "GPT2LMHeadModel" not in notes, notes  # the model is in every checkpoint, not "not in the checkpoint"
+
+
 def test_the_trainer_restores_the_rng_after_the_first_batch(frameworks):
     truth = frameworks["hf_trainer_masking"]["truth"]["0"]
     assert not truth["same_batch"][0] and not truth["weights_equal"]  # by hand: step 5 is masked otherwise
@@ -249,6 +261,8 @@ def test_a_module_to_preload_that_does_not_import_stops_the_doctor_in_one_line(t
     assert not (tmp_path / "out").exists()
     finished = call_cli("doctor", *flags, "--preload", "transformers trainer", *command)
     assert_one_line_error(finished, "--preload: 'transformers trainer' is not a module's name")
+    finished = call_cli("doctor", *flags, "--preload", "", "--warm", *command)
+    assert_one_line_error(finished, "--preload names no module")
 
 
 def test_a_script_that_never_checkpoints(tmp_path):

@@ -192,3 +192,27 @@ def test_damaged_safetensors_export_is_refused(tmp_path, small_run):
     data[-100] ^= 0x40
     (tmp_path / "bad.safetensors").write_bytes(bytes(data))
     assert_one_line_error(call_cli("inspect", tmp_path / "bad.safetensors"), "checksum mismatch")
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "sharded"])
+def test_a_checkpoint_pruned_while_inspect_reads_the_folder_is_left_out_not_a_traceback(tmp_path, monkeypatch, sharded):
+    """A run saving every step prunes its oldest checkpoint while `inspect` lists the folder: the listing
+    leaves the vanished one out (it printed a FileNotFoundError traceback)."""
+    from exactresume import CheckpointStore
+    from exactresume.store import listing
+
+    model = torch.nn.Linear(3, 2)
+    with CheckpointStore(tmp_path / "ckpt", keep=None, sharded=sharded) as store:
+        for step in (1, 2, 3):
+            store.save(step, {"model": model})
+    read = listing._checkpoint
+
+    def pruned_first(store, checkpoint, summarize):
+        if checkpoint.step == 1:
+            shutil.rmtree(checkpoint.path) if checkpoint.path.is_dir() else checkpoint.path.unlink()
+        return read(store, checkpoint, summarize)
+
+    monkeypatch.setattr(listing, "_checkpoint", pruned_first)
+    finished = call_cli("inspect", tmp_path / "ckpt", "--json")
+    assert finished.returncode == 0 and "Traceback" not in finished.stderr, finished.stderr
+    assert [c["step"] for c in json.loads(finished.stdout)["checkpoints"]] == [2, 3]

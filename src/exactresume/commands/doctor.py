@@ -49,7 +49,6 @@ def add_flags(doctor: argparse.ArgumentParser) -> None:
     )
     doctor.add_argument(
         "--preload",
-        default="",
         metavar="M,M",
         help="modules that process imports too, e.g. transformers,accelerate: their seconds paid once (implies --warm)",
     )
@@ -92,7 +91,9 @@ def _plan_from(args: argparse.Namespace):
         raise UserError(f"--resume-args: {error}") from None
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder")
-    preload = module_names(args.preload)
+    preload = module_names(args.preload or "")
+    if args.preload is not None and not preload:
+        raise UserError("--preload names no module: give them, e.g. --preload transformers,accelerate")
     plan = Plan(command, resume_args, args.steps, args.stop_after, args.out.resolve(), args.timeout, args.warm, preload)
     ensure_writable_folder(args.out)
     return plan

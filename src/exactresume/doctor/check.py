@@ -105,10 +105,15 @@ def _modules(preload) -> tuple[str, ...]:
     from exactresume.doctor.examine import module_names
 
     if isinstance(preload, str):
+        if not module_names(preload):
+            raise UserError(f"check_resume: preload {preload!r} names no module, e.g. 'transformers,accelerate'")
         return module_names(preload)
-    if isinstance(preload, list | tuple) and all(isinstance(name, str) for name in preload):
-        return tuple(preload)
-    raise UserError(f"check_resume: preload must be a list of module names, got {a_kind_of(preload)}")
+    if not isinstance(preload, list | tuple):
+        raise UserError(f"check_resume: preload must be a list of module names, got {a_kind_of(preload)}")
+    for name in preload:
+        if not isinstance(name, str):
+            raise UserError(f"check_resume: preload must hold module names (strings), not {a_kind_of(name)}")
+    return tuple(preload)
 
 
 def lab_installed() -> None:

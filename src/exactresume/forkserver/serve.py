@@ -78,18 +78,19 @@ def _fresh_entropy() -> None:
         modules["torch"].default_generator.seed()
 
 
-def _start_tracer(tracer) -> None:
-    """The tracer started from the run's environment; where this Python could not load it (`tracer` is
-    that error), the run ends as the tracer's shim ends it, saying why."""
+def _start_tracer(tracer, preloaded: list[str]) -> None:
+    """The tracer started from the run's environment, its wrappers bound in the `preloaded` modules too;
+    where this Python could not load it (`tracer` is that error), the run ends as the tracer's shim ends
+    it, saying why."""
     try:
         if isinstance(tracer, BaseException):
             raise tracer
-        tracer.start_from_environment()
+        tracer.start_from_environment(preloaded)
     except Exception as error:
         sys.modules[TRACER_NAME].not_started(error)
 
 
-def _become_run(request: dict, tracer) -> None:
+def _become_run(request: dict, tracer, preloaded: list[str]) -> None:
     """In the forked child: become the run, run it, exit with its code. Never returns."""
     code = 1
     try:
@@ -103,7 +104,7 @@ def _become_run(request: dict, tracer) -> None:
         sys.argv = list(request["argv"])
         _fresh_entropy()
         if tracer is not None:
-            _start_tracer(tracer)
+            _start_tracer(tracer, preloaded)
         code = _run_program(request)
     except SystemExit as ended:
         code = ended.code if isinstance(ended.code, int) else (0 if ended.code is None else 1)
@@ -132,27 +133,30 @@ def _run_program(request: dict) -> int:
     return 0
 
 
-def preload(flags: argparse.Namespace):
-    """Import what every run needs; the tracer (or the error that kept it from loading)."""
+def preload(flags: argparse.Namespace) -> tuple:
+    """Import what every run needs; the tracer (or the error that kept it from loading), and the modules
+    `--preload` brought in beyond those (the user's framework, for the doctor: the tracer's wrappers are
+    bound in them as each run starts)."""
     tracer = None
     if flags.tracer:
         try:
             tracer = _load_tracer(flags.tracer)
         except Exception as error:  # this Python has no torch, say: each run says so, as a cold one would
             tracer = error
-    for module in filter(None, flags.preload.split(",")):
-        importlib.import_module(module)
     for module in filter(None, flags.preload_optional.split(",")):
         try:
             importlib.import_module(module)
         except ImportError:
             pass
-    return tracer
+    before = set(sys.modules)
+    for module in filter(None, flags.preload.split(",")):
+        importlib.import_module(module)
+    return tracer, sorted(set(sys.modules) - before)
 
 
 def serve(flags: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the caller and the runs
-    tracer = preload(flags)
+    loaded = preload(flags)
     os.write(1, b"ready\n")
     running: dict[int, int] = {}  # pid -> request id
     pending = b""
@@ -165,14 +169,14 @@ def serve(flags: argparse.Namespace) -> None:
                 os._exit(0)  # nothing else to clean up, and tearing torch down takes seconds
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
-                start(json.loads(line), tracer, running)
+                start(json.loads(line), loaded, running)
         _reap(running)
 
 
-def start(request: dict, tracer, running: dict[int, int]) -> None:
+def start(request: dict, loaded: tuple, running: dict[int, int]) -> None:
     pid = os.fork()
     if pid == 0:
-        _become_run(request, tracer)
+        _become_run(request, *loaded)
     running[pid] = request["id"]
     os.write(1, f"pid {request['id']} {pid}\n".encode())  # unbuffered: nothing held across a fork
 

@@ -47,6 +47,18 @@ def _checkpoint(store: CheckpointStore, checkpoint: Checkpoint, summarize) -> di
     return {"step": step, "path": str(path), "status": status, "problem": problem, "parts": parts}
 
 
+def _listed(store: CheckpointStore, checkpoint: Checkpoint, summarize) -> dict | None:
+    """The checkpoint as listed, with its size; None when it was removed while it was read (a run writing
+    the folder pruned it: it is no longer there to list, nor damaged)."""
+    try:
+        entry = _checkpoint(store, checkpoint, summarize)
+        entry["file_bytes"] = _size(checkpoint.path)
+    except FileNotFoundError:
+        return None
+    gone = isinstance(checkpoint.path, Path) and not checkpoint.path.exists()
+    return None if gone else entry
+
+
 def list_checkpoints(folder: Location, summarize) -> dict:
     """The folder's checkpoints (oldest first), each verified; `summarize(value)` sizes one part."""
     store = store_reading(folder, notify=lambda message: None)
@@ -58,9 +70,7 @@ def list_checkpoints(folder: Location, summarize) -> dict:
         details += [f"{len(set_aside)} damaged checkpoint(s) set aside as {UNREADABLE_SUFFIX}"] if set_aside else []
         detail = f": only {' and '.join(details)}" if details else ""
         raise CheckpointError(f"{folder} is a folder holding no checkpoint (step-*.pth) and no sharded one{detail}")
-    checkpoints = [_checkpoint(store, c, summarize) for c in found]
-    for checkpoint, file in zip(checkpoints, found):
-        checkpoint["file_bytes"] = _size(file.path)
+    checkpoints = [entry for entry in (_listed(store, c, summarize) for c in found) if entry is not None]
     valid = [c["step"] for c in checkpoints if c["status"] == "verified"]
     return {
         "path": str(folder),

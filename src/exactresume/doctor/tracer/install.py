@@ -14,7 +14,7 @@ import importlib.util
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -26,7 +26,11 @@ from .hooks import Tracer, file_path
 from .sources import wrap_constructors
 
 
-def start_from_environment() -> Tracer | None:
+def start_from_environment(preloaded: Collection[str] = ()) -> Tracer | None:
+    """The tracer, where the doctor's variables ask for one. `preloaded`: the modules a fork server imported
+    for the user (`doctor --preload`) before this run began, whose names bound to a function the tracer
+    wraps (`from safetensors.torch import save_file`) are bound to its wrapper, as they would be had they
+    been imported after the tracer started."""
     folder = os.environ.get("EXACTRESUME_DOCTOR_TRACE")
     if not folder:
         return None
@@ -40,7 +44,7 @@ def start_from_environment() -> Tracer | None:
     doctor = os.environ.get("EXACTRESUME_DOCTOR_PID")
     tracer.doctor_pid = int(doctor) if doctor else None
     tracer.files.made = tuple(os.path.join(path, "") for path in made.split(os.pathsep) if path)
-    install(tracer)
+    install(tracer, [sys.modules[name] for name in preloaded if name in sys.modules])
     atexit.register(lambda: tracer.close({"event": "exit", "steps": tracer.step}))
     return tracer
 
@@ -50,11 +54,23 @@ class Patches:
 
     def __init__(self):
         self.undo: list[Callable[[], None]] = []
+        self.wrappers: dict[int, tuple[object, object]] = {}  # id(original) -> (original, its wrapper)
 
     def replace(self, owner, name: str, make: Callable) -> None:
         original = getattr(owner, name)
-        setattr(owner, name, make(original))
+        wrapper = make(original)
+        setattr(owner, name, wrapper)
+        self.wrappers[id(original)] = (original, wrapper)
         self.undo.append(lambda: setattr(owner, name, original))
+
+    def rebind(self, modules: list) -> None:
+        """Every name of `modules` bound to a replaced original, bound to its wrapper instead."""
+        for module in modules:
+            for name, value in list(vars(module).items()):
+                original, wrapper = self.wrappers.get(id(value), (None, None))
+                if original is value:
+                    setattr(module, name, wrapper)
+                    self.undo.append(lambda module=module, name=name, value=value: setattr(module, name, value))
 
     def remove(self) -> None:
         while self.undo:
@@ -79,7 +95,9 @@ class Guarded:
         setattr(self._guarded[1], name, value)
 
 
-def install(tracer: Tracer) -> Callable[[], None]:
+def install(tracer: Tracer, preloaded: list | None = None) -> Callable[[], None]:
+    """Every hook and wrapper in place (and in the `preloaded` modules' names: Patches.rebind); what
+    takes them off."""
     patches = Patches()
     tracer.live.install(patches.replace, tracer.attempt)
     for handle in (
@@ -95,6 +113,7 @@ def install(tracer: Tracer) -> Callable[[], None]:
     )
     _wrap_files(tracer, patches)
     wrap_writes(Guarded(tracer, tracer.files, "the files it writes"), patches.replace)
+    patches.rebind(preloaded or [])
     return patches.remove
 
 
