@@ -256,7 +256,7 @@ def test_a_module_to_preload_that_does_not_import_stops_the_doctor_in_one_line(t
     """--preload reaches the server's imports: a module it cannot import is named before any run starts."""
     command = ["--", sys.executable, str(SCRIPTS / "dataloader_base_seed.py"), "--out", str(tmp_path / "out")]
     flags = ["--steps", "8", "--stop-after", "4", "--out", tmp_path / "d"]
-    finished = call_cli("doctor", *flags, "--preload", "accelerate,no_such_framework", *command)
+    finished = call_cli("doctor", *flags, "--preload", "accelerate", "--preload", "no_such_framework", *command)
     assert_one_line_error(finished, "did not start", "No module named 'no_such_framework'")
     assert not (tmp_path / "out").exists()
     finished = call_cli("doctor", *flags, "--preload", "transformers trainer", *command)

@@ -320,6 +320,21 @@ def test_every_public_call_names_a_part_without_state_dict_alike(tmp_path, call)
         calls[call]()
 
 
+def test_save_resume_to_no_file_or_to_a_folder_is_a_users_mistake_in_one_line(tmp_path, monkeypatch):
+    """An empty path raised a bare ValueError, and a folder a StorageError (exit 74, a disk's failure)."""
+    from exactresume import save_resume
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "mine.txt").write_text("kept")
+    for path, said in (("", "'' names no file"), ("folder", "folder is a folder: give a file's path in it")):
+        with pytest.raises(UserError, match=said) as refused:
+            save_resume(path, make_parts(), step=1)
+        assert type(refused.value) is UserError and "\n" not in str(refused.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["folder"]
+    assert (tmp_path / "folder" / "mine.txt").read_text() == "kept"
+
+
 def test_a_save_refused_for_a_checkpoint_it_has_not_loaded_is_refused_until_that_one_is_moved_away(tmp_path):
     parts = make_parts()
     with quiet_store(tmp_path) as first:

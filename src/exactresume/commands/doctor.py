@@ -49,6 +49,7 @@ def add_flags(doctor: argparse.ArgumentParser) -> None:
     )
     doctor.add_argument(
         "--preload",
+        action="append",
         metavar="M,M",
         help="modules that process imports too, e.g. transformers,accelerate: their seconds paid once (implies --warm)",
     )
@@ -91,8 +92,8 @@ def _plan_from(args: argparse.Namespace):
         raise UserError(f"--resume-args: {error}") from None
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder")
-    preload = module_names(args.preload or "")
-    if args.preload is not None and not preload:
+    preload = module_names(",".join(args.preload or []))  # given more than once: every one's modules
+    if args.preload is not None and not all(map(module_names, args.preload)):
         raise UserError("--preload names no module: give them, e.g. --preload transformers,accelerate")
     plan = Plan(command, resume_args, args.steps, args.stop_after, args.out.resolve(), args.timeout, args.warm, preload)
     ensure_writable_folder(args.out)

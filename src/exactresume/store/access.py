@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from exactresume.errors import CheckpointError, FieldError, StorageError, notice
+from exactresume.errors import CheckpointError, FieldError, StorageError, UserError, notice
 from exactresume.store.disk import write_verified
 from exactresume.store.formats import is_sharded_folder, path_kind
 from exactresume.store.identity import check_identity, refuse_another_run
@@ -88,6 +88,8 @@ def save_resume(
     a torch.distributed.checkpoint folder instead, of which every rank writes its shard. A write the
     storage refuses is a StorageError, and what was at `path` is left as it was."""
     target = location(path)
+    if isinstance(target, Path) and not sharded:
+        _check_file_target(path, target)
     world = given_world(world, World.from_env() if sharded else World())
     check_parts(parts)
     identity = check_identity(identity)
@@ -99,6 +101,14 @@ def save_resume(
             _save_file(target, one_file, step, world, identity)
     world.barrier()
     return target
+
+
+def _check_file_target(given: object, target: Path) -> None:
+    """UserError for a path that cannot be the file: none given, or a folder."""
+    if not target.name:
+        raise UserError(f"save_resume: {given!r} names no file: give the resume file's path, e.g. 'resume.pth'")
+    if target.is_dir():
+        raise UserError(f"save_resume: {target} is a folder: give a file's path in it (sharded=True writes a folder)")
 
 
 def _save_file(
