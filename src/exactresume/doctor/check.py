@@ -105,9 +105,9 @@ def _modules(preload) -> tuple[str, ...]:
     from exactresume.doctor.examine import module_names
 
     if isinstance(preload, str):
-        if not module_names(preload):
+        if not (names := module_names(preload)):
             raise UserError(f"check_resume: preload {preload!r} names no module, e.g. 'transformers,accelerate'")
-        return module_names(preload)
+        return names
     if not isinstance(preload, list | tuple):
         raise UserError(f"check_resume: preload must be a list of module names, got {a_kind_of(preload)}")
     for name in preload:
