@@ -158,6 +158,18 @@ def test_no_command_and_help_list_every_command_with_an_example():
         assert set(COMMANDS) == set(subparsers())
 
 
+@pytest.mark.parametrize("columns", ["60", "70", "80"])
+def test_help_never_cuts_a_quoted_flag_at_its_dashes(monkeypatch, columns):
+    """argparse wraps with textwrap, which cuts at hyphens: `'--from_resume 1'` was shown as `'--`, then
+    `from_resume 1'` on the next line."""
+    monkeypatch.setenv("COLUMNS", columns)
+    for name, parser in subparsers().items():
+        shown = parser.format_help()
+        cut = re.search(r"('-+|\w-)$", shown, re.MULTILINE)  # a quoted flag after its dashes, a flag at a hyphen
+        assert not cut, (name, shown)
+    assert "'--from_resume 1'" in subparsers()["doctor"].format_help()
+
+
 def test_help_of_one_command_and_version():
     finished = call_cli("help", "train")
     assert finished.returncode == 0 and "training features:" in finished.stdout and "--stop-at" in finished.stdout

@@ -15,12 +15,15 @@ import torch
 
 from exactresume import CheckpointStore, UserError
 from exactresume.errors import CheckpointError
+from exactresume.store import sharded
 from exactresume.store.access import open_resume
 from exactresume.store.collector import older_objects_frozen
 from exactresume.store.dcp_writer import HashingWriter
 from exactresume.store.seal_hash import UNKEYED, Sealing, keyed
 from exactresume.store.sealed import file_digest
 from exactresume.world import World
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as meant
 
 
 def loop(seed: int) -> dict:
@@ -65,6 +68,25 @@ def test_keep_leftovers_damage_and_fallback(tmp_path):
     train(straight, 1), train(straight, 2)  # what was loaded at step 2
     for name, tensor in straight["model"].state_dict().items():
         assert torch.equal(resumed["model"].state_dict()[name], tensor), name
+
+
+def test_a_shard_that_reads_back_damaged_is_never_committed(tmp_path, monkeypatch):
+    parts = loop(0)
+    with CheckpointStore(tmp_path, sharded=True) as store:
+        store.save(1, parts)
+        write = sharded.dcp.save
+
+        def damaging(state, storage_writer, **kwargs):
+            write(state, storage_writer=storage_writer, **kwargs)
+            shard = tmp_path / "step-00000002.dcp.tmp" / "__0_0.distcp"
+            shard.write_bytes(shard.read_bytes()[:-1] + b"!")  # changed after it was written and hashed
+
+        monkeypatch.setattr(sharded.dcp, "save", damaging)
+        with pytest.raises(CheckpointError, match=r"step-00000002.dcp: __0_0.distcp read back damaged .*not committed"):
+            store.save(2, parts)
+    assert not (tmp_path / "step-00000002.dcp").exists()
+    monkeypatch.undo()
+    assert CheckpointStore(tmp_path, sharded=True).load(loop(1)) == 1
 
 
 def test_a_folder_it_has_not_loaded_is_not_written_over(tmp_path):

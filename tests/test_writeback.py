@@ -4,7 +4,9 @@ are those written without it."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from exactresume.store import writeback
 from exactresume.store.dcp_writer import HashingWriter
 from exactresume.store.seal_hash import UNKEYED
 from exactresume.store.sealed import file_digest, load_sealed, save_sealed
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as meant
 
 STATE = {"weights": torch.randn(700, 1000), "moments": {"step": torch.tensor(3.0), "n": 7}}  # 2.8 MB
 
@@ -50,6 +54,21 @@ def test_each_file_dcp_writes_hands_its_pieces_to_the_disk_and_keeps_its_checksu
     dcp.save(STATE, storage_writer=writer, no_dist=True)
     assert len(started) == 2 and started[0][1] == 0 and consecutive(started)
     assert writer.digests == {path.name: file_digest(path) for path in tmp_path.iterdir()}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads a descriptor's name in /proc")
+def test_every_byte_dcp_wrote_is_in_its_file_when_dcp_fsyncs_it(tmp_path, monkeypatch):
+    """dcp_writer.py gathers torch.save's small writes in a buffer that DCP's flush after each item leaves
+    alone: the descriptor DCP fsyncs must still hold every byte by then."""
+    at_fsync, fsync = {}, os.fsync
+
+    def recording(fd: int) -> None:
+        at_fsync[Path(os.readlink(f"/proc/self/fd/{fd}")).name.removesuffix(".tmp")] = os.fstat(fd).st_size
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    dcp.save(STATE, storage_writer=HashingWriter(tmp_path, UNKEYED), no_dist=True)
+    assert at_fsync == {path.name: path.stat().st_size for path in tmp_path.iterdir()}
 
 
 def test_a_writeback_that_fails_leaves_the_save_to_its_fsync(tmp_path, monkeypatch):

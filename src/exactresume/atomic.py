@@ -177,6 +177,14 @@ def fsync_tree(folder: Path) -> None:
     fsync_path(folder)
 
 
+def empty_tmp_folder(path: Path) -> Path:
+    """`PATH.tmp/`, made anew and empty (what an interrupted write of folder `path` left there removed)."""
+    staging = tmp_path(path)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
 def replace_folder(new: Path, target: Path) -> None:
     """Put folder `new` at `target` in one rename: a reader sees the old folder or the new one."""
     if not target.exists():

@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import sys
+import textwrap
 
 from exactresume import __version__
 from exactresume.commands import ablate, diff, doctor, export, inspection, lab, prepare, train
@@ -41,12 +42,24 @@ COMMANDS = {
 }
 
 
+class WrappedAtSpaces(argparse.HelpFormatter):
+    """argparse's help, its lines broken at spaces only: a flag quoted in a help text ('--from_resume 1')
+    is not cut after its dashes, as textwrap cuts at hyphens by default."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines = textwrap.wrap(" ".join(text.split()), width - len(indent), break_on_hyphens=False)
+        return "\n".join(indent + line for line in lines)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line on stderr (no usage dump) and exit code 2, and a flag is typed
     whole: an abbreviation that names one flag today would name another, or none, once a flag is added."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **{"allow_abbrev": False} | kwargs)
+        super().__init__(*args, **{"allow_abbrev": False, "formatter_class": WrappedAtSpaces} | kwargs)
 
     def error(self, message: str) -> None:
         print(f"{self.prog}: error: {message}{self._flag_hint(message)}{_choice_hint(message)}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """This process's place among the run's processes: rank, size, and the few collectives every layer
-may use (gather, barrier, any). Nothing here wraps a model: DDP and FSDP live in `exactresume.parallel`.
+may use (gather, barrier, any, agree). Nothing here wraps a model: DDP and FSDP live in `exactresume.parallel`.
 torch is imported only by the collectives, so a command can ask for its rank before paying for torch.
 """
 
@@ -59,6 +59,17 @@ class World:
         value = torch.tensor([int(flag)])
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
+
+    def agree(self, value: int) -> bool:
+        """True on every rank when every rank gave the same `value` (|value| < 2**62), in one collective."""
+        if self.size == 1:
+            return True
+        import torch
+
+        dist = self._group()
+        extremes = torch.tensor([value, -value], dtype=torch.int64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest value, and minus the smallest
+        return int(extremes[0]) == -int(extremes[1])
 
     def _group(self) -> Any:
         """torch.distributed, once its process group is up: every rank of this world calls each collective."""

@@ -48,13 +48,43 @@ class _HashingFileSystem(FileSystem):
                 yield stream
                 return
             hashed = _HashedStream(WritingBack(stream), self.seals.hasher())
-            yield hashed
+            with _Gathered(hashed) as gathered:
+                yield gathered
         self.digests[Path(path).name] = hashed.hasher.hexdigest()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)  # DCP writes its index as .metadata.tmp, then renames it
         if Path(path).name in self.digests:
             self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
+
+
+class _Gathered(io.BufferedWriter):
+    """The stream DCP is given: torch.save writes each tensor's file in thousands of small records
+    (5,400 a save of the default preset's shard), which this buffer gathers in C before they reach the
+    hash and the writeback, both in Python (the save of 20 MB in one process: 77 -> 67 ms, DCP's own
+    66 ms). Its flush and its fileno (which DCP fsyncs) first hand every byte to the file."""
+
+    def __init__(self, raw: io.RawIOBase):
+        super().__init__(raw, buffer_size=GATHERED)
+
+    def flush(self) -> None:
+        """Nothing: DCP flushes after each item, which would hand the file its bytes a few KB at a time."""
+
+    def fileno(self) -> int:
+        self._hand_over()
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._hand_over()
+        super().close()
+
+    def _hand_over(self) -> None:
+        super().flush()
+        self.raw.flush()
+
+
+GATHERED = 1 << 20
 
 
 class _HashedStream(io.RawIOBase):

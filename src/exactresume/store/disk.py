@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from exactresume.atomic import TMP_SUFFIX, atomic_write, fsync_path
+from exactresume.atomic import TMP_SUFFIX, atomic_write, empty_tmp_folder, fsync_path
 from exactresume.errors import CheckpointError, ReadBackError, StorageError, UserError
 from exactresume.store.faults import FaultPoints
 from exactresume.store.layout import UNREADABLE_SUFFIX, Layout, check_checkpoint, is_set_aside
@@ -130,6 +130,8 @@ class DiskFolder:
             self.folder.mkdir(parents=True, exist_ok=True)  # another process may make it at the same moment
             fsync_path(self.folder.parent)
         self.hold_lock()
+        if layout.sharded:
+            empty_tmp_folder(checkpoint.path)  # before the ranks meet and write into it (sharded.py)
         if not checkpoint.path.exists():
             return
         try:
@@ -157,7 +159,7 @@ class DiskFolder:
         """Every rank writes its shard; rank 0 commits last and reads it back verified (sharded.py)."""
         from exactresume.store.sharded import save_sharded  # DCP takes a second to import: only when used
 
-        save_sharded(checkpoint.path, parts, world, checkpoint.step, identity, faults.reached)
+        save_sharded(checkpoint.path, parts, world, checkpoint.step, identity, faults.reached, staged=True)
 
     def write_copy(self, checkpoint: Checkpoint, source: BinaryIO) -> None:
         """A verified checkpoint of another tier copied in, byte for byte, by the same stages (once `prepare`d)."""

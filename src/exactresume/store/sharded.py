@@ -22,7 +22,6 @@ import contextlib
 import io
 import pickle
 import re
-import shutil
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
@@ -41,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from exactresume.atomic import fsync_path, replace_folder, tmp_path
+from exactresume.atomic import empty_tmp_folder, fsync_path, replace_folder, tmp_path
 from exactresume.errors import CheckpointError
 from exactresume.store.collector import older_objects_frozen
 from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
@@ -49,6 +48,7 @@ from exactresume.store.dcp_writer import HashingWriter
 from exactresume.store.formats import check_format
 from exactresume.store.layout import COMMIT
 from exactresume.store.resume import capture, check_resume_state, is_dtensor, tensors_in
+from exactresume.store.save_plans import planner_for
 from exactresume.store.seal_hash import sealing
 from exactresume.store.sealed import file_digest, load_sealed, save_sealed
 from exactresume.world import World
@@ -156,45 +156,49 @@ def save_sharded(
     step: int | None = None,
     identity: dict | None = None,
     stage: Callable[[str], None] = lambda name: None,
+    staged: bool = False,
 ) -> None:
     """Every rank writes its shard (saved at `step`, by the run `identity` names) into FOLDER.tmp/,
-    hashed as it is written; rank 0 commits their checksums, puts the folder at `folder`, and every
-    rank reads its own files back verified (the ranks hash at once, on their own cores). `stage(name)`
-    is called at each stage, a fault-injection point (store/faults.py): "write" on every rank, then on
-    rank 0 "fsync" (every shard is durable, the commit not yet written), "rename", "folder-fsync" and
-    "verify"."""
+    hashed as it is written, and reads its own files back verified (the ranks hash at once, on their
+    own cores); rank 0 then commits their checksums and puts the folder at `folder`. Rank 0 empties
+    FOLDER.tmp/ first, unless `staged` says it did (`empty_tmp_folder`, in a store's prepare), and no rank
+    writes before it has. `stage(name)` is called at each stage, a fault-injection point
+    (store/faults.py): "write" on every rank, then on rank 0 "fsync" (every shard is durable and
+    verified, the commit not yet written), "rename", "folder-fsync" and "verify" (the commit marker
+    read back)."""
     with older_objects_frozen():
-        _save_sharded(folder, parts, world, step, identity, stage)
+        _save_sharded(folder, parts, world, step, identity, stage, staged)
 
 
-def _save_sharded(folder, parts, world, step, identity, stage) -> None:
+def _save_sharded(folder, parts, world, step, identity, stage, staged) -> None:
     staging = tmp_path(folder)
     state = capture(sharded_parts(parts), step, identity)
-    if world.is_main:
-        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
-        staging.mkdir(parents=True)
-    world.barrier()
+    if world.is_main and not staged:
+        empty_tmp_folder(folder)
+    planner = planner_for(state, world)  # a collective: no rank writes before rank 0 has emptied FOLDER.tmp/
     stage("write")
     writer = HashingWriter(staging, sealing())  # each shard and the index fsynced before DCP returns
     with quiet_single_process(), first_failure():
-        dcp.save(state, storage_writer=writer, no_dist=world.size == 1)
-    own = {path.name: writer.digests.get(path.name) or file_digest(path) for path in _own_files(staging, world)}
-    files = {name: digest for hashed in world.gather(own) for name, digest in hashed.items()}
-    if world.is_main:  # dcp.save returns on rank 0 only after every rank's shard and the metadata are written
+        dcp.save(state, storage_writer=writer, planner=planner, no_dist=world.size == 1)
+    # dcp.save returns once every rank's shard and the index are written: one exchange after it, not barriers
+    hashed = world.gather(_read_back(staging, writer.digests, world))
+    damaged = [name for _, names in hashed for name in names]
+    if damaged:  # on every rank, so that none waits for the others
+        raise CheckpointError(f"{folder}: {damaged[0]} read back damaged (checksum mismatch): not committed")
+    if world.is_main:
         stage("fsync")
-        write_commit(staging, world.size, step, files)
+        write_commit(staging, world.size, step, {name: digest for files, _ in hashed for name, digest in files.items()})
         stage("rename")
         replace_folder(staging, folder)
         stage("folder-fsync")
         stage("verify")
-    world.barrier()  # the folder is in place: each rank reads back what it hashed
-    damaged = [name for name, digest in own.items() if not sealing().matches(file_digest(folder / name), digest)]
-    damaged = [name for names in world.gather(damaged) for name in names]
-    if world.is_main:
         _commit_marker(folder / COMMIT)
-        if damaged:
-            raise CheckpointError(f"{folder}: {damaged[0]} is damaged (checksum mismatch)")
-    world.barrier()
+
+
+def _read_back(staging: Path, digests: Mapping[str, str], world: World) -> tuple[dict[str, str], list[str]]:
+    """The checksums of the files this rank wrote, as they were written, and those whose bytes read back differ."""
+    own = {path.name: digests.get(path.name) or file_digest(path) for path in _own_files(staging, world)}
+    return own, [name for name, digest in own.items() if not sealing().matches(file_digest(staging / name), digest)]
 
 
 def _own_files(staging: Path, world: World) -> list[Path]:

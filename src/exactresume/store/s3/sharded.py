@@ -34,6 +34,7 @@ from exactresume.store.s3.files import local_folder, state_bytes
 from exactresume.store.s3.lease import S3Lease, lease_for
 from exactresume.store.s3.ranges import RANGES_KEY, item_ranges, ranged_reader
 from exactresume.store.s3.upload import upload_file
+from exactresume.store.save_plans import planner_for
 from exactresume.store.sharded import (
     COMMIT,
     SHARDED_FORMAT,
@@ -67,9 +68,11 @@ def save_sharded_s3(
     with contextlib.ExitStack() as held:
         lease = _unpublish(objects, target, world, held)  # from here until the new commit, the prefix is not trusted
         with local_folder(state_bytes(state) // world.size) as staging:
+            planner = planner_for(state, world)
             stage("write")
+            writer = FileSystemWriter(staging, sync_files=False)
             with quiet_single_process(), first_failure():
-                dcp.save(state, storage_writer=FileSystemWriter(staging, sync_files=False), no_dist=world.size == 1)
+                dcp.save(state, storage_writer=writer, planner=planner, no_dist=world.size == 1)
             index = world.gather((staging / ".metadata").read_bytes() if world.is_main else None)[0]  # rank 0's
             uploaded, failure = _upload_own(objects, target, staging, parse_index(index, f"{target}/.metadata"))
         everyone = world.gather(uploaded)
