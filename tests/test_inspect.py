@@ -216,3 +216,10 @@ def test_a_checkpoint_pruned_while_inspect_reads_the_folder_is_left_out_not_a_tr
     finished = call_cli("inspect", tmp_path / "ckpt", "--json")
     assert finished.returncode == 0 and "Traceback" not in finished.stderr, finished.stderr
     assert [c["step"] for c in json.loads(finished.stdout)["checkpoints"]] == [2, 3]
+
+
+def test_a_local_tier_that_is_the_folder_inspected_is_refused_in_one_line(tmp_path):
+    """Its checkpoints would be listed twice, as both tiers', and "two tiers" said of one folder."""
+    (tmp_path / "checkpoints").mkdir()
+    finished = call_cli("inspect", tmp_path / "checkpoints", "--local-checkpoints", tmp_path / "." / "checkpoints")
+    assert_one_line_error(finished, "is PATH itself: give the run's local tier")
