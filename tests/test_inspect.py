@@ -223,3 +223,30 @@ def test_a_local_tier_that_is_the_folder_inspected_is_refused_in_one_line(tmp_pa
     (tmp_path / "checkpoints").mkdir()
     finished = call_cli("inspect", tmp_path / "checkpoints", "--local-checkpoints", tmp_path / "." / "checkpoints")
     assert_one_line_error(finished, "is PATH itself: give the run's local tier")
+
+
+def test_a_folder_a_live_run_prunes_and_saves_into_while_it_is_read_is_listed_as_it_stands(tmp_path, monkeypatch):
+    """A run saving every step (keep=2) saved steps 3 and 4 and pruned 1 and 2 while `inspect` read them:
+    the listing said "0 checkpoints; none verifies" of a folder a resume would take step 4 from. It lists
+    the folder again until what it holds is read, and names the run writing it."""
+    from exactresume import CheckpointStore
+    from exactresume.store import listing
+
+    model, read = torch.nn.Linear(3, 2), listing._checkpoint
+    with CheckpointStore(tmp_path / "ckpt", keep=2) as run:
+        for step in (1, 2):
+            run.save(step, {"model": model})
+
+        def saving_meanwhile(store, checkpoint, summarize):
+            if checkpoint.step == 2 and run.checkpoints()[-1].step == 2:
+                run.save(3, {"model": model})
+                run.save(4, {"model": model})
+            return read(store, checkpoint, summarize)
+
+        monkeypatch.setattr(listing, "_checkpoint", saving_meanwhile)
+        finished = call_cli("inspect", tmp_path / "ckpt", "--json")
+        shown = call_cli("inspect", tmp_path / "ckpt").stdout
+    info = json.loads(finished.stdout)
+    assert finished.returncode == 0 and [c["step"] for c in info["checkpoints"]] == [3, 4], finished.stdout
+    assert info["checksum"] == "verified" and info["newest_valid_step"] == 4 and info["writer"]["pid"] == os.getpid()
+    assert f"(being written by pid {os.getpid()})" in shown and "a resume continues from step 4" in shown, shown

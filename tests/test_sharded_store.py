@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from exactresume import CheckpointStore, UserError
+from exactresume import CheckpointStore, UserError, load_resume, save_resume
 from exactresume.errors import CheckpointError
 from exactresume.store import sharded
 from exactresume.store.access import open_resume
@@ -214,3 +214,56 @@ def test_a_sharded_save_leaves_the_objects_it_found_out_of_its_collections(tmp_p
         assert gc.get_freeze_count() > 0  # not unfrozen (its count moves as frozen objects die)
     finally:
         gc.unfreeze()
+
+
+def two_modules(seed: int) -> dict:
+    """A loop whose optimizer steps two module parts: no one part holds its parameters, so its state is
+    torch's own, keyed by parameter index."""
+    torch.manual_seed(seed)
+    body, head = torch.nn.Linear(4, 2), torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW([{"params": body.parameters()}, {"params": head.parameters(), "lr": 0.1}])
+    return {"body": body, "head": head, "optimizer": optimizer}
+
+
+def step_two_modules(parts: dict, step: int) -> None:
+    torch.manual_seed(step)
+    parts["optimizer"].zero_grad()
+    parts["head"](parts["body"](torch.randn(3, 4))).sum().backward()
+    parts["optimizer"].step()
+
+
+def test_an_optimizer_keyed_by_index_resumes_with_every_moment(tmp_path):
+    """DCP names the key 0 of torch's optimizer state "0": read back as such, no parameter had its moments
+    (load_state_dict matched none, silently) and the next save failed on the two keys "0" and 0."""
+    straight, saved = two_modules(0), two_modules(0)
+    for step in (1, 2):
+        step_two_modules(saved, step)
+    with CheckpointStore(tmp_path, sharded=True) as store:
+        store.save(2, saved)
+    resumed = two_modules(1)
+    with CheckpointStore(tmp_path, sharded=True) as store:
+        assert store.load(resumed) == 2
+        state = resumed["optimizer"].state_dict()
+        assert sorted(state["state"]) == [0, 1, 2, 3] and state["param_groups"][0]["betas"] == (0.9, 0.999)
+        for step in (3, 4):
+            step_two_modules(resumed, step)
+            store.save(step, resumed)
+    for step in (1, 2, 3, 4):
+        step_two_modules(straight, step)
+    for name in ("body", "head"):
+        for key, tensor in straight[name].state_dict().items():
+            assert torch.equal(resumed[name].state_dict()[key], tensor), (name, key)
+    expected = straight["optimizer"].state_dict()["state"]
+    for index, moments in resumed["optimizer"].state_dict()["state"].items():
+        for key, tensor in moments.items():
+            assert torch.equal(tensor, expected[index][key]), (index, key)
+
+
+def test_a_sharded_folder_given_to_the_one_file_reader_names_the_reader_to_use(tmp_path):
+    save_resume(tmp_path / "resume", loop(0), step=1, sharded=True)
+    with pytest.raises(
+        CheckpointError, match=r"is a folder, not a checkpoint file: a sharded checkpoint, read by open_resume"
+    ):
+        load_resume(tmp_path / "resume", loop(1))
+    with pytest.raises(CheckpointError, match=r"is a folder, not a checkpoint file$"):
+        load_resume(tmp_path, loop(1))  # a folder of no checkpoint: nothing more to say

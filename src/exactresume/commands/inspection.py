@@ -15,7 +15,11 @@ from exactresume.errors import UserError
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", type=any_location, help="a resume or weights file, export or sharded folder (or s3://)")
+    parser.add_argument(
+        "path",
+        type=any_location,
+        help="a resume or weights file, an export, a checkpoint folder or a sharded one (or s3://)",
+    )
     add_s3_flags(parser)
     parser.add_argument(
         "--local-checkpoints",

@@ -20,8 +20,9 @@ def add_data_flag(group) -> None:
     )
 
 
-def add_s3_flags(group) -> None:
-    """--s3-endpoint, --s3-tries, --s3-timeout and --s3-part-mib: how an s3:// location is reached."""
+def add_s3_flags(group, uploads: bool = False) -> None:
+    """--s3-endpoint, --s3-tries, --s3-timeout, and with `uploads` --s3-part-mib: how an s3:// location is
+    reached (a command that only reads, inspect and diff, uploads nothing)."""
     from exactresume.store.locations import CONNECT_SECONDS, DEFAULT_TRIES, PART_BYTES, READ_SECONDS
 
     group.add_argument(
@@ -43,6 +44,8 @@ def add_s3_flags(group) -> None:
         metavar="SECONDS",
         help=f"how long one try waits for the server's answer (to connect: at most {CONNECT_SECONDS:g} s)",
     )
+    if not uploads:
+        return
     group.add_argument(
         "--s3-part-mib",
         type=int,
@@ -54,10 +57,12 @@ def add_s3_flags(group) -> None:
 
 def _s3_config(args: argparse.Namespace):
     """How the command reaches an object store: --s3-endpoint (else AWS_ENDPOINT_URL), --s3-tries, --s3-timeout."""
-    from exactresume.store.locations import CONNECT_SECONDS, S3Config
+    from exactresume.store.locations import CONNECT_SECONDS, PART_BYTES, S3Config
 
     timeouts = {"read_timeout": args.s3_timeout, "connect_timeout": min(CONNECT_SECONDS, args.s3_timeout)}
-    return S3Config(endpoint=args.s3_endpoint, tries=args.s3_tries, part_bytes=args.s3_part_mib << 20, **timeouts)
+    part_mib = getattr(args, "s3_part_mib", None)  # a command that only reads has no such flag
+    part_bytes = PART_BYTES if part_mib is None else part_mib << 20
+    return S3Config(endpoint=args.s3_endpoint, tries=args.s3_tries, part_bytes=part_bytes, **timeouts)
 
 
 def check_endpoint_used(args: argparse.Namespace, *values) -> None:

@@ -60,8 +60,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+STOP_AT_HELP = "stop after this step and write OUT/resume.pth (the folder resume.dcp with --shard fsdp)"
+SAVE_EVERY_HELP = (
+    "write OUT/checkpoints/step-N.pth too (step-N.dcp folders with --shard fsdp) every N steps and at the end"
+)
+
+
 def _add_checkpoint_flags(checkpoints) -> None:
-    checkpoints.add_argument("--stop-at", type=int, help="stop after this step and write OUT/resume.pth")
+    checkpoints.add_argument("--stop-at", type=int, help=STOP_AT_HELP)
     add_writer_flags(checkpoints, plan=True)
     checkpoints.add_argument(
         "--resume",
@@ -70,16 +76,14 @@ def _add_checkpoint_flags(checkpoints) -> None:
         help="continue from a resume file, the newest valid checkpoint in a folder, or with 'auto' from "
         "the newest valid checkpoint in --checkpoints (default OUT/checkpoints), else a fresh start",
     )
-    checkpoints.add_argument(
-        "--save-every", type=int, metavar="N", help="also write OUT/checkpoints/step-N.pth every N steps and at the end"
-    )
+    checkpoints.add_argument("--save-every", type=int, metavar="N", help=SAVE_EVERY_HELP)
     checkpoints.add_argument(
         "--checkpoints",
         type=any_location,
         metavar="FOLDER|s3://BUCKET/PREFIX",
         help="where the periodic checkpoints go (default OUT/checkpoints); on s3:// the resume file goes there too",
     )
-    add_s3_flags(checkpoints)
+    add_s3_flags(checkpoints, uploads=True)
     checkpoints.add_argument(
         "--local-checkpoints",
         type=local_folder,

@@ -8,12 +8,15 @@ refused. The newest checkpoint that verifies is the one a resume from the folder
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
 from exactresume.errors import CheckpointError
 from exactresume.store.layout import UNREADABLE_SUFFIX
 from exactresume.store.locations import Checkpoint, Location, S3Location
+from exactresume.store.lock import LOCK_NAME, read_holder
 from exactresume.store.numbered import CheckpointStore, store_reading
 from exactresume.store.resume import RESERVED_NAMES, check_resume_state
 from exactresume.store.seal_hash import SealError, sealing
@@ -70,27 +73,71 @@ def list_checkpoints(folder: Location, summarize) -> dict:
         details += [f"{len(set_aside)} damaged checkpoint(s) set aside as {UNREADABLE_SUFFIX}"] if set_aside else []
         detail = f": only {' and '.join(details)}" if details else ""
         raise CheckpointError(f"{folder} is a folder holding no checkpoint (step-*.pth) and no sharded one{detail}")
-    checkpoints = [entry for entry in (_listed(store, c, summarize) for c in found) if entry is not None]
+    checkpoints = _read_while_pruned(store, summarize)
     valid = [c["step"] for c in checkpoints if c["status"] == "verified"]
+    writer = _writer(folder)
     return {
         "path": str(folder),
         "kind": "store",
-        "description": _description(checkpoints, valid, set_aside),
+        "description": _description(checkpoints, valid, set_aside, writer),
         "checksum": _checksum(checkpoints),
         "newest_valid_step": valid[-1] if valid else None,
+        "writer": writer,
         "leftovers": [str(path) for path in store.leftovers()],
         "set_aside": [str(path) for path in set_aside],
         "checkpoints": checkpoints,
     }
 
 
+def _read_while_pruned(store: CheckpointStore, summarize) -> list[dict]:
+    """Every checkpoint of the folder read (oldest first), the newest first: a run writing the folder
+    may prune a checkpoint while it is read, and save newer ones; the folder is listed again until every
+    checkpoint it holds has been read, LISTINGS times at most."""
+    read: dict[int, dict] = {}
+    for _ in range(LISTINGS):
+        held = store.checkpoints()
+        for checkpoint in reversed([c for c in held if c.step not in read]):
+            entry = _listed(store, checkpoint, summarize)
+            if entry is not None:
+                read[checkpoint.step] = entry
+        still = {checkpoint.step for checkpoint in store.checkpoints()}
+        read = {step: entry for step, entry in read.items() if step in still}
+        if still <= set(read):
+            break
+    return [read[step] for step in sorted(read)]
+
+
+LISTINGS = 5
+
+
+def _writer(folder: Location) -> dict | None:
+    """The process writing the folder now (its lock's holder, alive on this host), or None."""
+    if not isinstance(folder, Path):
+        return None
+    holder = read_holder(folder / LOCK_NAME)
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return None
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        pass
+    return {"pid": holder["pid"], "host": holder["host"]}
+
+
 def _checksum(checkpoints: list[dict]) -> str:
     """verified: every checkpoint; mismatch: one is damaged; else not verified (by the key in force, or none)."""
     statuses = {checkpoint["status"] for checkpoint in checkpoints}
+    if not statuses:
+        return "none read"
     return "mismatch" if "damaged" in statuses else SEALED_OTHERWISE if SEALED_OTHERWISE in statuses else "verified"
 
 
-def _description(checkpoints: list[dict], valid: list[int], set_aside: list[Path]) -> str:
+def _description(checkpoints: list[dict], valid: list[int], set_aside: list[Path], writer: dict | None) -> str:
+    if not checkpoints:  # each one listed was pruned before it could be read
+        who = f"pid {writer['pid']} is writing it" if writer else "a run is writing it"
+        return f"checkpoint folder whose checkpoints were all pruned while they were read ({who}): inspect it again"
     count = f"{len(checkpoints)} checkpoint" + ("s" if len(checkpoints) != 1 else "")
     damaged = sum(c["status"] == "damaged" for c in checkpoints)
     sealed = sum(c["status"] == SEALED_OTHERWISE for c in checkpoints)
@@ -98,7 +145,8 @@ def _description(checkpoints: list[dict], valid: list[int], set_aside: list[Path
     unverified = "not verified by the key set" if sealing().key is not None else "sealed with a key, none set"
     problems = [f"{damaged} damaged"] * bool(damaged) + [f"{sealed} {unverified}"] * bool(sealed)
     aside = [f"{len(set_aside)} set aside as damaged"] * bool(set_aside)
-    return f"checkpoint folder: {', '.join([count, *problems, *aside])}; {newest}"
+    writing = f" (being written by pid {writer['pid']})" if writer else ""
+    return f"checkpoint folder{writing}: {', '.join([count, *problems, *aside])}; {newest}"
 
 
 def list_tiers(durable: Location, local: Path, summarize) -> dict:
@@ -155,10 +203,12 @@ def format_listing(info: dict[str, Any]) -> str:
             continue
         parts = ", ".join(f"{part} {summary['bytes']:,} B" for part, summary in checkpoint["parts"].items())
         lines.append(f"  {name}  verified, {checkpoint['file_bytes']:,} bytes: {parts}")
-    lines += [
-        f"  {Path(path).name}  leftover of an interrupted save (removed by the next writer)"
-        for path in info["leftovers"]
-    ]
+    unfinished = (
+        f"a save in progress, or left by an interrupted one (pid {info['writer']['pid']} is writing the folder)"
+        if info.get("writer")
+        else "leftover of an interrupted save (removed by the next writer)"
+    )
+    lines += [f"  {Path(path).name}  {unfinished}" for path in info["leftovers"]]
     lines += [
         f"  {Path(path).name}  set aside: damaged, renamed by a save of its step rather than written over; never read"
         for path in info.get("set_aside", [])

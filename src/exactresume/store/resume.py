@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exactresume.errors import CheckpointError, FieldError, UserError, a_kind_of, notice
+from exactresume.store.containers import CONTAINERS_KEY
 from exactresume.store.fit import check_names, check_tensors
 from exactresume.store.formats import RESUME_FORMAT, RESUME_VERSION, RESUME_VERSIONS, check_format
 from exactresume.store.identity import IDENTITY_KEY, with_identity
@@ -37,7 +38,8 @@ if TYPE_CHECKING:  # PyTorch's own part protocol, DCP's: importing DCP costs a s
 PART_NAMES = ("config", "model", "optimizer", "scaler", "step", "gen_state", "rng")
 OPTIONAL_PARTS = ("scaler",)  # held only by runs that have one; the config says which
 STEP_KEY = "checkpoint_step"  # beside the parts in every file: the step it was saved at
-RESERVED_NAMES = ("format", "version", STEP_KEY, IDENTITY_KEY)  # our own keys: no part may take them
+# our own keys: no part may take them (CONTAINERS_KEY: a sharded checkpoint's record of its containers)
+RESERVED_NAMES = ("format", "version", STEP_KEY, IDENTITY_KEY, CONTAINERS_KEY)
 PER_RANK_KEY = "per_rank"
 IMMUTABLE = frozenset({int, float, str, bytes, bool, type(None)})  # what a copy would give back as it is
 

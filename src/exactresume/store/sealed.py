@@ -363,7 +363,9 @@ def load_sealed(path: Path, require_seal: bool = True) -> Any:
     path = Path(path)
     try:
         if path.is_dir():
-            raise CheckpointError(f"{path} is a folder, not a checkpoint file")
+            sharded = any(path.glob("*.distcp"))  # DCP's shards: a sharded checkpoint has its own readers
+            instead = ": a sharded checkpoint, read by open_resume(folder).restore(parts)" if sharded else ""
+            raise CheckpointError(f"{path} is a folder, not a checkpoint file{instead}")
         # One open file for checking and loading: the bytes verified are the bytes loaded, even if
         # another writer replaces `path` meanwhile.
         with open(path, "rb") as file:

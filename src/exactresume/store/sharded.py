@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from exactresume.atomic import empty_tmp_folder, fsync_path, replace_folder, tmp_path
 from exactresume.errors import CheckpointError
 from exactresume.store.collector import older_objects_frozen
+from exactresume.store.containers import CONTAINERS_KEY, record_containers, restore_containers
 from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
 from exactresume.store.dcp_writer import HashingWriter
 from exactresume.store.formats import check_format
@@ -170,9 +171,16 @@ def save_sharded(
         _save_sharded(folder, parts, world, step, identity, stage, staged)
 
 
+def sharded_state(parts: Mapping[str, Stateful], step: int | None, identity: dict | None) -> dict:
+    """The resume state a sharded checkpoint holds: the parts' (as `sharded_parts` takes them), and the
+    record of what DCP's names forget of its containers (containers.py)."""
+    state = capture(sharded_parts(parts), step, identity)
+    return state | {CONTAINERS_KEY: record_containers(state)}
+
+
 def _save_sharded(folder, parts, world, step, identity, stage, staged) -> None:
     staging = tmp_path(folder)
-    state = capture(sharded_parts(parts), step, identity)
+    state = sharded_state(parts, step, identity)
     if world.is_main and not staged:
         empty_tmp_folder(folder)
     planner = planner_for(state, world)  # a collective: no rank writes before rank 0 has emptied FOLDER.tmp/
@@ -311,6 +319,7 @@ def read_verified(
         with quiet_single_process(), first_failure():
             dcp.load(flat, storage_reader=reader, planner=_SafeLoadPlanner(folder), no_dist=True)
         state = _unflatten(flat, paths)
+        state = restore_containers(state, state.pop(CONTAINERS_KEY, None))
     except CheckpointError:
         raise
     except Exception as error:  # DCP's many refusals of an inconsistent folder

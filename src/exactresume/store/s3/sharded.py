@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 from exactresume.errors import CheckpointError, StorageError, UserError
 from exactresume.store.dcp_index import parse_index
 from exactresume.store.locations import S3Location
-from exactresume.store.resume import capture
 from exactresume.store.s3.client import ObjectStore, file_info
 from exactresume.store.s3.commit import commit_state, fetch_committed, read_commit, write_commit
 from exactresume.store.s3.files import local_folder, state_bytes
@@ -43,7 +42,7 @@ from exactresume.store.sharded import (
     first_failure,
     quiet_single_process,
     read_verified,
-    sharded_parts,
+    sharded_state,
 )
 from exactresume.world import World
 
@@ -64,7 +63,7 @@ def save_sharded_s3(
     import torch.distributed.checkpoint as dcp
 
     objects = objects or ObjectStore(target.config)
-    state = capture(sharded_parts(parts), step, identity)
+    state = sharded_state(parts, step, identity)
     with contextlib.ExitStack() as held:
         lease = _unpublish(objects, target, world, held)  # from here until the new commit, the prefix is not trusted
         with local_folder(state_bytes(state) // world.size) as staging:
