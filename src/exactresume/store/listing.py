@@ -8,7 +8,6 @@ refused. The newest checkpoint that verifies is the one a resume from the folder
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 from exactresume.errors import CheckpointError
 from exactresume.store.layout import UNREADABLE_SUFFIX
 from exactresume.store.locations import Checkpoint, Location, S3Location
-from exactresume.store.lock import LOCK_NAME, read_holder
+from exactresume.store.lock import LOCK_NAME, holder_alive, read_holder
 from exactresume.store.numbered import CheckpointStore, store_reading
 from exactresume.store.resume import RESERVED_NAMES, check_resume_state
 from exactresume.store.seal_hash import SealError, sealing
@@ -115,14 +114,8 @@ def _writer(folder: Location) -> dict | None:
     if not isinstance(folder, Path):
         return None
     holder = read_holder(folder / LOCK_NAME)
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+    if holder.get("host") != socket.gethostname() or not holder_alive(holder):
         return None
-    try:
-        os.kill(holder["pid"], 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:  # alive, another user's
-        pass
     return {"pid": holder["pid"], "host": holder["host"]}
 
 

@@ -204,6 +204,20 @@ def describe_holder(folder: Path, holder: dict) -> str:
     return f"{folder} is being written by pid {holder['pid']}{mine} on host {holder.get('host', '?')} since {when}"
 
 
+def holder_alive(holder: dict) -> bool:
+    """Whether the holder a lock file or a lease names may still be writing: one on this host whose process
+    is gone (killed) is not, so its lease is taken at once; one on another host is taken to be."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return True
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         here, there = os.fstat(fd), os.stat(path)

@@ -33,7 +33,7 @@ from email.utils import parsedate_to_datetime
 
 from exactresume.errors import MissingObject, StorageError, UserError
 from exactresume.store.locations import S3Location
-from exactresume.store.lock import describe_holder, wait_for_turn
+from exactresume.store.lock import describe_holder, holder_alive, wait_for_turn
 from exactresume.store.s3.client import ObjectStore, WriteRaced
 
 LEASE_NAME = ".exactresume.lease"
@@ -162,7 +162,7 @@ class S3Lease:
         """None when the lease is now ours, else the lease as it stands."""
         seen = self._read()
         mine = seen.holder.get("token") == self.token
-        if seen.holder and not mine and not self._expired(seen) and alive(seen.holder):
+        if seen.holder and not mine and not self._expired(seen) and holder_alive(seen.holder):
             return seen
         with contextlib.suppress(WriteRaced, MissingObject):  # another taker came first, or our retried PUT did
             self._write(**({"IfMatch": seen.etag} if seen.etag else {"IfNoneMatch": "*"}))
@@ -244,17 +244,3 @@ def lease_for(objects: ObjectStore, folder: S3Location) -> Iterator[S3Lease]:
         yield lease
     finally:
         lease.release()
-
-
-def alive(holder: dict) -> bool:
-    """Whether the holder may still be writing: a holder on this host whose process is gone (killed) is not,
-    so its lease is taken at once; one on another host is trusted until its lease expires."""
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return True
-    try:
-        os.kill(holder["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True
