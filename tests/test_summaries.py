@@ -127,6 +127,7 @@ def test_a_stopped_torchrun_rank_continues_under_torchrun_on_as_many_processes(s
     for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     job = TrainJob(TrainConfig(steps=8, batch=2, seq_len=16), kjv_folder, out, stop_at=4)
-    words = shlex.split(train_summary(job, ["train", "--out", str(out), "--stop-at", "4"])["continue"])
-    assert words[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"], words
-    assert words[4:] == ["-m", "exactresume", "train", "--out", str(out), "--resume", str(out / "resume.pth")]
+    for typed in (["train"], ["--", "train"]):  # as `torchrun -m exactresume -- train` hands it, or without
+        words = shlex.split(train_summary(job, [*typed, "--out", str(out), "--stop-at", "4"])["continue"])
+        assert words[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"], words
+        assert words[4:] == ["-m", "exactresume", "--", "train", "--out", str(out), "--resume", str(out / "resume.pth")]

@@ -92,13 +92,14 @@ def launcher() -> list[str]:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     nodes = max(1, int(os.environ["WORLD_SIZE"]) // local)
     where = ["--standalone"] if nodes == 1 else ["--nnodes", str(nodes)]
-    return ["torchrun", *where, "--nproc-per-node", str(local), "-m", "exactresume"]
+    # `--` before the command, as docs/many-processes.md asks: torchrun would take --log for its own flag
+    return ["torchrun", *where, "--nproc-per-node", str(local), "-m", "exactresume", "--"]
 
 
 def continue_command(argv: list[str], resume: Path) -> str:
     """The user's own command without its stop (and --sharded, which only writes a stop), resuming from `resume`."""
     kept, skip_value = [], False
-    for token in argv:
+    for token in argv[1:] if argv[:1] == ["--"] else argv:  # the `--` a torchrun command put first: once
         if skip_value:
             skip_value = False
         elif _is_flag(token, "--stop-at") or _is_flag(token, "--resume"):
