@@ -19,6 +19,7 @@ from exactresume import (
     GeneratorPart,
     GlobalRng,
     UserError,
+    load_resume,
     save_resume,
 )
 from helpers import call_cli, run_python
@@ -346,6 +347,20 @@ def test_a_load_that_fails_in_a_part_puts_back_the_parts_already_loaded(tmp_path
     assert torch.equal(fresh_model.weight, before) and not torch.equal(fresh_model.weight, model.weight)
     message = str(refused.value)
     assert "\n" not in message and "the part later could not load" in message and "no part was changed" in message
+
+
+def test_a_part_that_looks_up_a_key_its_state_lacks_is_told_by_the_key_not_its_bare_text(tmp_path):
+    class LooksUp:
+        def state_dict(self):
+            return {"value": 1}
+
+        def load_state_dict(self, state):
+            state["state.blocks.0.step"]  # a key its state lacks: KeyError's text is the key alone
+
+    save_resume(tmp_path / "resume.pth", {"later": LooksUp()}, 1)
+    with pytest.raises(CheckpointError) as refused:
+        load_resume(tmp_path / "resume.pth", {"later": LooksUp()})
+    assert "no key 'state.blocks.0.step' where one was looked up (KeyError)" in str(refused.value), refused.value
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:

@@ -237,6 +237,8 @@ def _put_back(parts: Mapping[str, Stateful], loaded: Mapping[str, Any]) -> list[
 
 
 def _one_line(error: BaseException) -> str:
+    if type(error) is KeyError and len(error.args) == 1:  # its text is the key alone: 'state.0.step'
+        return f"no key {error.args[0]!r} where one was looked up (KeyError)"
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " ".join(lines) or type(error).__name__
 
