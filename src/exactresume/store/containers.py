@@ -49,14 +49,14 @@ def restore_containers(state: dict, record: object) -> dict:
     saved = ast.literal_eval(record)
     for path, kind in saved["empty"]:  # first: a dict that held only empties left no name either
         parent = _parent_made(state, path)
-        if isinstance(parent, dict | list) and _child(parent, path[-1]) is None:
-            _put(parent, path[-1], EMPTY[kind]())
+        if isinstance(parent, dict | list):
+            slot(parent, path[-1], EMPTY[kind]())
     # The deepest first, so that each path is walked through containers as DCP named them (keys as text).
     changes = [(path, keys) for path, keys in saved["keys"]] + [(path, None) for path in saved["tuples"]]
     for path, keys in sorted(changes, key=lambda change: -len(change[0])):
         node, parent = _find(state, path), _find(state, path[:-1]) if path else None
         if keys is None and isinstance(node, list) and isinstance(parent, dict | list):
-            _put(parent, path[-1], tuple(node))
+            slot(parent, path[-1], tuple(node), replace=True)
         elif keys is not None and isinstance(node, dict):
             for key in keys:
                 if str(key) in node:
@@ -96,12 +96,16 @@ def _child(node: Any, step: Any) -> Any:
     return node[step] if isinstance(step, int) and step < len(node) else None
 
 
-def _put(node: Any, step: Any, value: Any) -> None:
-    if isinstance(node, dict):
+def slot(node: dict | list, step: str | int, value: Any, replace: bool = False) -> Any:
+    """node[step], set to `value` if missing (or always with `replace`); lists grow as needed."""
+    if isinstance(node, list):
+        node.extend([None] * (step + 1 - len(node)))
+        if replace or node[step] is None:
+            node[step] = value
+        return node[step]
+    if replace or step not in node:
         node[step] = value
-        return
-    node.extend([None] * (step + 1 - len(node)))
-    node[step] = value
+    return node[step]
 
 
 def _find(state: Any, path: tuple) -> Any:
@@ -121,9 +125,5 @@ def _parent_made(state: dict, path: tuple) -> Any:
     for step, following in zip(path[:-1], path[1:]):
         if not isinstance(node, dict | list):
             return None
-        child = _child(node, step)
-        if child is None:
-            child = [] if isinstance(following, int) else {}
-            _put(node, step, child)
-        node = child
+        node = slot(node, step, [] if isinstance(following, int) else {})
     return node

@@ -93,13 +93,14 @@ def _read_while_pruned(store: CheckpointStore, summarize) -> list[dict]:
     may prune a checkpoint while it is read, and save newer ones; the folder is listed again until every
     checkpoint it holds has been read, LISTINGS times at most."""
     read: dict[int, dict] = {}
+    held = store.checkpoints()
     for _ in range(LISTINGS):
-        held = store.checkpoints()
         for checkpoint in reversed([c for c in held if c.step not in read]):
             entry = _listed(store, checkpoint, summarize)
             if entry is not None:
                 read[checkpoint.step] = entry
-        still = {checkpoint.step for checkpoint in store.checkpoints()}
+        held = store.checkpoints()  # what the folder holds now: read next round what is not read yet
+        still = {checkpoint.step for checkpoint in held}
         read = {step: entry for step, entry in read.items() if step in still}
         if still <= set(read):
             break

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from exactresume.atomic import empty_tmp_folder, fsync_path, replace_folder, tmp_path
 from exactresume.errors import CheckpointError
 from exactresume.store.collector import older_objects_frozen
-from exactresume.store.containers import CONTAINERS_KEY, record_containers, restore_containers
+from exactresume.store.containers import CONTAINERS_KEY, record_containers, restore_containers, slot
 from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
 from exactresume.store.dcp_writer import HashingWriter
 from exactresume.store.formats import check_format
@@ -345,21 +345,9 @@ def _unflatten(flat: Mapping[str, Any], paths: Mapping[str, tuple]) -> dict:
         path = paths.get(key, (key,))
         node: Any = nested
         for step, following in zip(path, path[1:]):
-            node = _slot(node, step, [] if isinstance(following, int) else {})
-        _slot(node, path[-1], value, replace=True)
+            node = slot(node, step, [] if isinstance(following, int) else {})
+        slot(node, path[-1], value, replace=True)
     return nested
-
-
-def _slot(node: dict | list, step: str | int, value: Any, replace: bool = False) -> Any:
-    """node[step], set to `value` if missing (or always with `replace`); lists grow as needed."""
-    if isinstance(node, list):
-        node.extend([None] * (step + 1 - len(node)))
-        if replace or node[step] is None:
-            node[step] = value
-        return node[step]
-    if replace or step not in node:
-        node[step] = value
-    return node[step]
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
