@@ -129,6 +129,24 @@ def test_a_waiting_job_continues_from_the_dead_writers_last_checkpoint(tmp_path,
     assert_same_run(folder, reference)
 
 
+def test_another_run_given_this_runs_checkpoint_folder_is_refused_and_this_run_ends_exact(
+    tmp_path, kjv_folder, reference
+):
+    """OUT/checkpoints is locked by its own run, not only through OUT: a second run with another --out
+    and `--checkpoints` pointing into the first's folder once resumed from it and pruned under it."""
+    folder = tmp_path / "run"
+    first = frozen_after_its_second_checkpoint(folder, kjv_folder)
+    try:
+        second = run_cli(
+            *flags(tmp_path / "other", kjv_folder, "--checkpoints", folder / "checkpoints"), env=ONE_THREAD
+        )
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert_one_line_error(second, f"{folder / 'checkpoints'} is being written by pid {first.pid}", "wait for it")
+    assert first.wait(timeout=120) == 0, first.communicate()
+    assert_same_run(folder, reference)
+
+
 def test_a_kill_9_holder_leaves_no_stale_lock(tmp_path, kjv_folder, reference):
     folder = tmp_path / "run"
     first = holding(folder, start(flags(folder, kjv_folder)))

@@ -2,7 +2,7 @@
 
     outcome = JobRun(job, world, progress).run()   # every rank calls it; rank 0 writes
 
-The lock on OUT (rank 0; OUT/checkpoints is inside it), the process group, the logs, the
+The lock on OUT (rank 0; a checkpoint folder inside OUT is locked too), the process group, the logs, the
 checkpoint store, the progress line and the divergence log; the loop calls back into it after each
 step. The source is opened by the store's one way in (store/access.py `open_resume`); the
 checkpoints go out through the CheckpointStore's own `save`, the final file through `save_resume`
@@ -108,9 +108,10 @@ class JobRun:
             tiers = {"local": job.local_checkpoints, "durable_every": job.durable_every, "identity": self.identity}
             options |= tiers
         folder = job.checkpoint_folder
-        inside = isinstance(folder, Path) and Path(os.path.abspath(folder)).is_relative_to(os.path.abspath(job.out))
-        # OUT's lock covers a checkpoint folder inside OUT; one elsewhere takes its own: one writer a folder.
-        return CheckpointStore(folder, keep=job.keep, notify=self.notify, lock=lock if inside else None, **options)
+        # A folder inside OUT takes its own lock, as one elsewhere does: another run given it is refused.
+        # OUT itself (--checkpoints OUT) is held already, by this process.
+        same = isinstance(folder, Path) and os.path.realpath(folder) == os.path.realpath(job.out)
+        return CheckpointStore(folder, keep=job.keep, notify=self.notify, lock=lock if same else None, **options)
 
     def _check_outputs(self) -> None:
         job = self.job
