@@ -313,7 +313,7 @@ class CheckpointStore:
         if self.gate.ours_up_to is None:  # neither loaded nor saved yet: once
             self._refuse_the_other_layout(ahead_of=step - 1)
         try:
-            self.gate.check(step, self.folder, self.checkpoints(), self._may_be_sound)
+            self.gate.check(step, self.folder, self._gated_checkpoints(), self._may_be_sound)
         except CheckpointError as refused:
             bar = self.gate.bar
             if bar is None or str(refused) != bar.line or bar.checkpoint.path not in self.sealed_otherwise:
@@ -323,6 +323,16 @@ class CheckpointStore:
             self.gate.refuse(barred, sealed_otherwise_saves(barred.path, self.sealed_otherwise[barred.path]))
             raise CheckpointError(self.gate.bar.line) from None
         return step
+
+    def _gated_checkpoints(self) -> list[Checkpoint]:
+        """What a save is checked against: both tiers' checkpoints until the store has loaded or saved, then
+        the local tier's alone. The durable tier is written only by this store's copies of its own steps
+        (its lock or lease keeps others out), and is not listed on the loop's thread at every save: a slow
+        or unreachable durable tier costs durable checkpoints, not training time."""
+        known = self.gate.ours_up_to is not None or self.gate.saved_from is not None
+        if self.durable is None or not known or self.gate.bar is not None:
+            return self.checkpoints()
+        return listed([self.place], self.layout)
 
     def reached(self, step: int) -> None:
         """A save at `step` is durable."""
