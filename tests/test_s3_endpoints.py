@@ -67,6 +67,19 @@ def test_a_missing_scheme_is_named(credentials):
     assert_one_line_error(inspect(f"127.0.0.1:{port}"), "scheme is missing", f"http://127.0.0.1:{port}")
 
 
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+def test_the_environments_endpoint_is_held_to_what_the_flag_is(credentials, monkeypatch, variable):
+    """boto3 raised its own ValueError (a traceback) for an endpoint from the environment without a scheme."""
+    port = free_port()
+    monkeypatch.setenv(variable, f"127.0.0.1:{port}")
+    refused = call_cli("inspect", PREFIX)
+    assert_one_line_error(refused, f"{variable} 127.0.0.1:{port}: the scheme is missing", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv(variable, "http://key:hunter2@127.0.0.1:9000")
+    refused = call_cli("inspect", PREFIX)
+    assert_one_line_error(refused, f"{variable} holds user info")
+    assert "hunter2" not in refused.stderr
+
+
 @pytest.mark.parametrize("typed", ["s3:/bucket/run", "s3:bucket/run", "gs://bucket/run"])
 def test_a_location_that_begins_as_another_url_is_refused_not_made_a_local_folder(tmp_path, monkeypatch, typed):
     monkeypatch.chdir(tmp_path)

@@ -13,6 +13,7 @@ client is made (s3/client.py), so no location, log line or checkpoint can hold o
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -64,17 +65,32 @@ def _backoff_seconds(tries: int) -> float:
     return sum(0.5 * 2**attempt for attempt in range(tries - 1))
 
 
-def _check_endpoint(endpoint: str) -> None:
-    """UserError unless `endpoint` is http(s)://host[:port], in a line that says what is wrong with it."""
+def _check_endpoint(endpoint: str, given_as: str = "--s3-endpoint") -> None:
+    """UserError unless `endpoint` is http(s)://host[:port], in a line that names where it was given
+    (`given_as`: the flag, or the environment variable) and says what is wrong with it."""
     if re.match(r"^https?://[^/\s@]+/?$", endpoint):
         return
     if "@" in endpoint:  # user info (user:secret@host): an endpoint is printed in error lines, a credential never is
-        raise UserError("--s3-endpoint holds user info; credentials go in the AWS chain (environment or profile)")
+        raise UserError(f"{given_as} holds user info; credentials go in the AWS chain (environment or profile)")
     if "://" not in endpoint:
-        raise UserError(
-            f"--s3-endpoint {endpoint}: the scheme is missing; give http://{endpoint} (or https:// for TLS)"
-        )
-    raise UserError(f"--s3-endpoint {endpoint} is not an http(s)://host[:port] URL")
+        raise UserError(f"{given_as} {endpoint}: the scheme is missing; give http://{endpoint} (or https:// for TLS)")
+    raise UserError(f"{given_as} {endpoint} is not an http(s)://host[:port] URL")
+
+
+def environment_endpoint() -> tuple[str, str] | None:
+    """The endpoint the AWS environment names for S3 (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL) and its
+    variable's name; None when neither is set."""
+    for variable in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(variable):
+            return os.environ[variable], variable
+    return None
+
+
+def check_environment_endpoint() -> None:
+    """The environment's endpoint held to what --s3-endpoint is (boto3 would raise its own ValueError)."""
+    named = environment_endpoint()
+    if named is not None:
+        _check_endpoint(*named)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from exactresume.errors import CheckpointError, MissingObject, StorageError, UserError
-from exactresume.store.locations import S3Config, S3Location
+from exactresume.store.locations import S3Config, S3Location, check_environment_endpoint, environment_endpoint
 from exactresume.store.seal_hash import sealing
 from exactresume.store.sealed import file_digest
 
@@ -86,8 +86,8 @@ class ObjectStore:
     @property
     def endpoint(self) -> str:
         """The endpoint requests go to, as an error line names it."""
-        environment = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        return self.config.endpoint or environment or "AWS S3"
+        environment = environment_endpoint()
+        return self.config.endpoint or (environment and environment[0]) or "AWS S3"
 
     @property
     def client(self) -> Any:
@@ -358,6 +358,8 @@ def _make_client(config: S3Config) -> Any:
     except ImportError:
         raise UserError("s3:// locations need boto3: pip install 'exactresume[s3]'") from None
 
+    if config.endpoint is None:
+        check_environment_endpoint()
     settings = Config(
         retries={"total_max_attempts": 1},
         connect_timeout=config.connect_timeout,
