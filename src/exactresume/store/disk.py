@@ -72,6 +72,9 @@ class DiskFolder:
             self.lock.release()
             self.lock = None
 
+    def gave_up(self) -> bool:
+        return False  # a disk's refusals come at once: a close may try it again
+
     def _names(self, keep: Callable[[os.DirEntry], bool]) -> list[Path]:
         if not self.folder.is_dir():
             return []

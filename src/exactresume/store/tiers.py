@@ -92,11 +92,12 @@ class DurableCopy:
 
     def copy(self, local: Checkpoint) -> None:
         """Start copying the verified local checkpoint `local` to the durable tier (or count it skipped); then
-        raise the failure of the copy before, if it failed (this one is tried all the same)."""
+        raise the failure of the copy before, if it failed (this one is tried all the same, unless the durable
+        tier stopped answering: then the next due step is, and a run that stops here does not wait on it)."""
         failure, self._failure = self._failure, None
         if self.busy():
             self.skipped += 1
-        else:
+        elif failure is None or not self.durable.gave_up():
             source = open(local.path, "rb")  # held open: the local tier's pruning may unlink the name
             target = Checkpoint(local.step, self.durable.folder / self.layout.name(local.step))
             self.handed = local.step
@@ -120,13 +121,15 @@ class DurableCopy:
 
     def finish(self) -> None:
         """Wait for the copy in flight, then copy the newest local checkpoint if the durable tier has not its
-        step (one not due, or skipped); raise what failed."""
+        step (one not due, or skipped); raise what failed. A durable tier that stopped answering in this run
+        (its error raised once) is not tried again: a run that met it ends within its bound, not twice it."""
         _UNFINISHED.discard(self)
         try:
             self.wait()
         finally:
             newest = self.newest
-            if newest is not None and (self.copied is None or newest.step > self.copied) and newest.path.exists():
+            missing = newest is not None and (self.copied is None or newest.step > self.copied)
+            if missing and newest.path.exists() and not self.durable.gave_up():
                 self.copy(newest)
         self.wait()
 

@@ -60,6 +60,10 @@ class S3Prefix:
             self.lease.release()
             self.lease = None
 
+    def gave_up(self) -> bool:
+        """Whether a request of this run ran out of tries (the error was raised): a close does not wait on it again."""
+        return self.objects.unreachable is not None
+
     def _listing(self, layout: Layout) -> tuple[list[Checkpoint], list[str]]:
         """One paginated listing: the committed checkpoints (oldest first) and the objects of uncommitted ones.
 
