@@ -217,6 +217,23 @@ def test_multipart_upload_survives_a_failed_part_and_refuses_a_lost_one(s3):
     assert [c.step for c in checkpoints.checkpoints()] == [1, 2] and loaded(checkpoints) == (2, 2.0)
 
 
+def test_a_server_that_answers_with_its_own_error_is_told_so_not_as_silent(s3):
+    """HTTP 500 InternalError at every try (a SeaweedFS out of volumes) was said as "did not answer"."""
+    from botocore.exceptions import ClientError
+
+    checkpoints = store(tries=2)
+
+    def failing(**arguments):
+        raise ClientError({"Error": {"Code": "InternalError"}, "ResponseMetadata": {"HTTPStatusCode": 500}}, "List")
+
+    checkpoints.place.objects.client.list_objects_v2 = failing
+    with pytest.raises(StorageError) as told:
+        checkpoints.checkpoints()
+    line = str(told.value)
+    assert "answered the listing of" in line and "server error (HTTP 500 InternalError; 2 tries" in line, line
+    assert "did not answer" not in line
+
+
 def test_a_lagging_listing_costs_recency_never_trust(s3):
     checkpoints = saved(store(), 1, 2)
     client = checkpoints.place.objects.client

@@ -102,7 +102,7 @@ class ObjectStore:
         client = self.client  # first: without boto3, the one line that says how to install it
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-        started = time.monotonic()
+        started, answered = time.monotonic(), False
         for attempt in range(self.config.tries):
             try:
                 answer = getattr(client, operation)(**arguments)
@@ -119,24 +119,29 @@ class ObjectStore:
                     raise _not_s3(self.endpoint, what, f"HTTP {status}") from None
                 if code not in RETRIED_CODES and status < 500:
                     raise _refusal(what, code, error) from None
-                reason = code or f"HTTP {status}"
+                reason, answered = f"HTTP {status} {code}".strip(), True
             except BotoCoreError as error:
                 if type(error).__name__ == "ResponseParserError":
                     raise _not_s3(self.endpoint, what, "an answer that is not S3's XML") from None
-                reason = self._reason(error)
+                reason, answered = self._reason(error), False
             except (OSError, ValueError) as error:  # a body cut or timed out as `then` read it (urllib3's types)
-                reason = type(error).__name__
+                reason, answered = type(error).__name__, False
             if self.unreachable is not None and self.unreachable_since >= started:
                 raise self.unreachable
             if attempt + 1 < self.config.tries:
                 time.sleep(0.5 * 2**attempt)
-        self.unreachable, self.unreachable_since = self._gave_up(what, reason), time.monotonic()
+        self.unreachable, self.unreachable_since = self._gave_up(what, reason, answered), time.monotonic()
         raise self.unreachable
 
-    def _gave_up(self, what: str, reason: str) -> StorageError:
+    def _gave_up(self, what: str, reason: str, answered: bool) -> StorageError:
+        """The line for a request that ran out of tries: no answer, or (`answered`) the server's own error."""
+        if answered:
+            failed = f"answered {what} with a server error ({reason}; {self.config.tries} tries: see its log)"
+        else:
+            failed = f"did not answer {what} ({reason}; {self.config.tries} tries)"
         return StorageError(
-            f"the object store at {self.endpoint} did not answer {what} ({reason}; {self.config.tries} tries); "
-            "the committed checkpoints are unchanged: once it is back, run again (a training run with --resume auto)"
+            f"the object store at {self.endpoint} {failed}; the committed checkpoints are unchanged: once it is "
+            "back, run again (a training run with --resume auto)"
         )
 
     def _reason(self, error: Exception) -> str:
