@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from exactresume.atomic import TMP_SUFFIX, atomic_write, empty_tmp_folder, fsync_path
 from exactresume.errors import CheckpointError, ReadBackError, StorageError, UserError
 from exactresume.store.faults import FaultPoints
-from exactresume.store.layout import UNREADABLE_SUFFIX, Layout, check_checkpoint, is_set_aside
+from exactresume.store.layout import (
+    PASSED_OVER,
+    UNREADABLE_SUFFIX,
+    Layout,
+    check_checkpoint,
+    is_set_aside,
+    set_aside_line,
+)
 from exactresume.store.locations import Checkpoint
 from exactresume.store.lock import FolderLock
 from exactresume.store.place import Publishing
@@ -140,12 +147,12 @@ class DiskFolder:
         try:
             check_checkpoint(checkpoint, self.read(checkpoint, layout))
             if not_ours:
-                raise CheckpointError("the load before passed it over")
+                raise CheckpointError(PASSED_OVER)
         except CheckpointError as error:
             aside = _free_name(checkpoint.path.with_name(checkpoint.path.name + UNREADABLE_SUFFIX))
             os.replace(checkpoint.path, aside)
             fsync_path(self.folder)
-            self.notify(f"set aside {checkpoint.path} as {aside.name} before saving its step again ({error})")
+            self.notify(set_aside_line(checkpoint.path, aside.name, str(error)))
 
     def write_file(self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, publishing: Publishing) -> None:
         """The one-file checkpoint written, durable and verified (module docstring), once `prepare`d."""

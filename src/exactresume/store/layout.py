@@ -19,7 +19,14 @@ from exactresume.store.locations import Checkpoint
 from exactresume.store.resume import STEP_KEY, check_resume_state
 
 UNREADABLE_SUFFIX = ".unreadable"  # a checkpoint set aside rather than written over
+# Why a save sets aside a checkpoint that reads: the load before passed it over (another run's, in a local tier).
+PASSED_OVER = "the load before passed it over: damaged, sealed otherwise, or another run's"
 COMMIT = "commit.pth"  # in a sharded checkpoint: the checksum of every file, written last (sharded.py)
+
+
+def set_aside_line(path: object, aside: str, why: str) -> str:
+    """What a save says when it renames the checkpoint at its name rather than write over it."""
+    return f"set aside {path} as {aside}, kept and never read, before writing this run's checkpoint there ({why})"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from exactresume.errors import CheckpointError
 from exactresume.store.faults import FaultPoints
-from exactresume.store.layout import COMMIT, UNREADABLE_SUFFIX, Layout, is_set_aside
+from exactresume.store.layout import COMMIT, PASSED_OVER, UNREADABLE_SUFFIX, Layout, is_set_aside, set_aside_line
 from exactresume.store.locations import Checkpoint, S3Location
 from exactresume.store.place import Publishing
 from exactresume.store.s3.client import ObjectStore
@@ -133,9 +133,7 @@ class S3Prefix:
             aside = f"{name}{UNREADABLE_SUFFIX}.{number}"
         for below, size in objects.items():
             self.objects.copy(self.folder / below, self.folder / (aside + below[len(name) :]), size)
-        self.notify(
-            f"set aside {checkpoint.path} as {aside} before saving its step again (the load before passed it over)"
-        )
+        self.notify(set_aside_line(checkpoint.path, aside, PASSED_OVER))
 
     def write_file(self, checkpoint: Checkpoint, state: dict, faults: FaultPoints, publishing: Publishing) -> None:
         """The one-file checkpoint uploaded, verified and committed; `publishing` is told before the old commit
