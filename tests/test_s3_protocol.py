@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -232,6 +234,77 @@ def test_a_server_that_answers_with_its_own_error_is_told_so_not_as_silent(s3):
     line = str(told.value)
     assert "answered the listing of" in line and "server error (HTTP 500 InternalError; 2 tries" in line, line
     assert "did not answer" not in line
+
+
+class Requests:
+    """Every request a store makes of its object store, with the thread that made it; `down()` makes each
+    one fail as a server that stopped listening does, `up()` lets them through again."""
+
+    def __init__(self, checkpoints: CheckpointStore):
+        from botocore.exceptions import EndpointConnectionError
+
+        self.made: list[tuple[str, str]] = []
+        self.failing = False
+        client = checkpoints.places[-1].objects.client
+        passed_on = client._make_api_call
+
+        def request(operation: str, arguments: dict):
+            self.made.append((operation, threading.current_thread().name))
+            if self.failing:
+                raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+            return passed_on(operation, arguments)
+
+        client._make_api_call = request
+
+    def down(self) -> None:
+        self.failing = True
+
+    def up(self) -> None:
+        self.failing = False
+
+
+def two_tiers(tmp_path, name: str) -> CheckpointStore:
+    config = S3Config(tries=2)  # 0.5 s of backoff a request
+    return CheckpointStore(f"s3://{BUCKET}/{name}", local=tmp_path / name, durable_every=2, config=config)
+
+
+def test_a_two_tier_save_makes_no_request_of_the_durable_tier_on_the_loops_thread(s3, tmp_path):
+    """Found by a user: each save listed the bucket on the loop's thread, so a frozen server held every
+    step for a request's whole bound. After the first save, only the copies (their own thread) ask it."""
+    checkpoints = saved(two_tiers(tmp_path, "listing"), 1, 2)
+    checkpoints.wait()
+    requests = Requests(checkpoints)
+    saved(checkpoints, *range(3, 9))
+    checkpoints.wait()
+    mine = threading.current_thread().name
+    assert requests.made and not [made for made in requests.made if made[1] == mine], requests.made
+    checkpoints.close()
+
+
+def test_a_durable_tier_that_stopped_answering_is_told_once_and_not_asked_again(s3, tmp_path):
+    """Found by a user: the copy due with the error's line and the close's last copy each tried the dead
+    server for all their tries, and the run ended twice its bound late. A loop that goes on saving once the
+    server is back gets its newest step durable at its close."""
+    stopping, going_on = two_tiers(tmp_path, "stopping"), two_tiers(tmp_path, "going-on")
+    told_at = {}
+    for name, checkpoints in (("stopping", stopping), ("going-on", going_on)):
+        saved(checkpoints, 1, 2)
+        checkpoints.wait()
+        requests = Requests(checkpoints)
+        requests.down()
+        with pytest.raises(StorageError, match="did not answer") as told:
+            for step in range(3, 40):
+                saved(checkpoints, step)
+                time.sleep(0.05)
+        assert len(str(told.value).splitlines()) == 1
+        told_at[name], asked = step, len(requests.made)
+        if name == "stopping":
+            checkpoints.close()
+            assert len(requests.made) == asked  # neither a copy nor the close asked the dead server again
+    requests.up()
+    saved(going_on, told_at["going-on"] + 1, told_at["going-on"] + 2)
+    going_on.close()
+    assert [c.step for c in store("going-on").checkpoints()][-1] == told_at["going-on"] + 2
 
 
 def test_a_lagging_listing_costs_recency_never_trust(s3):

@@ -70,6 +70,7 @@ class DurableCopy:
         self.newest: Checkpoint | None = None  # the newest local checkpoint written, and the newest copied
         self.copied: int | None = None
         self.handed: int | None = None  # the step of the last checkpoint whose copy was started
+        self.told_at: int | None = None  # the newest local step when a failed copy was last raised
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
 
@@ -105,6 +106,7 @@ class DurableCopy:
             self._thread = thread_in_this_context(self._copy, (target, source), f"durable-{local.step}")
             self._thread.start()
         if failure is not None:
+            self.told_at = local.step
             raise failure
 
     def _copy(self, target: Checkpoint, source: BinaryIO) -> None:
@@ -121,17 +123,27 @@ class DurableCopy:
 
     def finish(self) -> None:
         """Wait for the copy in flight, then copy the newest local checkpoint if the durable tier has not its
-        step (one not due, or skipped); raise what failed. A durable tier that stopped answering in this run
-        (its error raised once) is not tried again: a run that met it ends within its bound, not twice it."""
+        step (one not due, or skipped); raise what failed. A durable tier found down, its error raised with
+        nothing saved since, is not tried again: a run that stops on it ends within its bound, not twice it."""
         _UNFINISHED.discard(self)
         try:
             self.wait()
+        except BaseException:
+            self.told_at = self.newest.step if self.newest is not None else None
+            raise
         finally:
-            newest = self.newest
-            missing = newest is not None and (self.copied is None or newest.step > self.copied)
-            if missing and newest.path.exists() and not self.durable.gave_up():
-                self.copy(newest)
+            if self._worth_a_last_copy():
+                self.copy(self.newest)
         self.wait()
+
+    def _worth_a_last_copy(self) -> bool:
+        """Whether the newest local checkpoint lacks its durable copy and may get it: not when the durable
+        tier was found down with nothing saved since (a run stopping on that error); a loop that went on
+        saving after it tries again."""
+        newest = self.newest
+        if newest is None or (self.copied is not None and newest.step <= self.copied) or not newest.path.exists():
+            return False
+        return not (self.told_at == newest.step and self.durable.gave_up())
 
     def wait(self) -> None:
         """Block until no copy is in flight; raise the error of the last one if it failed."""

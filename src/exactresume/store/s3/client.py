@@ -82,6 +82,7 @@ class ObjectStore:
         # after their current try, so the run ends within one more try, not a whole request's tries.
         self.unreachable: StorageError | None = None
         self.unreachable_since = 0.0  # time.monotonic() when it was set; later requests try as usual
+        self.answered_at = 0.0  # time.monotonic() of the last answer: a store that answers again is back
 
     @property
     def endpoint(self) -> str:
@@ -106,7 +107,9 @@ class ObjectStore:
         for attempt in range(self.config.tries):
             try:
                 answer = getattr(client, operation)(**arguments)
-                return answer if then is None else then(answer)
+                answer = answer if then is None else then(answer)
+                self.answered_at = time.monotonic()
+                return answer
             except NoCredentialsError:
                 raise UserError(
                     f"no AWS credentials for {what} (environment, ~/.aws profile or instance role)"
@@ -132,6 +135,10 @@ class ObjectStore:
                 time.sleep(0.5 * 2**attempt)
         self.unreachable, self.unreachable_since = self._gave_up(what, reason, answered), time.monotonic()
         raise self.unreachable
+
+    def gave_up(self) -> bool:
+        """Whether the last request that ran out of tries came after the last answer: the store is down."""
+        return self.unreachable is not None and self.unreachable_since > self.answered_at
 
     def _gave_up(self, what: str, reason: str, answered: bool) -> StorageError:
         """The line for a request that ran out of tries: no answer, or (`answered`) the server's own error."""

@@ -61,8 +61,9 @@ class S3Prefix:
             self.lease = None
 
     def gave_up(self) -> bool:
-        """Whether a request of this run ran out of tries (the error was raised): a close does not wait on it again."""
-        return self.objects.unreachable is not None
+        """Whether the store stopped answering (a request out of tries, none answered since): a close does not
+        wait on it again."""
+        return self.objects.gave_up()
 
     def _listing(self, layout: Layout) -> tuple[list[Checkpoint], list[str]]:
         """One paginated listing: the committed checkpoints (oldest first) and the objects of uncommitted ones.
