@@ -134,7 +134,12 @@ def test_kills_inside_each_save_stage_then_auto_resume_is_bit_exact(tmp_path, kj
     for fault, steps, leftovers in STAGE_KILLS:
         finished = run_child(chaos_flags(folder, kjv_folder) + writer, fault=fault)
         assert finished.returncode == -signal.SIGKILL, (fault, finished.stderr)
-        assert checkpoint_files(folder) == (steps, leftovers), fault
+        found, left = checkpoint_files(folder)
+        # In the background the next save is written while this one is read back and pruned: a kill there
+        # may cut that one too, leaving its .tmp (which the next run removes, as any).
+        after_publishing = writer and fault.startswith(("retention", "verify"))
+        racing = {checkpoint_name(steps[-1] + 2) + ".tmp"} if after_publishing else set()
+        assert found == steps and set(left) - racing == set(leftovers), fault
         assert not (folder / "final.pth").exists(), fault
     # The newest checkpoint damaged after the last kill: auto-resume says so and uses the one before.
     newest = folder / "checkpoints" / checkpoint_name(8)
