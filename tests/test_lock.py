@@ -112,9 +112,13 @@ def _stopped(pid: int) -> bool:
 
 @pytest.mark.parametrize("death", ["kill -9", "SIGTERM"])
 def test_a_waiting_job_continues_from_the_dead_writers_last_checkpoint(tmp_path, kjv_folder, reference, death):
-    """The requeue the README describes: the first writer trained and checkpointed, then died."""
+    """The requeue the README describes: the first writer trained and checkpointed, then died. While it holds
+    the folder, another run given its OUT/checkpoints (`--checkpoints`) is refused too: that folder is locked
+    by its own run, not only through OUT (such a run once resumed from it and pruned under the first)."""
     folder = tmp_path / "run"
     first = frozen_after_its_second_checkpoint(folder, kjv_folder)
+    beside = call_cli(*flags(tmp_path / "other", kjv_folder, "--checkpoints", folder / "checkpoints"))
+    assert_one_line_error(beside, f"{folder / 'checkpoints'} is being written by pid {first.pid}", "wait for it")
     second = start(flags(folder, kjv_folder, "--wait-lock", 120))
     try:
         assert "waiting up to 120 s" in printed(second, "waiting up to")  # it waits; it has written nothing
@@ -126,24 +130,6 @@ def test_a_waiting_job_continues_from_the_dead_writers_last_checkpoint(tmp_path,
     out, err = second.communicate(timeout=120)
     assert second.returncode == 0, err
     assert f"resumed from {folder / 'checkpoints' / 'step-00000004.pth'} at step 4" in out
-    assert_same_run(folder, reference)
-
-
-def test_another_run_given_this_runs_checkpoint_folder_is_refused_and_this_run_ends_exact(
-    tmp_path, kjv_folder, reference
-):
-    """OUT/checkpoints is locked by its own run, not only through OUT: a second run with another --out
-    and `--checkpoints` pointing into the first's folder once resumed from it and pruned under it."""
-    folder = tmp_path / "run"
-    first = frozen_after_its_second_checkpoint(folder, kjv_folder)
-    try:
-        second = run_cli(
-            *flags(tmp_path / "other", kjv_folder, "--checkpoints", folder / "checkpoints"), env=ONE_THREAD
-        )
-    finally:
-        first.send_signal(signal.SIGCONT)
-    assert_one_line_error(second, f"{folder / 'checkpoints'} is being written by pid {first.pid}", "wait for it")
-    assert first.wait(timeout=120) == 0, first.communicate()
     assert_same_run(folder, reference)
 
 
