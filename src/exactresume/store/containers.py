@@ -48,7 +48,7 @@ def restore_containers(state: dict, record: object) -> dict:
         return state
     saved = ast.literal_eval(record)
     for path, kind in saved["empty"]:  # first: a dict that held only empties left no name either
-        parent = _parent_made(state, path)
+        parent = parent_made(state, path)
         if isinstance(parent, dict | list):
             slot(parent, path[-1], EMPTY[kind]())
     # The deepest first, so that each path is walked through containers as DCP named them (keys as text).
@@ -118,7 +118,7 @@ def _find(state: Any, path: tuple) -> Any:
     return node
 
 
-def _parent_made(state: dict, path: tuple) -> Any:
+def parent_made(state: dict, path: tuple) -> Any:
     """The container holding `path`'s last step, made where missing (a list where the next step is an index);
     None where the path goes through a value DCP pickled whole."""
     node = state

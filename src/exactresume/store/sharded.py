@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from exactresume.atomic import empty_tmp_folder, fsync_path, replace_folder, tmp_path
 from exactresume.errors import CheckpointError
 from exactresume.store.collector import older_objects_frozen
-from exactresume.store.containers import CONTAINERS_KEY, record_containers, restore_containers, slot
+from exactresume.store.containers import CONTAINERS_KEY, parent_made, record_containers, restore_containers, slot
 from exactresume.store.dcp_index import VerifiedReader, check_index, plain_file
 from exactresume.store.dcp_writer import HashingWriter
 from exactresume.store.formats import check_format
@@ -343,10 +343,7 @@ def _unflatten(flat: Mapping[str, Any], paths: Mapping[str, tuple]) -> dict:
     nested: dict = {}
     for key, value in flat.items():
         path = paths.get(key, (key,))
-        node: Any = nested
-        for step, following in zip(path, path[1:]):
-            node = slot(node, step, [] if isinstance(following, int) else {})
-        slot(node, path[-1], value, replace=True)
+        slot(parent_made(nested, path), path[-1], value, replace=True)
     return nested
 
 
